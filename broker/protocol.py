@@ -1,0 +1,458 @@
+"""The one wire contract: every message that crosses a ZeroMQ socket, and its codec.
+
+Workers and trainer clients import this module and nothing else from `broker`; it
+imports only the stdlib and `msgpack` (no zmq), so importing it loads no sockets.
+
+A frame is a msgpack array `[PROTOCOL_VERSION, TAG, request_id, *fields]`: every
+message carries the version (a restarted peer needs no handshake) and a request id
+that its reply repeats. Fields are positional in declaration order; new fields get
+defaults and go last, so an older frame that lacks them still decodes. Token ids and
+logprobs travel as packed little-endian int32 / float32 bytes, never as lists.
+Receivers `match` on the decoded class; only `encode` and the `decode_*` functions
+touch msgpack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Union
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+DEFAULT_CONTROL_ENDPOINT = "tcp://127.0.0.1:5557"  # trainer clients connect here
+DEFAULT_WORKER_ENDPOINT = "tcp://127.0.0.1:5558"  # gateway workers connect here
+
+ErrorCode = Literal[
+    "unknown_session",  # no such session (never opened, or already freed)
+    "session_closed",  # finish was requested: no new turns
+    "turn_cap",  # max_turns reached
+    "duplicate_session",  # open_session with a key that is already in use
+    "bad_request",  # a well-formed frame whose content makes no sense
+    "protocol",  # garbage, unknown tag, wrong types
+    "version_mismatch",  # peer speaks another PROTOCOL_VERSION
+    "busy",  # a bounded resource is full; retry later
+    "internal",  # a failure of the broker's own; logged there
+]
+
+
+class ProtocolError(Exception):
+    """A frame could not be decoded: garbage, an unknown tag or a field of the wrong type.
+
+    `request_id` is set when the frame was readable enough to find it, so the receiver
+    can answer the sender with a `Refused` it will match to its request.
+    """
+
+    def __init__(self, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another PROTOCOL_VERSION: upgrade one side so both match."""
+
+    def __init__(self, peer_version: object, request_id: int | None = None) -> None:
+        super().__init__(
+            f"peer speaks protocol version {peer_version!r}, this side speaks {PROTOCOL_VERSION}; "
+            "run the same rollout-gateway release on broker, workers and trainer clients",
+            request_id,
+        )
+        self.peer_version = peer_version
+
+
+# --- packed arrays ---------------------------------------------------------------------
+
+_LITTLE = sys.byteorder == "little"
+
+
+def ids_array(values: Iterable[int] = ()) -> array:
+    """Token ids as a packed int32 array (the in-memory and wire form)."""
+    return array("i", values)
+
+
+def logprobs_array(values: Iterable[float] = ()) -> array:
+    """Logprobs as a packed float32 array: what the broker stores and trains on."""
+    return array("f", values)
+
+
+def _pack(a: array) -> bytes:
+    if _LITTLE:
+        return a.tobytes()
+    swapped = array(a.typecode, a)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def _unpacker(typecode: str) -> Callable[[object], array]:
+    itemsize = array(typecode).itemsize
+
+    def unpack(value: object) -> array:
+        if not isinstance(value, (bytes, bytearray)) or len(value) % itemsize:
+            raise TypeError(f"expected packed {typecode!r} bytes")
+        a = array(typecode)
+        a.frombytes(value)
+        if not _LITTLE:
+            a.byteswap()
+        return a
+
+    return unpack
+
+
+# --- messages -----------------------------------------------------------------------------
+# `field(metadata=IDS)` marks a packed int32 field, `LOGPROBS` a float32 one, `MASK` a uint8 one.
+IDS = {"packed": "i"}
+LOGPROBS = {"packed": "f"}
+MASK = {"packed": "B"}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every wire message; `TAG` names it on the wire."""
+
+    TAG: ClassVar[str] = ""
+    request_id: int
+
+
+# Worker -> broker
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTurn(Message):
+    """Ask to start a turn: the session must exist, be open and be under its turn cap."""
+
+    TAG: ClassVar[str] = "open_turn"
+    session_id: str
+    turn_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CommitTurn(Message):
+    """A turn whose reply reached the agent; retried until `TurnCommitted`, de-duplicated by turn_id.
+
+    Canonical messages: dicts with `role`, `content` (str), optional `reasoning` (str),
+    optional `tool_calls` ([{"name": str, "arguments": object}], no wire ids) and, for
+    tool results, optional `name`. `flags` holds parse verdicts (`ill_formed`, ...).
+    """
+
+    TAG: ClassVar[str] = "commit_turn"
+    session_id: str
+    turn_id: str
+    prompt_ids: array = field(metadata=IDS)
+    output_ids: array = field(metadata=IDS)
+    logprobs: array = field(metadata=LOGPROBS)
+    finish_reason: str
+    prompt_messages: list[dict[str, Any]]
+    response_message: dict[str, Any]
+    flags: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AbortTurn(Message):
+    """The reply never reached the agent: forget the turn, never train on it."""
+
+    TAG: ClassVar[str] = "abort_turn"
+    session_id: str
+    turn_id: str
+    reason: str
+
+
+# Broker -> worker
+
+
+@dataclass(frozen=True, slots=True)
+class TurnOpened(Message):
+    """The turn may proceed; `seq` orders it in the trajectory (never commit arrival)."""
+
+    TAG: ClassVar[str] = "turn_opened"
+    turn_id: str
+    seq: int
+    sampling_defaults: dict[str, Any]
+    max_context_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnCommitted(Message):
+    """ACK of a commit. `outcome`: stored, duplicate (already stored) or discarded (session gone)."""
+
+    TAG: ClassVar[str] = "turn_committed"
+    turn_id: str
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True)
+class TurnAborted(Message):
+    """ACK of an abort."""
+
+    TAG: ClassVar[str] = "turn_aborted"
+    turn_id: str
+
+
+# Trainer -> broker
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession(Message):
+    """Open a session; `session_id=None` lets the broker mint an unguessable key."""
+
+    TAG: ClassVar[str] = "open_session"
+    session_id: str | None
+    sampling_defaults: dict[str, Any]
+    max_context_tokens: int | None
+    max_turns: int | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishSession(Message):
+    """Close to new turns, drain in-flight turns up to `wait_timeout` s, build rows, free."""
+
+    TAG: ClassVar[str] = "finish_session"
+    session_id: str
+    reward: float | None
+    rollout_id: str | None
+    metadata: dict[str, Any]
+    wait_timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class DropSession(Message):
+    """Free a session and everything it holds, building nothing."""
+
+    TAG: ClassVar[str] = "drop_session"
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats(Message):
+    """Ask for the broker's counters."""
+
+    TAG: ClassVar[str] = "get_stats"
+
+
+# Broker -> trainer
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One loss-masked training row; `trainer_client.TraceRecord` is its public face.
+
+    `loss_mask` and `logprobs` cover the response region only: the last
+    `response_length` entries of `token_ids` (the row's first prompt is stripped).
+    """
+
+    token_ids: array = field(metadata=IDS)
+    loss_mask: array = field(metadata=MASK)
+    logprobs: array = field(metadata=LOGPROBS)
+    response_length: int
+    response: str
+    rollout_id: str | None
+    reward: float | None
+    status: str
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOpened(Message):
+    TAG: ClassVar[str] = "session_opened"
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionFinished(Message):
+    """The session's rows. `status`: complete, or drain_timeout if in-flight turns were cut off."""
+
+    TAG: ClassVar[str] = "session_finished"
+    session_id: str
+    rows: list[TraceRow]
+    status: str
+    turns_committed: int
+    turns_abandoned: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDropped(Message):
+    TAG: ClassVar[str] = "session_dropped"
+    session_id: str
+    existed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Message):
+    TAG: ClassVar[str] = "stats"
+    stats: dict[str, Any]
+
+
+# Either direction from the broker
+
+
+@dataclass(frozen=True, slots=True)
+class Refused(Message):
+    """The request was not carried out; `code` says why (see ErrorCode)."""
+
+    TAG: ClassVar[str] = "refused"
+    code: str
+    message: str
+
+
+WorkerToBroker = Union[OpenTurn, CommitTurn, AbortTurn]
+BrokerToWorker = Union[TurnOpened, TurnCommitted, TurnAborted, Refused]
+TrainerToBroker = Union[OpenSession, FinishSession, DropSession, GetStats]
+BrokerToTrainer = Union[SessionOpened, SessionFinished, SessionDropped, Stats, Refused]
+
+
+# --- codec ----------------------------------------------------------------------------------
+
+
+def _check(kind: type | tuple[type, ...], name: str) -> Callable[[object], object]:
+    def check(value: object) -> object:
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            raise TypeError(f"expected {name}")
+        return value
+
+    return check
+
+
+def _as_float(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("expected float")
+    return float(value)
+
+
+def _optional(inner: Callable[[object], object]) -> Callable[[object], object]:
+    return lambda value: None if value is None else inner(value)
+
+
+def _list_of(inner: Callable[[object], object]) -> Callable[[object], object]:
+    def decode_list(value: object) -> list[object]:
+        if not isinstance(value, list):
+            raise TypeError("expected list")
+        return [inner(v) for v in value]
+
+    return decode_list
+
+
+def _converter(hint: Any) -> Callable[[object], object]:
+    """Turn a field's type hint into a validating decoder of its msgpack value."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported union {hint!r}")
+        return _optional(_converter(args[0]))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if dataclasses.is_dataclass(item):
+            return _list_of(_struct_decoder(item))
+        return _check(list, "list")
+    if hint is float:
+        return _as_float
+    simple = {str: "str", int: "int", bool: "bool", bytes: "bytes"}
+    if hint in simple:
+        return _check(hint, simple[hint])
+    if hint is dict or origin is dict:
+        return _check(dict, "map")
+    if hint is Any:
+        return lambda value: value
+    raise TypeError(f"unsupported field type {hint!r}")
+
+
+_Spec = list[tuple[str, Callable[[object], object], bool]]  # (name, decoder, packed)
+_SPECS: dict[type, _Spec] = {}
+
+
+def _spec(cls: type) -> _Spec:
+    spec = _SPECS.get(cls)
+    if spec is None:
+        hints = typing.get_type_hints(cls)
+        spec = []
+        for f in dataclasses.fields(cls):
+            packed = f.metadata.get("packed")
+            decoder = _unpacker(packed) if packed else _converter(hints[f.name])
+            spec.append((f.name, decoder, bool(packed)))
+        _SPECS[cls] = spec
+    return spec
+
+
+def _fields_out(obj: object) -> list[object]:
+    out: list[object] = []
+    for name, _, packed in _spec(type(obj)):
+        value = getattr(obj, name)
+        if packed:
+            value = _pack(value)
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            value = [_fields_out(v) for v in value]
+        out.append(value)
+    return out
+
+
+def _build(cls: type, values: list[object]) -> Any:
+    spec = _spec(cls)
+    if len(values) > len(spec):
+        raise TypeError(f"{len(values)} fields, {cls.__name__} has {len(spec)}")
+    kwargs = {}
+    for (name, decoder, _), value in zip(spec, values):
+        try:
+            kwargs[name] = decoder(value)
+        except TypeError as e:
+            raise TypeError(f"{cls.__name__}.{name}: {e}") from None
+    try:
+        return cls(**kwargs)  # fields missing from an older peer take their defaults
+    except TypeError as e:
+        raise TypeError(f"{cls.__name__}: {e}") from None
+
+
+def _struct_decoder(cls: type) -> Callable[[object], object]:
+    def decode_struct(value: object) -> object:
+        if not isinstance(value, list):
+            raise TypeError(f"expected {cls.__name__} as array")
+        return _build(cls, value)
+
+    return decode_struct
+
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def encode(msg: Message) -> bytes:
+    """Message -> one frame."""
+    return _packer.pack([PROTOCOL_VERSION, msg.TAG, *_fields_out(msg)])
+
+
+def _decoder(direction: str, union: Any) -> Callable[[bytes], Any]:
+    by_tag = {cls.TAG: cls for cls in typing.get_args(union)}
+
+    def decode(frame: bytes) -> Any:
+        try:
+            items = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        except Exception as e:  # msgpack raises several unrelated types for garbage
+            raise ProtocolError(f"undecodable frame ({type(e).__name__}: {e})") from e
+        if not isinstance(items, list) or len(items) < 3:
+            raise ProtocolError("a frame must be an array [version, tag, request_id, ...]")
+        version, tag, request_id = items[0], items[1], items[2]
+        rid = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
+        if version != PROTOCOL_VERSION:
+            raise VersionMismatch(version, rid)
+        cls = by_tag.get(tag) if isinstance(tag, str) else None
+        if cls is None:
+            raise ProtocolError(f"unknown message {tag!r} for {direction}", rid)
+        try:
+            return _build(cls, items[2:])
+        except TypeError as e:
+            raise ProtocolError(f"malformed {tag}: {e}", rid) from e
+
+    decode.__name__ = f"decode_{direction}"
+    return decode
+
+
+decode_worker_to_broker: Callable[[bytes], WorkerToBroker] = _decoder("worker_to_broker", WorkerToBroker)
+decode_broker_to_worker: Callable[[bytes], BrokerToWorker] = _decoder("broker_to_worker", BrokerToWorker)
+decode_trainer_to_broker: Callable[[bytes], TrainerToBroker] = _decoder("trainer_to_broker", TrainerToBroker)
+decode_broker_to_trainer: Callable[[bytes], BrokerToTrainer] = _decoder("broker_to_trainer", BrokerToTrainer)
