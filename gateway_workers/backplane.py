@@ -1,0 +1,147 @@
+"""The worker side of the backplane: one zmq.asyncio DEALER from this worker to the broker.
+
+Owns the socket (created in the Starlette lifespan, never at import), a reader task
+that resolves futures keyed by request id, and the three turn requests: OPEN (before
+rendering), COMMIT (after the reply was sent; retried until ACKed, the broker
+de-duplicates by turn id) and ABORT. Imports `broker.protocol` and nothing else
+from `broker`; nothing here blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import zmq
+import zmq.asyncio
+
+from broker import protocol
+
+logger = logging.getLogger(__name__)
+
+OPEN_TIMEOUT_S = 5.0  # an agent waits this long for the broker before getting a 503
+ATTEMPT_TIMEOUT_S = 2.0  # one COMMIT/ABORT attempt; then resend (the broker de-duplicates)
+COMMIT_DEADLINE_S = 300.0  # give up (and log loudly) after retrying this long
+LINGER_MS = 1000
+SEND_HWM = 100_000
+
+
+class BrokerUnavailable(Exception):
+    """The broker did not answer in time; the agent gets a 503 and may retry."""
+
+
+class TurnRefused(Exception):
+    """The broker refused the turn; `code` is a `protocol.ErrorCode`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Backplane:
+    """DEALER socket to the broker with request/reply matching by request id."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[protocol.BrokerToWorker]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._commits: set[asyncio.Task[None]] = set()
+        self.endpoint = endpoint
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+
+    async def _read_replies(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                reply = protocol.decode_broker_to_worker(frame)
+            except protocol.ProtocolError:
+                logger.exception("undecodable reply from the broker at %s", self.endpoint)
+                continue
+            future = self._pending.pop(reply.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(reply)  # a late reply to a retried request finds no future: fine
+
+    async def _request(self, build: type, timeout: float, **fields: object) -> protocol.BrokerToWorker:
+        request_id = next(self._ids)
+        future: asyncio.Future[protocol.BrokerToWorker] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            await self._sock.send(protocol.encode(build(request_id=request_id, **fields)))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(request_id, None)
+
+    async def open_turn(self, session_id: str, turn_id: str) -> protocol.TurnOpened:
+        """OPEN: raises TurnRefused (unknown session, closed, cap) or BrokerUnavailable."""
+        try:
+            reply = await self._request(protocol.OpenTurn, OPEN_TIMEOUT_S, session_id=session_id, turn_id=turn_id)
+        except asyncio.TimeoutError:
+            raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {OPEN_TIMEOUT_S}s") from None
+        if isinstance(reply, protocol.TurnOpened):
+            return reply
+        if isinstance(reply, protocol.Refused):
+            raise TurnRefused(reply.code, reply.message)
+        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to OpenTurn")
+
+    def commit_in_background(self, commit: protocol.CommitTurn) -> None:
+        """Hand a COMMIT to a task that retries until ACKed; the HTTP handler does not wait."""
+        task = asyncio.get_running_loop().create_task(self._retry(commit))
+        self._commits.add(task)
+        task.add_done_callback(self._commits.discard)
+
+    def abort_in_background(self, session_id: str, turn_id: str, reason: str) -> None:
+        abort = protocol.AbortTurn(request_id=0, session_id=session_id, turn_id=turn_id, reason=reason)
+        task = asyncio.get_running_loop().create_task(self._retry(abort))
+        self._commits.add(task)
+        task.add_done_callback(self._commits.discard)
+
+    async def _retry(self, message: protocol.CommitTurn | protocol.AbortTurn) -> None:
+        fields = {f: getattr(message, f) for f in message.__dataclass_fields__ if f != "request_id"}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + COMMIT_DEADLINE_S
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                reply = await self._request(type(message), ATTEMPT_TIMEOUT_S, **fields)
+            except asyncio.TimeoutError:
+                if loop.time() > deadline:
+                    logger.error(
+                        "gave up on %s of turn %s (session %s) after %d attempts: broker unreachable",
+                        message.TAG, message.turn_id, message.session_id, attempt,
+                    )
+                    return
+                logger.warning("%s of turn %s not acknowledged yet (attempt %d); resending",
+                               message.TAG, message.turn_id, attempt)
+                continue
+            if isinstance(reply, protocol.Refused):
+                logger.error("broker refused %s of turn %s (session %s): %s %s",
+                             message.TAG, message.turn_id, message.session_id, reply.code, reply.message)
+            return
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (bounded) for outstanding COMMITs/ABORTs before the worker exits."""
+        if self._commits:
+            done, pending = await asyncio.wait(set(self._commits), timeout=timeout)
+            if pending:
+                logger.error("%d commits/aborts still unacknowledged at shutdown", len(pending))
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+        self._sock.close(linger=LINGER_MS)
+        self._ctx.term()

@@ -1,0 +1,186 @@
+"""`rollout-gateway`: serve (broker + N workers), broker, workers.
+
+`serve` starts the broker as a subprocess (`python -m broker`), waits for the
+endpoints it bound, binds the agents' HTTP socket once in this process (port 0
+works) and runs N uvicorn workers on it (spawned; each builds its own state in the
+app lifespan). It prints machine-readable READY lines, stays in the foreground and, on
+SIGINT/SIGTERM, lets uvicorn stop the workers, then stops the broker. The broker is
+never imported here: gateway_workers imports only `broker.protocol`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import replace
+
+import uvicorn
+from uvicorn.supervisors import Multiprocess
+
+from broker import protocol
+from gateway_workers.config import WorkerConfig
+from gateway_workers.engines.base import EngineConfig
+from gateway_workers.tokenizer import prepare_tokenizer_dir
+
+logger = logging.getLogger(__name__)
+
+BROKER_START_TIMEOUT_S = 30.0
+WORKERS_START_TIMEOUT_S = 180.0
+BROKER_STOP_TIMEOUT_S = 10.0
+_BROKER_READY = re.compile(r"BROKER READY worker=(\S+) control=(\S+)")
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address for agents")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port for agents (0: pick a free one)")
+    p.add_argument("--workers", type=int, default=2, help="number of uvicorn worker processes")
+    p.add_argument("--engine-kind", choices=["mock", "vllm", "sglang"], default="mock")
+    p.add_argument("--engine-url", action="append", default=[], help="engine base URL; repeat for replicas")
+    p.add_argument("--engine-timeout", type=float, default=600.0, help="seconds one engine call may take")
+    p.add_argument("--mock-delay", type=float, default=0.0, help="mock engine: seconds per call")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer dir or hub id (default: built-in Qwen BPE)")
+    p.add_argument("--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template")
+    p.add_argument("--model-name", default=None, help="model id served on /v1/models")
+    p.add_argument("--log-level", default="info")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout-gateway", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="broker + N workers in one command")
+    _add_worker_flags(serve)
+    serve.add_argument("--control", default=protocol.DEFAULT_CONTROL_ENDPOINT,
+                       help="ZeroMQ endpoint trainer clients connect to")
+    serve.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0",
+                       help="ZeroMQ endpoint between broker and workers (default: a free local port)")
+    workers = sub.add_parser("workers", help="N workers against a broker running elsewhere")
+    _add_worker_flags(workers)
+    workers.add_argument("--broker", default=protocol.DEFAULT_WORKER_ENDPOINT, help="the broker's worker endpoint")
+    sub.add_parser("broker", help="the broker alone (flags: see `rollout-gateway broker --help`)", add_help=False)
+    return parser
+
+
+def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir: str | None) -> WorkerConfig:
+    if args.engine_kind != "mock" and not args.engine_url:
+        raise SystemExit(f"--engine-kind {args.engine_kind} needs at least one --engine-url")
+    engine = replace(EngineConfig(), kind=args.engine_kind, urls=list(args.engine_url),
+                     request_timeout_s=args.engine_timeout, mock_delay_s=args.mock_delay)
+    return WorkerConfig(
+        broker_endpoint=broker_endpoint,
+        engine=engine,
+        tokenizer=tokenizer_dir,
+        chat_template=args.chat_template,
+        model_name=args.model_name or (os.path.basename(args.tokenizer.rstrip("/")) if args.tokenizer else "qwen3"),
+        log_level=args.log_level,
+    )
+
+
+def _start_broker(args: argparse.Namespace, tokenizer_dir: str | None) -> tuple[subprocess.Popen[str], str, str]:
+    cmd = [sys.executable, "-m", "broker", "--worker-endpoint", args.worker_endpoint, "--control", args.control,
+           "--log-level", args.log_level]
+    if tokenizer_dir:
+        cmd += ["--tokenizer", tokenizer_dir]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + BROKER_START_TIMEOUT_S
+    found: list[tuple[str, str]] = []
+
+    def pump() -> None:  # forward the broker's stdout; the first READY line gives its endpoints
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            match = _BROKER_READY.search(line)
+            if match and not found:
+                found.append((match.group(1), match.group(2)))
+            else:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    threading.Thread(target=pump, name="broker-stdout", daemon=True).start()
+    while not found:
+        if proc.poll() is not None:
+            raise SystemExit(f"the broker exited with code {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"the broker was not ready within {BROKER_START_TIMEOUT_S}s")
+        time.sleep(0.02)
+    return proc, found[0][0], found[0][1]
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(BROKER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.error("broker did not stop within %ss; killing it", BROKER_STOP_TIMEOUT_S)
+            proc.kill()
+            proc.wait()
+
+
+def _announce_when_healthy(base: str, control: str | None) -> None:
+    """Print the READY line once a worker answers /healthz (it then serves the shared socket)."""
+    deadline = time.monotonic() + WORKERS_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/healthz", timeout=2) as reply:
+                if reply.status == 200:
+                    line = f"GATEWAY READY base_url={base}/v1"
+                    print(line + (f" control={control}" if control else ""), flush=True)
+                    return
+        except OSError:
+            time.sleep(0.1)
+    logger.error("no worker answered %s/healthz within %ss", base, WORKERS_START_TIMEOUT_S)
+
+
+def _run_workers(args: argparse.Namespace, config: WorkerConfig, control: str | None) -> None:
+    os.environ.update(config.to_env())  # spawned workers inherit it; the factory reads it
+    uv_config = uvicorn.Config(
+        "gateway_workers.app:create_app_from_env",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        loop="uvloop",
+        http="httptools",
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    sock = uv_config.bind_socket()
+    host, port = sock.getsockname()[:2]
+    base = f"http://{host}:{port}"
+    print(f"rollout-gateway: agents use {base}/v1" + (f", trainers connect to {control}" if control else ""),
+          flush=True)
+    threading.Thread(target=_announce_when_healthy, args=(base, control), daemon=True).start()
+    if args.workers > 1:
+        Multiprocess(uv_config, sockets=[sock]).run()
+    else:
+        uvicorn.Server(uv_config).run(sockets=[sock])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["broker"]:
+        os.execv(sys.executable, [sys.executable, "-m", "broker", *argv[1:]])
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(message)s")
+    tokenizer_dir = prepare_tokenizer_dir(args.tokenizer)
+    if args.command == "workers":
+        _run_workers(args, _worker_config(args, args.broker, tokenizer_dir), None)
+        return
+    broker, worker_endpoint, control = _start_broker(args, tokenizer_dir)
+    try:
+        _run_workers(args, _worker_config(args, worker_endpoint, tokenizer_dir), control)
+    finally:
+        _stop(broker)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""WorkerConfig: every setting a gateway worker needs, with defaults, in one picklable object.
+
+The CLI builds it once from flags and hands it to each uvicorn worker process as JSON
+in one environment variable (uvicorn's factory takes no arguments); the worker reads
+it in its app factory, never at import time. Engine settings live in
+`engines.base.EngineConfig` and are embedded here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from broker import protocol
+from gateway_workers.engines.base import EngineConfig
+
+CONFIG_ENV = "ROLLOUT_GATEWAY_WORKER_CONFIG"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one gateway worker process.
+
+    Args:
+        broker_endpoint: the broker's worker-facing ZeroMQ endpoint.
+        tokenizer: local tokenizer dir or hub id; None = the built-in offline Qwen BPE.
+        chat_template: path of a Jinja file that replaces the tokenizer's own template.
+        model_name: the model id served on /v1/models and echoed in replies.
+        default_max_tokens: output cap when neither the request nor the context budget sets one.
+        commit_drain_s: how long a stopping worker waits for unacknowledged commits.
+    """
+
+    broker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    model_name: str = "rollout-gateway"
+    default_max_tokens: int = 4096
+    commit_drain_s: float = 10.0
+    log_level: str = "info"
+
+    def to_env(self) -> dict[str, str]:
+        return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> WorkerConfig:
+        raw = os.environ.get(CONFIG_ENV)
+        if raw is None:
+            return cls()
+        try:
+            values = json.loads(raw)
+            values["engine"] = EngineConfig(**values.get("engine", {}))
+            return cls(**values)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{CONFIG_ENV} is not a valid worker config: {e}") from e

@@ -1,0 +1,266 @@
+"""One agent request = one turn: OPEN -> render -> engine -> parse, then COMMIT or ABORT.
+
+Dialect-free: adapters turn their wire body into a `TurnRequest` of canonical
+messages and turn the `CapturedTurn` back into their wire reply. The app decides when
+the reply has been fully sent and only then calls `CapturedTurn.commit()`; every other
+exit calls `abort()`. `ApiError` carries the HTTP status an adapter renders in its
+own error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from broker import protocol
+from gateway_workers.backplane import Backplane, BrokerUnavailable, TurnRefused
+from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
+from gateway_workers.parsing import ParsedResponse, ResponseParser
+from gateway_workers.render import Renderer, RenderError
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An HTTP error an adapter renders in its API's shape.
+
+    `kind` is one of: invalid_request, authentication, permission, not_found,
+    rate_limit, engine, timeout, unavailable, internal.
+    """
+
+    def __init__(self, status: int, kind: str, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+# A refusal from the broker -> (status, kind). 401/403 are final for the official SDKs,
+# which retry 408/409/429/5xx on their own and would hammer a finished session.
+_REFUSALS = {
+    "unknown_session": (401, "authentication"),
+    "session_closed": (403, "permission"),
+    "turn_cap": (403, "permission"),
+    "busy": (503, "unavailable"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRequest:
+    """What an agent asked for, in canonical form (see `protocol.CommitTurn`)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class CapturedTurn:
+    """A generated turn waiting for its reply to be sent, then committed or aborted."""
+
+    session_id: str
+    turn_id: str
+    request: TurnRequest
+    prompt_ids: list[int]
+    result: EngineResult
+    parsed: ParsedResponse
+    created: int
+    timings: dict[str, float] = field(default_factory=dict)
+    _backplane: Backplane | None = None
+    _settled: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        """stop | length | tool_calls, as the OpenAI dialect names it."""
+        if self.result.finish_reason == "length":
+            return "length"
+        return "tool_calls" if self.parsed.tool_calls else "stop"
+
+    def response_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.parsed.content}
+        if self.parsed.reasoning:
+            message["reasoning"] = self.parsed.reasoning
+        if self.parsed.tool_calls:
+            message["tool_calls"] = [{"name": c["name"], "arguments": c["arguments"]} for c in self.parsed.tool_calls]
+        return message
+
+    def commit(self) -> None:
+        if self._settled or self._backplane is None:
+            return
+        self._settled = True
+        flags: dict[str, Any] = {"ill_formed": self.parsed.ill_formed}
+        if self.parsed.error:
+            flags["parse_error"] = self.parsed.error
+        self._backplane.commit_in_background(
+            protocol.CommitTurn(
+                request_id=0,
+                session_id=self.session_id,
+                turn_id=self.turn_id,
+                prompt_ids=array("i", self.prompt_ids),
+                output_ids=array("i", self.result.output_ids),
+                logprobs=array("f", self.result.logprobs),
+                finish_reason=self.result.finish_reason,
+                prompt_messages=self.request.messages,
+                response_message=self.response_message(),
+                flags=flags,
+                timings=self.timings,
+            )
+        )
+
+    def abort(self, reason: str) -> None:
+        if self._settled or self._backplane is None:
+            return
+        self._settled = True
+        self._backplane.abort_in_background(self.session_id, self.turn_id, reason)
+
+
+class TurnPipeline:
+    """Runs turns against one backplane, renderer, parser and engine (one per worker)."""
+
+    def __init__(
+        self,
+        backplane: Backplane,
+        renderer: Renderer,
+        parser: ResponseParser,
+        engine: Engine,
+        default_max_tokens: int,
+    ) -> None:
+        self.backplane = backplane
+        self.renderer = renderer
+        self.parser = parser
+        self.engine = engine
+        self.default_max_tokens = default_max_tokens
+
+    async def run(self, session_id: str, request: TurnRequest, disconnected: asyncio.Event) -> CapturedTurn:
+        """Generate one turn; raises ApiError. The caller must commit() or abort() the result."""
+        turn_id = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        try:
+            opened = await self.backplane.open_turn(session_id, turn_id)
+        except TurnRefused as e:
+            status, kind = _REFUSALS.get(e.code, (400, "invalid_request"))
+            raise ApiError(status, kind, e.message, code=e.code) from None
+        except BrokerUnavailable as e:
+            logger.error("OPEN of a turn for session %s failed: %s", session_id, e)
+            raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
+        try:
+            return await self._generate(session_id, turn_id, request, opened, disconnected, t0)
+        except BaseException as e:
+            self.backplane.abort_in_background(session_id, turn_id, type(e).__name__)
+            raise
+
+    async def _generate(
+        self,
+        session_id: str,
+        turn_id: str,
+        request: TurnRequest,
+        opened: protocol.TurnOpened,
+        disconnected: asyncio.Event,
+        t0: float,
+    ) -> CapturedTurn:
+        try:
+            rendered = await run_in_threadpool(self.renderer.render, request.messages, request.tools)
+        except RenderError as e:
+            raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
+        t_render = time.perf_counter()
+        prompt_ids = list(rendered.prompt_ids)
+        params, over_budget = self._sampling(request, opened, len(prompt_ids))
+        if over_budget:
+            # DESIGN: a prompt already over the context budget yields an empty `length` turn.
+            result = EngineResult(output_ids=[], logprobs=[], finish_reason="length")
+        else:
+            result = await self._call_engine(prompt_ids, params, session_id, turn_id, disconnected)
+        t_engine = time.perf_counter()
+        parsed = self.parser.parse(result.output_ids, prompt_ids, request.tools)
+        t_parse = time.perf_counter()
+        return CapturedTurn(
+            session_id=session_id,
+            turn_id=turn_id,
+            request=request,
+            prompt_ids=prompt_ids,
+            result=result,
+            parsed=parsed,
+            created=int(time.time()),
+            timings={
+                "open_s": 0.0,
+                "render_s": t_render - t0,
+                "engine_s": t_engine - t_render,
+                "parse_s": t_parse - t_engine,
+            },
+            _backplane=self.backplane,
+        )
+
+    async def _call_engine(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str,
+        turn_id: str,
+        disconnected: asyncio.Event,
+    ) -> EngineResult:
+        generate = asyncio.ensure_future(
+            self.engine.generate(prompt_ids, params, session_id=session_id, request_id=turn_id)
+        )
+        gone = asyncio.ensure_future(disconnected.wait())
+        try:
+            await asyncio.wait({generate, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not generate.done():
+                # The agent left (or we are being cancelled): cancelling makes the engine
+                # backend abort the request on the engine side.
+                generate.cancel()
+                try:
+                    await generate
+                except (asyncio.CancelledError, EngineError):
+                    pass
+        if generate.cancelled():
+            raise ApiError(499, "invalid_request", "client disconnected")
+        try:
+            return generate.result()
+        except EngineTimeout as e:
+            logger.error("engine timed out on turn %s (session %s): %s", turn_id, session_id, e)
+            raise ApiError(504, "timeout", f"the inference engine timed out: {e}") from None
+        except EngineError as e:
+            logger.error("engine failed on turn %s (session %s): %s", turn_id, session_id, e)
+            raise ApiError(502, "engine", f"the inference engine failed: {e}") from None
+
+    def _sampling(
+        self, request: TurnRequest, opened: protocol.TurnOpened, prompt_len: int
+    ) -> tuple[SamplingParams, bool]:
+        """Request values win over the session's sampling defaults; the context budget caps max_tokens."""
+        defaults = opened.sampling_defaults
+
+        def pick(name: str, value: Any) -> Any:
+            return value if value is not None else defaults.get(name)
+
+        max_tokens = pick("max_tokens", request.max_tokens) or self.default_max_tokens
+        over_budget = False
+        if opened.max_context_tokens is not None:
+            room = opened.max_context_tokens - prompt_len
+            over_budget = room <= 0
+            max_tokens = min(max_tokens, max(room, 0))
+        stop = request.stop or tuple(defaults.get("stop") or ())
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=pick("temperature", request.temperature),
+            top_p=pick("top_p", request.top_p),
+            top_k=pick("top_k", request.top_k),
+            stop=tuple(stop),
+            seed=pick("seed", request.seed),
+        )
+        return params, over_budget

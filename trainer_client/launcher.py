@@ -1,0 +1,110 @@
+"""`launch_gateway`: run `rollout-gateway serve` as a subprocess tree for a trainer or a test.
+
+Starts the CLI by command line (`python -m gateway_workers.cli serve`), never by
+importing the workers, in its own process group; waits for its READY line; yields
+the agents' base URL, the control endpoint and a connected `TrainerClient`; on exit
+sends SIGTERM, waits, and kills the group if it lingers. Blocking code only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from trainer_client.client import TrainerClient
+
+READY_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+_READY = re.compile(r"GATEWAY READY base_url=(\S+) control=(\S+)")
+
+
+class GatewayStartError(RuntimeError):
+    """`serve` exited or stayed silent before it was ready; the message holds its last output."""
+
+
+@dataclass
+class Gateway:
+    """A running `serve` subprocess tree."""
+
+    base_url: str
+    control: str
+    client: TrainerClient
+    process: subprocess.Popen[str]
+    output: deque[str] = field(default_factory=lambda: deque(maxlen=2000))
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        self.client.close()
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # anything left in the group
+        self.process.wait()
+
+
+@contextlib.contextmanager
+def launch_gateway(
+    workers: int = 2,
+    engine_kind: str = "mock",
+    engine_urls: Sequence[str] = (),
+    tokenizer: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    control: str = "tcp://127.0.0.1:0",
+    extra_args: Sequence[str] = (),
+    client_timeout: float = 30.0,
+    ready_timeout: float = READY_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> Iterator[Gateway]:
+    """Start broker + `workers` uvicorn workers; port 0 / control port 0 pick free ports."""
+    cmd = [sys.executable, "-u", "-m", "gateway_workers.cli", "serve", "--host", host, "--port", str(port),
+           "--workers", str(workers), "--engine-kind", engine_kind, "--control", control]
+    for url in engine_urls:
+        cmd += ["--engine-url", url]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    cmd += list(extra_args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    output: deque[str] = deque(maxlen=2000)
+    ready: list[tuple[str, str]] = []
+    got_ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+            match = _READY.search(line)
+            if match and not ready:
+                ready.append((match.group(1), match.group(2)))
+                got_ready.set()
+        got_ready.set()  # EOF: the process is gone
+
+    threading.Thread(target=pump, name="gateway-output", daemon=True).start()
+    deadline = time.monotonic() + ready_timeout
+    while not ready and time.monotonic() < deadline and proc.poll() is None:
+        got_ready.wait(0.1)
+    if not ready:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise GatewayStartError("rollout-gateway serve did not become ready:\n" + "".join(list(output)[-60:]))
+    base_url, control_endpoint = ready[0]
+    gateway = Gateway(base_url, control_endpoint, TrainerClient(control_endpoint, timeout=client_timeout), proc,
+                      output)
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
