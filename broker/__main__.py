@@ -1,0 +1,70 @@
+"""`python -m broker`: the broker process's command line (`rollout-gateway broker` execs exactly this).
+
+Builds one `BrokerConfig` from flags over `ROLLOUT_BROKER_*` environment variables over
+defaults, configures logging to stderr, and runs `server.run_broker`. Once both sockets
+are bound it prints one line on stdout, `BROKER READY worker=<endpoint> control=<endpoint>`,
+which supervisors parse. Imports `broker.*` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from broker import protocol
+from broker.config import BrokerConfig
+from broker.server import run_broker
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m broker", description="rollout-gateway broker: sessions and trajectories")
+    p.add_argument(
+        "--worker-endpoint",
+        default=None,
+        help=f"ZeroMQ endpoint to bind for gateway workers (default {protocol.DEFAULT_WORKER_ENDPOINT}; port 0 ok)",
+    )
+    p.add_argument(
+        "--control",
+        default=None,
+        help=f"ZeroMQ endpoint to bind for trainer clients (default {protocol.DEFAULT_CONTROL_ENDPOINT}; port 0 ok)",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) to decode rows' response text")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    p.add_argument("--max-sessions", type=int, default=None, help="open sessions at most (default 100000)")
+    p.add_argument("--max-turns-cap", type=int, default=None, help="hard cap on turns per session (default none)")
+    p.add_argument("--max-wait-timeout", type=float, default=None, help="ceiling on finish wait_timeout, s (600)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, build the config, run the broker; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        config = BrokerConfig.from_env(
+            worker_endpoint=args.worker_endpoint,
+            control_endpoint=args.control,
+            tokenizer=args.tokenizer,
+            log_level=args.log_level,
+            max_sessions=args.max_sessions,
+            max_turns_cap=args.max_turns_cap,
+            max_wait_timeout=args.max_wait_timeout,
+        )
+    except ValueError as e:
+        print(f"broker: {e}", file=sys.stderr)
+        return 2
+    if config.tokenizer is not None and not os.path.exists(config.tokenizer):
+        # Fail at startup, not at the first finish_session an hour into training.
+        print(f"broker: --tokenizer {config.tokenizer!r} does not exist", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+    return run_broker(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""BrokerConfig: every setting of the broker process, with defaults, in one picklable record.
+
+The CLI (`python -m broker`, or the lead's `rollout-gateway broker`) builds it once from
+flags and `ROLLOUT_BROKER_*` environment variables and hands it to `server.run_broker`.
+Nothing here reads the environment at import time. Imports only the stdlib and
+`broker.protocol` (for the default endpoints); never zmq, never the other packages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from broker import protocol
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "ROLLOUT_BROKER_"
+
+# A FinishSession may ask to wait this long at most: a longer drain is almost surely a
+# trainer bug, and the broker would hold the session's memory meanwhile.
+MAX_WAIT_TIMEOUT_S = 600.0
+# Sessions that finished recently are remembered (ids only) so that a straggler gets the
+# precise "session_closed" instead of "unknown_session".
+FINISHED_MEMORY = 65_536
+# Shutdown: how long queued replies may still be flushed to peers before sockets close.
+SHUTDOWN_LINGER_MS = 1_000
+# Inbound frames larger than this make libzmq drop the connection (a 128k-token commit
+# with its messages is ~1.5 MiB; this leaves two orders of magnitude of room).
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    """Settings of one broker process.
+
+    Args:
+        worker_endpoint: ZeroMQ endpoint bound for gateway workers (port 0 allowed).
+        control_endpoint: ZeroMQ endpoint bound for trainer clients (port 0 allowed).
+        tokenizer: a `tokenizer.json` (or a directory holding one) used to decode each row's
+            `response` text; None leaves `response` empty.
+        log_level: Python logging level name.
+        max_sessions: open sessions at most; further opens are refused with "busy".
+        max_turns_cap: hard cap on turns per session whatever the trainer asks (None: none).
+        max_wait_timeout: ceiling on a FinishSession's `wait_timeout`, seconds.
+        finished_memory: how many finished session ids are remembered for precise refusals.
+        shutdown_linger_ms: bounded flush of pending replies at shutdown.
+        max_frame_bytes: inbound frame size limit (libzmq MAXMSGSIZE).
+        hwm: send/receive high-water mark per socket.
+    """
+
+    worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
+    control_endpoint: str = protocol.DEFAULT_CONTROL_ENDPOINT
+    tokenizer: str | None = None
+    log_level: str = "INFO"
+    max_sessions: int = 100_000
+    max_turns_cap: int | None = None
+    max_wait_timeout: float = MAX_WAIT_TIMEOUT_S
+    finished_memory: int = FINISHED_MEMORY
+    shutdown_linger_ms: int = SHUTDOWN_LINGER_MS
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "finished_memory", "max_frame_bytes", "hwm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_turns_cap is not None and self.max_turns_cap <= 0:
+            raise ValueError(f"BrokerConfig.max_turns_cap must be > 0 or None, got {self.max_turns_cap!r}")
+        if self.max_wait_timeout < 0 or self.shutdown_linger_ms < 0:
+            raise ValueError("BrokerConfig.max_wait_timeout and shutdown_linger_ms must be >= 0")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"BrokerConfig.log_level: unknown level {self.log_level!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> BrokerConfig:
+        """Defaults, then `ROLLOUT_BROKER_<FIELD>` variables, then explicit `overrides` (non-None only)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = ENV_PREFIX + f.name.upper()
+            if key in env:
+                values[f.name] = _cast(key, env[key], _CASTS[f.name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else int(text)
+
+
+def _optional_str(text: str) -> str | None:
+    return text or None
+
+
+_CASTS: dict[str, Callable[[str], Any]] = {
+    "worker_endpoint": str,
+    "control_endpoint": str,
+    "tokenizer": _optional_str,
+    "log_level": str,
+    "max_sessions": int,
+    "max_turns_cap": _optional_int,
+    "max_wait_timeout": float,
+    "finished_memory": int,
+    "shutdown_linger_ms": int,
+    "max_frame_bytes": int,
+    "hwm": int,
+}
+
+
+def _cast(key: str, text: str, cast: Callable[[str], Any]) -> Any:
+    try:
+        return cast(text)
+    except ValueError as e:
+        # name the variable: "invalid literal for int()" alone does not say which one
+        raise ValueError(f"environment variable {key}={text!r}: {e}") from None

@@ -1,0 +1,400 @@
+"""Session registry and turn store: the broker's state, and the lifecycle rules of DESIGN.md.
+
+Pure bookkeeping: no sockets, no clocks of its own (callers pass `now`), no encoding.
+`server.py` calls it from its single thread and turns `Refusal` into `protocol.Refused`.
+Storage is deduplicated per session: a turn's tokens (prompt + output) and messages
+(prompt + response) are ranges into two append-only session logs, sharing the longest
+common prefix with a neighbouring turn, so a session costs about its unique tokens.
+`TurnRecord`s are materialized only at finish. Imports only the stdlib and `broker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from array import array
+from bisect import bisect_left, insort
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from broker import protocol
+from broker.trajectory import TurnRecord
+
+logger = logging.getLogger(__name__)
+
+# An API key the agents will send in a header: visible ASCII, bounded.
+_SESSION_ID_RE = re.compile(r"[!-~]{1,256}")
+_MAX_TURN_ID_LEN = 256
+_MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
+_MINTED_KEY_PREFIX = "rg-"
+
+Range = tuple[int, int]
+State = Literal["open", "closing"]
+
+
+class Refusal(Exception):
+    """A request the lifecycle rules reject; `code` is a `protocol.ErrorCode`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class StoredTurn:
+    """A committed turn as held: ranges into its session's logs instead of copies."""
+
+    turn_id: str
+    seq: int
+    tok_ranges: list[Range]  # prompt ids + output ids, in the session's token log
+    ctx_len: int
+    prompt_len: int
+    logprobs: array
+    finish_reason: str
+    msg_ranges: list[Range]  # prompt messages + the response message, in the message log
+    n_prompt_messages: int
+    flags: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Session:
+    """One session's settings, lifecycle state and deduplicated turn store."""
+
+    sid: str
+    sampling_defaults: dict[str, Any]
+    max_context_tokens: int | None
+    max_turns: int | None
+    metadata: dict[str, Any]
+    state: State = "open"
+    next_seq: int = 0
+    in_flight: dict[str, int] = field(default_factory=dict)  # turn_id -> seq
+    aborted: set[str] = field(default_factory=set)
+    committed: dict[str, StoredTurn] = field(default_factory=dict)
+    by_seq: dict[int, StoredTurn] = field(default_factory=dict)
+    seqs: list[int] = field(default_factory=list)  # committed seqs, sorted
+    last: StoredTurn | None = None  # most recent commit by arrival
+    tokens: array = field(default_factory=protocol.ids_array)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    message_bytes: int = 0
+
+    def bytes_held(self) -> int:
+        """Approximate payload bytes: token log, logprobs and message text."""
+        lp = sum(len(t.logprobs) for t in self.committed.values()) * 4
+        return len(self.tokens) * self.tokens.itemsize + lp + self.message_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedSession:
+    """What finish hands the trajectory builder: turns in OPEN order plus the session's settings."""
+
+    sid: str
+    turns: list[TurnRecord]
+    max_context_tokens: int | None
+    metadata: dict[str, Any]
+    turns_abandoned: int
+
+
+class SessionRegistry:
+    """Every live session, keyed by id, and the lifecycle rules applied to them."""
+
+    def __init__(self, *, max_sessions: int, max_turns_cap: int | None = None, finished_memory: int = 65_536) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._max_turns_cap = max_turns_cap
+        self._finished_memory = finished_memory
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "sessions_opened",
+                "sessions_finished",
+                "sessions_dropped",
+                "turns_opened",
+                "turns_aborted",
+                "turns_abandoned",
+                "commits_stored",
+                "commits_duplicate",
+                "commits_discarded",
+            ),
+            0,
+        )
+
+    # --- lookups ---------------------------------------------------------------------
+
+    def get(self, sid: str) -> Session:
+        """The live session `sid`, or a Refusal that says whether it never existed or is over."""
+        session = self._sessions.get(sid)
+        if session is None:
+            if sid in self._finished:
+                raise Refusal("session_closed", f"session {sid!r} has finished")
+            raise Refusal("unknown_session", f"no session {sid!r}")
+        return session
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    # --- trainer side ----------------------------------------------------------------
+
+    def open_session(
+        self,
+        session_id: str | None,
+        sampling_defaults: dict[str, Any],
+        max_context_tokens: int | None,
+        max_turns: int | None,
+        metadata: dict[str, Any],
+    ) -> Session:
+        """Register a session; mint an unguessable key unless the caller gave one."""
+        if session_id is not None and not _SESSION_ID_RE.fullmatch(session_id):
+            raise Refusal("bad_request", "session_id must be 1-256 visible ASCII characters (it is an API key)")
+        for name, value in (("max_context_tokens", max_context_tokens), ("max_turns", max_turns)):
+            if value is not None and value <= 0:
+                raise Refusal("bad_request", f"{name} must be a positive integer or None, got {value!r}")
+        if len(self._sessions) >= self._max_sessions:
+            raise Refusal("busy", f"the broker holds its maximum of {self._max_sessions} sessions")
+        if session_id is None:
+            session_id = _MINTED_KEY_PREFIX + secrets.token_urlsafe(_MINTED_KEY_BYTES)
+        elif session_id in self._sessions:
+            raise Refusal("duplicate_session", f"session {session_id!r} is already open")
+        if self._max_turns_cap is not None:
+            max_turns = self._max_turns_cap if max_turns is None else min(max_turns, self._max_turns_cap)
+        self._finished.pop(session_id, None)  # a reused id starts afresh
+        session = Session(session_id, sampling_defaults, max_context_tokens, max_turns, metadata)
+        self._sessions[session_id] = session
+        self.counters["sessions_opened"] += 1
+        return session
+
+    def close(self, sid: str) -> Session:
+        """Stop new turns (the first step of finish); in-flight turns may still commit or abort."""
+        session = self.get(sid)
+        if session.state != "open":
+            raise Refusal("session_closed", f"finish of session {sid!r} is already in progress")
+        session.state = "closing"
+        return session
+
+    def finish(self, sid: str) -> FinishedSession:
+        """Free a (closed) session and materialize its committed turns in OPEN sequence order."""
+        session = self._sessions.pop(sid)
+        self._remember_finished(sid)
+        abandoned = len(session.in_flight)
+        self.counters["sessions_finished"] += 1
+        self.counters["turns_abandoned"] += abandoned
+        turns = [_materialize(session, session.by_seq[seq]) for seq in session.seqs]
+        return FinishedSession(sid, turns, session.max_context_tokens, session.metadata, abandoned)
+
+    def drop(self, sid: str) -> bool:
+        """Free a session and all it holds, building nothing; False if there was none."""
+        session = self._sessions.pop(sid, None)
+        if session is None:
+            return False
+        self._remember_finished(sid)
+        self.counters["sessions_dropped"] += 1
+        return True
+
+    def _remember_finished(self, sid: str) -> None:
+        self._finished[sid] = None
+        if len(self._finished) > self._finished_memory:
+            self._finished.popitem(last=False)
+
+    # --- worker side -------------------------------------------------------------------
+
+    def open_turn(self, sid: str, turn_id: str) -> tuple[Session, int]:
+        """Admit a turn: session open, under its cap. Returns the session and the turn's seq."""
+        session = self.get(sid)
+        if session.state != "open":
+            raise Refusal("session_closed", f"session {sid!r} is finishing; no new turns")
+        seq = session.in_flight.get(turn_id)
+        if seq is not None:  # a worker re-sent OPEN after losing our reply: same answer
+            return session, seq
+        if not turn_id or len(turn_id) > _MAX_TURN_ID_LEN:
+            raise Refusal("bad_request", f"turn_id must be 1-{_MAX_TURN_ID_LEN} characters")
+        if turn_id in session.committed or turn_id in session.aborted:
+            raise Refusal("bad_request", f"turn {turn_id!r} of session {sid!r} is already over")
+        cap = session.max_turns
+        if cap is not None and len(session.in_flight) + len(session.committed) >= cap:
+            raise Refusal("turn_cap", f"session {sid!r} reached its cap of {cap} turns")
+        seq = session.next_seq
+        session.next_seq += 1
+        session.in_flight[turn_id] = seq
+        self.counters["turns_opened"] += 1
+        return session, seq
+
+    def commit_turn(self, msg: protocol.CommitTurn) -> str:
+        """Store a committed turn; returns the outcome: stored, duplicate or discarded."""
+        session = self._sessions.get(msg.session_id)
+        if session is None:  # finished, dropped or never known: ACK so the worker stops retrying
+            self.counters["commits_discarded"] += 1
+            return "discarded"
+        if msg.turn_id in session.committed:
+            self.counters["commits_duplicate"] += 1
+            return "duplicate"
+        seq = session.in_flight.get(msg.turn_id)
+        if seq is None:
+            what = "was aborted" if msg.turn_id in session.aborted else "was never opened"
+            raise Refusal("bad_request", f"turn {msg.turn_id!r} of session {msg.session_id!r} {what}")
+        if any(type(m) is not dict for m in msg.prompt_messages):
+            raise Refusal("bad_request", "prompt_messages must be a list of maps")
+        n_out = len(msg.output_ids)
+        if len(msg.logprobs) != n_out:
+            raise Refusal("bad_request", f"{len(msg.logprobs)} logprobs for {n_out} output ids")
+        _store(session, msg, seq)
+        del session.in_flight[msg.turn_id]
+        self.counters["commits_stored"] += 1
+        return "stored"
+
+    def abort_turn(self, sid: str, turn_id: str) -> Session | None:
+        """Forget an in-flight turn. Unknown sessions and turns are fine: the turn is gone either way."""
+        session = self._sessions.get(sid)
+        if session is None:
+            return None
+        if session.in_flight.pop(turn_id, None) is not None:
+            session.aborted.add(turn_id)
+            self.counters["turns_aborted"] += 1
+        elif turn_id in session.committed:
+            raise Refusal("bad_request", f"turn {turn_id!r} of session {sid!r} is already committed")
+        return session
+
+    # --- observability -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Gauges over live sessions plus the lifetime counters."""
+        sessions = self._sessions.values()
+        return {
+            "sessions_open": sum(1 for s in sessions if s.state == "open"),
+            "sessions_closing": sum(1 for s in sessions if s.state == "closing"),
+            "turns_in_flight": sum(len(s.in_flight) for s in sessions),
+            "turns_held": sum(len(s.committed) for s in sessions),
+            "tokens_held": sum(len(s.tokens) for s in sessions),
+            "bytes_held": sum(s.bytes_held() for s in sessions),
+            **self.counters,
+        }
+
+
+# --- deduplicated storage ---------------------------------------------------------------
+
+
+def _store(session: Session, msg: protocol.CommitTurn, seq: int) -> None:
+    ctx = msg.prompt_ids + msg.output_ids
+    msgs = [*msg.prompt_messages, msg.response_message]
+    # Candidates that most likely share a prefix: the neighbours by OPEN order (the usual
+    # case: the next prompt extends the previous turn) and the latest arrival.
+    candidates: list[StoredTurn] = []
+    pos = bisect_left(session.seqs, seq)
+    if pos:
+        candidates.append(session.by_seq[session.seqs[pos - 1]])
+    if pos < len(session.seqs):
+        candidates.append(session.by_seq[session.seqs[pos]])
+    if session.last is not None and all(c is not session.last for c in candidates):
+        candidates.append(session.last)
+    best_len, best_ranges, base = 0, [], None
+    for cand in candidates:
+        n, ranges = _common_prefix(ctx, session.tokens, cand.tok_ranges)
+        if n > best_len or base is None:
+            best_len, best_ranges, base = n, ranges, cand
+        if n == len(ctx):
+            break
+    tok_ranges = _append(session.tokens, best_ranges, ctx[best_len:] if best_len else ctx)
+    msg_ranges: list[Range] = []
+    shared = 0
+    if base is not None:
+        shared, msg_ranges = _common_prefix(msgs, session.messages, base.msg_ranges)
+    new_msgs = msgs[shared:]
+    session.message_bytes += sum(_message_bytes(m) for m in new_msgs)
+    msg_ranges = _append(session.messages, msg_ranges, new_msgs)
+    turn = StoredTurn(
+        msg.turn_id,
+        seq,
+        tok_ranges,
+        len(ctx),
+        len(msg.prompt_ids),
+        msg.logprobs,
+        msg.finish_reason,
+        msg_ranges,
+        len(msg.prompt_messages),
+        msg.flags,
+    )
+    session.committed[msg.turn_id] = turn
+    session.by_seq[seq] = turn
+    insort(session.seqs, seq)
+    session.last = turn
+
+
+def _common_prefix(seq: Sequence[Any], log: Sequence[Any], ranges: list[Range]) -> tuple[int, list[Range]]:
+    """Length of the common prefix of `seq` and the sequence `ranges` spell in `log`, and those ranges cut to it.
+
+    Whole ranges compare as slices (memcmp-like for arrays, C loops for lists); only a
+    mismatching range is bisected, so the cost is about two passes over the prefix.
+    """
+    off = 0
+    out: list[Range] = []
+    for start, stop in ranges:
+        n = min(stop - start, len(seq) - off)
+        if n <= 0:
+            break
+        if seq[off : off + n] == log[start : start + n]:
+            out.append((start, start + n))
+            off += n
+            if n < stop - start:
+                break
+            continue
+        lo, hi = 0, n  # seq[off:off+lo] matches, seq[off:off+hi] does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if seq[off + lo : off + mid] == log[start + lo : start + mid]:
+                lo = mid
+            else:
+                hi = mid
+        if lo:
+            out.append((start, start + lo))
+            off += lo
+        break
+    return off, out
+
+
+def _append(log: Any, ranges: list[Range], tail: Sequence[Any]) -> list[Range]:
+    """Append `tail` to `log` and return `ranges` extended to cover it (merged when contiguous)."""
+    if not len(tail):
+        return ranges
+    start = len(log)
+    log.extend(tail)
+    if ranges and ranges[-1][1] == start:  # the base turn ended at the log's end: a plain extension
+        ranges[-1] = (ranges[-1][0], len(log))
+    else:
+        ranges.append((start, len(log)))
+    return ranges
+
+
+def _message_bytes(value: object) -> int:
+    """Rough payload size of a message for the bytes_held gauge (string lengths)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + _message_bytes(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_message_bytes(v) for v in value)
+    return 8
+
+
+def _materialize(session: Session, turn: StoredTurn) -> TurnRecord:
+    ctx = protocol.ids_array()
+    for start, stop in turn.tok_ranges:
+        ctx += session.tokens[start:stop]
+    msgs: list[dict[str, Any]] = []
+    for start, stop in turn.msg_ranges:
+        msgs.extend(session.messages[start:stop])
+    return TurnRecord(
+        turn_id=turn.turn_id,
+        seq=turn.seq,
+        prompt_ids=ctx[: turn.prompt_len],
+        output_ids=ctx[turn.prompt_len :],
+        logprobs=turn.logprobs,
+        finish_reason=turn.finish_reason,
+        prompt_messages=msgs[: turn.n_prompt_messages],
+        response_message=msgs[turn.n_prompt_messages],
+        flags=turn.flags,
+    )

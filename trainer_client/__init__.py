@@ -1,0 +1,38 @@
+"""Trainer-facing package: `TrainerClient` (synchronous, plain pyzmq), `TraceRecord`, `launch_gateway`.
+
+Importing it loads only plain `zmq`, the stdlib and `broker.protocol`: never zmq.asyncio,
+asyncio-based code, uvloop, starlette, transformers or `gateway_workers` (a subprocess
+test enforces this). `launch_gateway` starts the gateway as subprocesses, never by import.
+"""
+
+from __future__ import annotations
+
+from trainer_client.client import TrainerClient
+from trainer_client.errors import (
+    BrokerBusy,
+    BrokerError,
+    BrokerTimeout,
+    DuplicateSession,
+    GatewayError,
+    InvalidRequest,
+    ProtocolMismatch,
+    SessionClosed,
+    UnknownSession,
+)
+from trainer_client.launcher import launch_gateway
+from trainer_client.records import TraceRecord
+
+__all__ = [
+    "BrokerBusy",
+    "BrokerError",
+    "BrokerTimeout",
+    "DuplicateSession",
+    "GatewayError",
+    "InvalidRequest",
+    "ProtocolMismatch",
+    "SessionClosed",
+    "TraceRecord",
+    "TrainerClient",
+    "UnknownSession",
+    "launch_gateway",
+]

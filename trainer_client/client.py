@@ -1,0 +1,246 @@
+"""`TrainerClient`: the synchronous trainer-side API over a blocking ZeroMQ DEALER.
+
+Owns the control-plane socket wrapper: request ids, poll deadlines that raise named
+errors, socket reset after a timeout, and a socket pool so many trainer threads can
+call at once (a pyzmq socket is not thread-safe, so each call borrows one for its
+whole send..reply). Imports plain `zmq` and `broker.protocol` only: never zmq.asyncio,
+asyncio, uvloop, starlette, transformers or `gateway_workers`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import zmq
+
+from broker import protocol
+from trainer_client.errors import (
+    BrokerTimeout,
+    GatewayError,
+    InvalidRequest,
+    ProtocolMismatch,
+    error_for_refusal,
+)
+from trainer_client.records import TraceRecord
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_WAIT_TIMEOUT_S = 5.0
+# While the broker is away, the DEALER retries the connection this often (ms), so a
+# restarted broker is found again without any action from the caller.
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 1_000
+
+_Reply = TypeVar("_Reply", bound=protocol.Message)
+
+
+class TrainerClient:
+    """Blocking client of the broker's control endpoint; safe to call from many threads.
+
+    Args:
+        endpoint: the broker's control endpoint, e.g. "tcp://127.0.0.1:5557".
+        timeout: seconds each call may wait for the broker's reply (finish_session adds its
+            `wait_timeout`); past it the call raises `BrokerTimeout`.
+    """
+
+    def __init__(self, endpoint: str = protocol.DEFAULT_CONTROL_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.endpoint = endpoint
+        self.timeout = float(timeout)
+        self._lock = threading.Lock()
+        self._idle: list[zmq.Socket] = []
+        self._sockets: set[zmq.Socket] = set()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._pid = os.getpid()
+        self._ctx = zmq.Context()
+
+    # --- public API ------------------------------------------------------------------
+
+    def open_session(
+        self,
+        sampling_defaults: dict[str, Any] | None = None,
+        max_context_tokens: int | None = None,
+        max_turns: int | None = None,
+        session_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> str:
+        """Open a session and return its key (the agent's API key); minted by the broker unless given."""
+        reply = self._call(
+            lambda rid: protocol.OpenSession(
+                rid, session_id, dict(sampling_defaults or {}), max_context_tokens, max_turns, dict(metadata or {})
+            ),
+            protocol.SessionOpened,
+            self.timeout,
+        )
+        return reply.session_id
+
+    def finish_session(
+        self,
+        sid: str,
+        reward: float | None = None,
+        rollout_id: str | int | None = None,
+        metadata: dict[str, Any] | None = None,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S,
+    ) -> list[TraceRecord]:
+        """Close the session, let in-flight turns land for up to `wait_timeout` s, and return its rows.
+
+        The session is freed afterwards. `rollout_id` is stored as a string (ints are converted).
+        """
+        if not (isinstance(wait_timeout, (int, float)) and wait_timeout >= 0 and math.isfinite(wait_timeout)):
+            raise InvalidRequest(f"wait_timeout must be a finite number >= 0, got {wait_timeout!r}")
+        rid_text = None if rollout_id is None else str(rollout_id)
+        reply = self._call(
+            lambda rid: protocol.FinishSession(
+                rid, sid, None if reward is None else float(reward), rid_text, dict(metadata or {}), float(wait_timeout)
+            ),
+            protocol.SessionFinished,
+            self.timeout + wait_timeout,
+        )
+        if reply.turns_abandoned:
+            logger.warning(
+                "session %s finished with %d in-flight turn(s) cut off after %.1fs",
+                sid,
+                reply.turns_abandoned,
+                wait_timeout,
+            )
+        return [TraceRecord.from_wire(row) for row in reply.rows]
+
+    def drop_session(self, sid: str) -> bool:
+        """Free a session without building rows; False if the broker had no such session."""
+        reply = self._call(lambda rid: protocol.DropSession(rid, sid), protocol.SessionDropped, self.timeout)
+        return reply.existed
+
+    def stats(self) -> dict[str, Any]:
+        """The broker's counters and gauges (sessions, turns in flight, commits, refusals, ...)."""
+        return self._call(lambda rid: protocol.GetStats(rid), protocol.Stats, self.timeout).stats
+
+    def close(self) -> None:
+        """Close every socket and the context. Call it once no other thread is inside a call."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sockets, self._sockets, self._idle = self._sockets, set(), []
+        for sock in sockets:
+            sock.close(linger=0)
+        if self._pid == os.getpid():
+            self._ctx.term()
+
+    def __enter__(self) -> TrainerClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- socket pool -------------------------------------------------------------------
+
+    def _borrow(self) -> zmq.Socket:
+        with self._lock:
+            if self._closed:
+                raise GatewayError("the TrainerClient is closed")
+            if self._pid != os.getpid():
+                # A forked child must not touch the parent's context or sockets: start afresh.
+                self._pid, self._ctx, self._idle, self._sockets = os.getpid(), zmq.Context(), [], set()
+            if self._idle:
+                return self._idle.pop()
+            sock = self._ctx.socket(zmq.DEALER)
+            self._sockets.add(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _give_back(self, sock: zmq.Socket) -> None:
+        with self._lock:
+            if not self._closed and sock in self._sockets:
+                self._idle.append(sock)
+                return
+        sock.close(linger=0)
+
+    def _discard(self, sock: zmq.Socket) -> None:
+        """Close a socket whose state is unknown (timed out, garbage received): a late reply must not reach a later call."""
+        with self._lock:
+            self._sockets.discard(sock)
+        sock.close(linger=0)
+
+    # --- one request / reply -------------------------------------------------------------
+
+    def _call(
+        self, build: Callable[[int], protocol.Message], expect: type[_Reply], timeout: float
+    ) -> _Reply:
+        rid = next(self._ids)
+        msg = build(rid)
+        try:
+            frame = protocol.encode(msg)
+        except Exception as e:  # msgpack rejects e.g. objects in metadata: the caller's argument
+            raise InvalidRequest(f"cannot encode {msg.TAG}: {e}") from e
+        deadline = time.monotonic() + timeout
+        sock = self._borrow()
+        try:
+            if not self._send(sock, frame, deadline, msg):
+                raise self._timeout(msg, timeout)
+            reply = self._receive(sock, rid, deadline, msg)
+            if reply is None:
+                raise self._timeout(msg, timeout)
+        except BaseException:
+            self._discard(sock)
+            raise
+        self._give_back(sock)
+        if isinstance(reply, protocol.Refused):
+            raise error_for_refusal(reply.code, reply.message)
+        if not isinstance(reply, expect):
+            raise ProtocolMismatch(f"broker answered {msg.TAG} with {reply.TAG}")
+        return reply
+
+    def _send(self, sock: zmq.Socket, frame: bytes, deadline: float, msg: protocol.Message) -> bool:
+        """Queue the frame for the broker; False if the deadline passed first."""
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                raise GatewayError(f"cannot send {msg.TAG} to {self.endpoint}: {e}") from e
+            if not sock.poll(_remaining_ms(deadline), zmq.POLLOUT):
+                return False
+
+    def _receive(self, sock: zmq.Socket, rid: int, deadline: float, msg: protocol.Message) -> protocol.Message | None:
+        """The reply to request `rid`; None if the deadline passed first."""
+        while True:
+            try:
+                ready = sock.poll(_remaining_ms(deadline), zmq.POLLIN)
+                frame = sock.recv(zmq.NOBLOCK) if ready else None
+            except zmq.ZMQError as e:
+                raise GatewayError(f"cannot receive from {self.endpoint}: {e}") from e
+            if frame is None:
+                return None
+            try:
+                reply: protocol.Message = protocol.decode_broker_to_trainer(frame)
+            except protocol.ProtocolError as e:
+                raise ProtocolMismatch(f"undecodable reply from {self.endpoint}: {e}") from e
+            # -1: the broker could not read our request id; one request is in flight per socket.
+            if reply.request_id == rid or (reply.request_id == -1 and isinstance(reply, protocol.Refused)):
+                return reply
+            logger.debug("dropping stale reply %s to request %s", reply.TAG, reply.request_id)
+
+    def _timeout(self, msg: protocol.Message, timeout: float) -> BrokerTimeout:
+        return BrokerTimeout(f"no reply to {msg.TAG} from the broker at {self.endpoint} within {timeout:.1f}s")
+
+
+def _remaining_ms(deadline: float) -> int:
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))

@@ -1,0 +1,98 @@
+"""Named errors of the trainer client; each docstring says what the caller should do.
+
+`TrainerClient` turns socket timeouts, undecodable replies and every `Refused` code
+from the broker into one of these (`error_for_refusal`). Stdlib only: importing this
+module loads neither zmq nor any asyncio-based code.
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Base of every trainer-client error. `code` is the broker's refusal code, if there was one."""
+
+    code: str | None = None
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class BrokerTimeout(GatewayError, TimeoutError):
+    """No reply within the deadline: the broker is down, overloaded or unreachable.
+
+    The client has already reset its socket. Retrying is safe for `stats` and
+    `drop_session`; for `open_session` pass your own `session_id` so a retry can be
+    recognised (`DuplicateSession` then means the first attempt did register it).
+    """
+
+
+class UnknownSession(GatewayError, KeyError):
+    """The broker has no such session (never opened, dropped, or lost in a broker restart).
+
+    Do not retry with the same id; open a new session and rerun the episode.
+    """
+
+    code = "unknown_session"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SessionClosed(GatewayError):
+    """The session was already finished (or a finish is in progress): its rows went to that call.
+
+    Do not retry; this usually means two places finished the same session.
+    """
+
+    code = "session_closed"
+
+
+class DuplicateSession(GatewayError):
+    """`open_session` with a `session_id` that is already open. Pick another id, or reuse the open session."""
+
+    code = "duplicate_session"
+
+
+class InvalidRequest(GatewayError, ValueError):
+    """The broker refused the arguments (e.g. a non-positive max_turns). Fix the call; retrying will not help."""
+
+    code = "bad_request"
+
+
+class BrokerBusy(GatewayError):
+    """The broker is at a capacity limit (e.g. max_sessions). Finish or drop sessions, or retry later."""
+
+    code = "busy"
+
+
+class ProtocolMismatch(GatewayError):
+    """Broker and client do not speak the same protocol (or something else answered on the endpoint).
+
+    Run the same rollout-gateway release everywhere and check the endpoint.
+    """
+
+
+class BrokerError(GatewayError):
+    """The broker failed on its own side (its log has the cause). Report it; the session may be lost."""
+
+    code = "internal"
+
+
+_BY_CODE: dict[str, type[GatewayError]] = {
+    "unknown_session": UnknownSession,
+    "session_closed": SessionClosed,
+    "duplicate_session": DuplicateSession,
+    "bad_request": InvalidRequest,
+    "busy": BrokerBusy,
+    "protocol": ProtocolMismatch,
+    "version_mismatch": ProtocolMismatch,
+    "internal": BrokerError,
+}
+
+
+def error_for_refusal(code: str, message: str) -> GatewayError:
+    """The named error for a broker `Refused(code, message)`; unknown codes become `BrokerError`."""
+    cls = _BY_CODE.get(code, BrokerError)
+    return cls(f"broker refused ({code}): {message}", code)
