@@ -1,16 +1,39 @@
 """Trajectory builder: a finished session's committed turns -> loss-masked training rows.
 
-Pure computation: no sockets, no clocks, no imports from the rest of `broker` except
-`protocol` (for the packed-array helpers). `sessions.py` hands it the turns in OPEN
-sequence order and `server.py` ships the rows as `protocol.TraceRow`s.
+Pure computation: no sockets, clocks or other `broker` modules; `sessions.py` feeds it, `server.py` ships rows.
+Fidelity rule (DESIGN.md): every kept sampled token is trained once, with its float32 logprob, right after
+exactly its turn's prompt_ids -- so a turn joins a row only when the row's ids are a prefix of its prompt.
+Row.metadata: truncated, use_tool, ill_formed (bools); turn_ids (trained here, in order); row_start ("first" |
+"branch": its parent's row went on elsewhere | "realign": the prompt re-rendered its parent's reply | "rewrite":
+the client replayed an earlier reply rewritten | "fork": anything else); parent_turn_id (the turn it continues
+per the message tree, or None); decisions (session-wide: each turn counted once as clean, a row_start, empty or
+dropped).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+RowStart = Literal["first", "branch", "realign", "rewrite", "fork"]
+DECISIONS: tuple[str, ...] = ("clean", "first", "branch", "realign", "rewrite", "fork", "empty", "dropped")
+
+# Why rows look the way they do (the design notes behind the module docstring):
+# - A row is a chain of turns t1..tm where each prompt_ids extends the previous turn's prompt_ids + output_ids.
+#   Its token_ids are exactly the last turn's prompt + output, so a row never outgrows what the engine saw and
+#   `max_context_tokens` can only bite on a turn that itself overshot it.
+# - REALIGN and the short-rewrite merge never overwrite or demote a sampled span: the reference design lost most
+#   tokens of thinking models that way. A turn whose prompt re-rendered (Qwen3 drops earlier <think> blocks) or
+#   rewrote its parent's reply starts a new row instead; the old row keeps the reply trained where it was sampled.
+# - Rows are a minimum chain cover: turns are placed in order of prompt length (a topological order of "extends"),
+#   each onto the open row with the longest held ids that prefix its prompt (best fit leaves shorter tails for
+#   later siblings). The message tree (canonical messages, normalised) only labels rows; tokens decide placement.
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +66,256 @@ class Row:
     metadata: dict[str, Any]
 
 
+@dataclass(slots=True)
+class _Turn:
+    """A turn prepared for building: typed arrays, how much output fits, and the message tree's verdicts."""
+
+    rec: TurnRecord
+    prompt: array
+    output: array
+    logprobs: array
+    keep: int  # output ids that fit max_context_tokens after the prompt
+    parent: _Turn | None = None  # the turn whose reply is the deepest generated message this prompt echoes
+    rewrites: _Turn | None = None  # the turn whose reply this prompt replaced by a different assistant message
+
+
+@dataclass(slots=True)
+class _Chain:
+    """A row under construction: its turns in position order."""
+
+    turns: list[_Turn]
+    open: bool = True  # False once its last turn was cut by the budget: nothing can follow it
+
+    @property
+    def held(self) -> int:
+        last = self.turns[-1]
+        return len(last.prompt) + last.keep
+
+
+@dataclass(slots=True)
+class _Node:
+    """A message-tree node: children by normalised message, and the turns that generated this message."""
+
+    children: dict[tuple[Any, ...], _Node] = field(default_factory=dict)
+    replies: list[_Turn] = field(default_factory=list)
+
+
 def build_rows(
     turns: Sequence[TurnRecord],
     *,
     max_context_tokens: int | None = None,
 ) -> list[Row]:
-    """Build the session's rows from its committed turns, given in OPEN sequence order."""
-    raise NotImplementedError
+    """Build the session's rows from its committed turns (any order; sorted by OPEN seq here).
+
+    Raises ValueError for inconsistent input (logprobs not matching output ids, duplicate turn ids, a
+    non-positive budget). Rows come ordered by the seq of their first trained turn.
+    """
+    if max_context_tokens is not None and max_context_tokens <= 0:
+        raise ValueError(f"max_context_tokens must be positive, got {max_context_tokens}")
+    ordered = sorted(turns, key=lambda t: t.seq)
+    decisions = dict.fromkeys(DECISIONS, 0)
+    prepared: list[_Turn] = []
+    seen: set[str] = set()
+    for rec in ordered:
+        if rec.turn_id in seen:
+            raise ValueError(f"turn {rec.turn_id!r} appears twice")
+        seen.add(rec.turn_id)
+        t = _prepare(rec, max_context_tokens)
+        if not len(t.output):
+            decisions["empty"] += 1
+        elif not t.keep:
+            decisions["dropped"] += 1
+            logger.warning(
+                "turn %s dropped: its %d-id prompt leaves no room under max_context_tokens=%d for its %d output ids",
+                rec.turn_id, len(t.prompt), max_context_tokens, len(t.output),
+            )
+        prepared.append(t)
+    _label_from_tree(prepared)
+    trained = [t for t in prepared if t.keep]
+    chains = _place(trained, decisions)
+    chains.sort(key=lambda c: c.turns[0].rec.seq)
+    first_seq = trained[0].rec.seq if trained else None
+    starts = [_row_start(c.turns[0], first_seq) for c in chains]
+    for start, _ in starts:
+        decisions[start] += 1
+    rows = [_materialize(c, start, parent, decisions) for c, (start, parent) in zip(chains, starts)]
+    logger.debug("built %d rows from %d turns: %s", len(rows), len(ordered), decisions)
+    return rows
+
+
+def _prepare(rec: TurnRecord, budget: int | None) -> _Turn:
+    prompt = _ids(rec.prompt_ids)
+    output = _ids(rec.output_ids)
+    lps = rec.logprobs if isinstance(rec.logprobs, array) and rec.logprobs.typecode == "f" else array("f", rec.logprobs)
+    if len(lps) != len(output):
+        raise ValueError(f"turn {rec.turn_id!r}: {len(lps)} logprobs for {len(output)} output ids")
+    keep = len(output) if budget is None else max(0, min(len(output), budget - len(prompt)))
+    return _Turn(rec, prompt, output, lps, keep)
+
+
+def _ids(values: Any) -> array:
+    # Sessions hand us int32 arrays; anything else (lists from a test or an older caller) is converted once.
+    return values if isinstance(values, array) and values.typecode == "i" else array("i", values)
+
+
+# --- placement: tokens decide -----------------------------------------------------------------------------------
+
+
+def _extends(prompt: array, t: _Turn) -> bool:
+    """Whether `prompt` starts with exactly t's prompt + output (array slices compare at C speed)."""
+    lp, lo = len(t.prompt), len(t.output)
+    if len(prompt) < lp + lo:
+        return False
+    # The output is the short, likely-different part: compare it first so a miss costs little.
+    return prompt[lp : lp + lo] == t.output and prompt[:lp] == t.prompt
+
+
+def _place(trained: list[_Turn], decisions: dict[str, int]) -> list[_Chain]:
+    """Greedy best-fit chain cover over "t's prompt extends u's prompt + output"."""
+    chains: list[_Chain] = []
+    open_chains: list[_Chain] = []
+    for t in sorted(trained, key=lambda t: (len(t.prompt), t.rec.seq)):
+        home = None
+        # Longest held ids first: that is the most specific row; shorter ones stay free for siblings.
+        open_chains.sort(key=lambda c: c.held, reverse=True)
+        for c in open_chains:
+            if c.held <= len(t.prompt) and _extends(t.prompt, c.turns[-1]):
+                home = c
+                break
+        if home is None:
+            home = _Chain([t])
+            chains.append(home)
+            open_chains.append(home)
+        else:
+            home.turns.append(t)
+            decisions["clean"] += 1
+        if t.keep < len(t.output):
+            home.open = False
+            open_chains.remove(home)
+            logger.warning(
+                "turn %s cut to %d of %d output ids by max_context_tokens",
+                t.rec.turn_id, t.keep, len(t.output),
+            )
+    return chains
+
+
+def _row_start(t: _Turn, first_seq: int | None) -> tuple[RowStart, _Turn | None]:
+    """Why a row begins with turn t, and which earlier turn it continues."""
+    p = t.parent
+    if p is None and t.rewrites is None and t.rec.seq == first_seq:
+        return "first", None
+    if p is not None and _extends(t.prompt, p):
+        return "branch", p
+    if t.rewrites is not None:
+        return "rewrite", t.rewrites
+    if p is not None and len(t.prompt) >= len(p.prompt) and t.prompt[: len(p.prompt)] == p.prompt:
+        return "realign", p
+    return "fork", p
+
+
+def _materialize(c: _Chain, start: str, parent: _Turn | None, decisions: dict[str, int]) -> Row:
+    last = c.turns[-1]
+    token_ids = last.prompt + last.output[: last.keep]
+    first = len(c.turns[0].prompt)
+    mask = array("B")
+    lps = array("f")
+    pos = first
+    for t in c.turns:
+        gap = len(t.prompt) - pos  # prompt tail between the previous output and this one: context, loss 0
+        mask.frombytes(bytes(gap))
+        lps.frombytes(bytes(gap * lps.itemsize))
+        mask.frombytes(b"\x01" * t.keep)
+        lps.extend(t.logprobs[: t.keep])
+        pos = len(t.prompt) + t.keep
+    metadata = {
+        "truncated": not c.open,
+        "use_tool": any(_has_tool_calls(t.rec.response_message) for t in c.turns),
+        "ill_formed": any(bool((t.rec.flags or {}).get("ill_formed")) for t in c.turns),
+        "turn_ids": [t.rec.turn_id for t in c.turns],
+        "row_start": start,
+        "parent_turn_id": parent.rec.turn_id if parent is not None else None,
+        "decisions": dict(decisions),
+    }
+    return Row(token_ids, mask, lps, len(token_ids) - first, metadata)
+
+
+def _has_tool_calls(message: Any) -> bool:
+    return isinstance(message, dict) and bool(message.get("tool_calls"))
+
+
+# --- the message tree: labels only ------------------------------------------------------------------------------
+
+
+def _label_from_tree(turns: list[_Turn]) -> None:
+    """Walk each prompt (seq order) down the tree of earlier turns' messages; set `parent` and `rewrites`."""
+    root = _Node()
+    memo: list[tuple[Any, tuple[Any, ...]]] = []  # (raw message, key) of the previous prompt, by position
+    for t in turns:
+        msgs = t.rec.prompt_messages if isinstance(t.rec.prompt_messages, list) else []
+        keys = []
+        for i, m in enumerate(msgs):
+            # Prompts repeat the previous prompt's messages; equal raw dicts (a C-speed compare) reuse its key.
+            keys.append(memo[i][1] if i < len(memo) and memo[i][0] == m else _message_key(m))
+        memo = list(zip(msgs, keys))
+        node = root
+        depth = 0
+        for key in keys:
+            child = node.children.get(key)
+            if child is None:
+                break
+            node = child
+            depth += 1
+            if child.replies:
+                t.parent = child.replies[-1]
+        if depth < len(keys) and keys[depth][0] == "assistant":
+            # An assistant message where an earlier turn's reply hangs, but not equal to it: a rewritten replay.
+            replaced = [r for child in node.children.values() for r in child.replies]
+            if replaced:
+                t.rewrites = max(replaced, key=lambda r: r.rec.seq)
+        for key in keys[depth:]:
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Node()
+            node = child
+        if t.keep:
+            key = _message_key(t.rec.response_message)
+            reply = node.children.get(key)
+            if reply is None:
+                reply = node.children[key] = _Node()
+            reply.replies.append(t)
+
+
+def _message_key(m: Any) -> tuple[Any, ...]:
+    """Normalise what clients drop or add on echo: reasoning, tool-call ids, argument key order, whitespace."""
+    if not isinstance(m, dict):
+        return ("?", _text(m), ())
+    role = str(m.get("role", ""))
+    content = _text(m.get("content"))
+    if role == "assistant" and "</think>" in content:
+        # Some clients echo the reasoning inline; the reply we parsed kept it apart.
+        content = content.rsplit("</think>", 1)[1].strip()
+    calls = m.get("tool_calls") or ()
+    return (role, content, tuple(_call_key(c) for c in calls) if isinstance(calls, list) else ("?",))
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content.strip()
+    if isinstance(content, list):  # content parts, should a non-canonical message slip through
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content).strip()
+    return json.dumps(content, sort_keys=True, default=str)
+
+
+def _call_key(call: Any) -> tuple[str, str]:
+    if not isinstance(call, dict):
+        return ("?", _text(call))
+    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return (str(fn.get("name", "")), args.strip())
+    return (str(fn.get("name", "")), json.dumps(args, sort_keys=True, separators=(",", ":"), default=str))
