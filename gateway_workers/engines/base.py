@@ -1,0 +1,193 @@
+"""The engine seam: token ids in, token ids + logprobs out, behind one small Protocol.
+
+Owns the records every backend shares (`SamplingParams`, `EngineResult`, `EngineConfig`),
+the two failures the app maps to HTTP (`EngineError` -> 502, `EngineTimeout` -> 504) and
+the pooled-HTTP plumbing the vLLM and SGLang backends share (one aiohttp session per
+engine object, bounded timeouts, orjson bodies). Backends (vllm, sglang, mock) implement
+`Engine`; a streaming method joins the Protocol later (issue 5) without changing
+`generate`. Must not import the app, adapters, backplane or transformers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import aiohttp
+import orjson
+
+from gateway_workers.engines.routing import choose_replica, routing_headers, routing_key
+
+logger = logging.getLogger(__name__)
+
+EngineKind = Literal["mock", "vllm", "sglang"]
+FinishReason = Literal["stop", "length", "abort"]
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a long generation is legitimate; a hung engine is not
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+ABORT_TIMEOUT_S = 2.0  # bound on the best-effort abort call sent when a generate is cancelled
+
+
+class EngineError(Exception):
+    """The engine failed or answered garbage: the agent gets a 502 and the turn is aborted."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer within the configured bound: the agent gets a 504."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What the engine samples with; None leaves the engine's own default."""
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """One generation: the sampled ids, one logprob per id, and why it ended."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine settings, embedded in the worker config and handed to every worker process.
+
+    Args:
+        kind: "mock" (built in, no GPU), "vllm" or "sglang".
+        urls: engine base URLs (replicas); a session sticks to one of them.
+        request_timeout_s: bound on one whole generate call.
+        connect_timeout_s: bound on opening a connection to the engine.
+        mock_delay_s: mock engine: fixed delay per generation.
+        mock_per_token_s: mock engine: extra delay per generated token.
+        mock_output_tokens: mock engine: length of a generated answer (before max_tokens cuts it).
+        mock_think: mock engine: open each reply with a `<think>` block.
+        mock_tool_call_every: mock engine: every Nth reply (when tools are offered) is a tool call; 0 = never.
+        seed: mock engine: base seed; the output is a function of (seed, prompt ids, params).
+        model: model name sent to engines that accept one (vLLM's optional `model` field).
+    """
+
+    kind: EngineKind = "mock"
+    urls: tuple[str, ...] = ()
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    mock_delay_s: float = 0.0
+    mock_per_token_s: float = 0.0
+    mock_output_tokens: int = 32
+    mock_think: bool = True
+    mock_tool_call_every: int = 0
+    seed: int = 0
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mock", "vllm", "sglang"):
+            raise ValueError(f"engine kind must be mock, vllm or sglang, got {self.kind!r}")
+        if self.kind != "mock" and not self.urls:
+            raise ValueError(f"engine kind {self.kind!r} needs at least one engine URL")
+        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("engine timeouts must be positive")
+        if self.mock_delay_s < 0 or self.mock_per_token_s < 0 or self.mock_output_tokens < 1:
+            raise ValueError("mock delays must be >= 0 and mock_output_tokens >= 1")
+        if self.mock_tool_call_every < 0:
+            raise ValueError("mock_tool_call_every must be >= 0")
+
+
+class Engine(Protocol):
+    """A token-in/token-out engine. Cancelling `generate` must stop the engine's work (best effort)."""
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+    ) -> EngineResult: ...
+
+    async def aclose(self) -> None: ...
+
+
+_BODY_SNIPPET = 300  # bytes of an engine's error body quoted in our error message
+
+
+def ids_list(ids: Sequence[int]) -> list[int]:
+    """Token ids as a plain list for JSON (array('i') has a fast tolist)."""
+    if isinstance(ids, list):
+        return ids
+    tolist = getattr(ids, "tolist", None)
+    return tolist() if tolist is not None else list(ids)
+
+
+class HttpEngineBase:
+    """Plumbing shared by the HTTP engines: replica choice, one pooled client, JSON POSTs with bounds.
+
+    The aiohttp session is created lazily on first use, inside the running loop (an engine object
+    may be built before the worker's loop starts), and keeps connections alive between calls.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.urls:
+            raise ValueError(f"{config.kind} engine needs at least one URL")
+        self._config = config
+        self._urls = tuple(url.rstrip("/") for url in config.urls)
+        self._client: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(
+            total=config.request_timeout_s, sock_connect=config.connect_timeout_s
+        )
+
+    def route(self, session_id: str) -> tuple[str, dict[str, str]]:
+        """(replica base url, routing headers) for a session."""
+        key = routing_key(session_id)
+        return choose_replica(self._urls, key), routing_headers(key)
+
+    def client(self) -> aiohttp.ClientSession:
+        if self._client is None or self._client.closed:
+            # limit=0: the engine, not our pool, decides how many requests run at once.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0)
+            self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._client
+
+    async def post_json(
+        self, url: str, body: dict[str, Any], headers: dict[str, str], timeout: aiohttp.ClientTimeout | None = None
+    ) -> Any:
+        """POST `body` as JSON and return the decoded JSON answer; failures become EngineError/EngineTimeout."""
+        limit = timeout or self._timeout
+        try:
+            async with self.client().post(
+                url,
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", **headers},
+                timeout=limit,
+            ) as resp:
+                raw = await resp.read()
+                if resp.status >= 300:
+                    snippet = raw[:_BODY_SNIPPET].decode("utf-8", "replace")
+                    raise EngineError(f"engine {url} answered HTTP {resp.status}: {snippet}", status=resp.status)
+        except asyncio.TimeoutError as e:  # aiohttp's timeouts subclass it
+            raise EngineTimeout(f"engine {url} did not answer within {limit.total}s") from e
+        except aiohttp.ClientError as e:
+            raise EngineError(f"engine {url} request failed: {type(e).__name__}: {e}") from e
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise EngineError(f"engine {url} answered non-JSON: {raw[:_BODY_SNIPPET]!r}") from e
+
+    async def aclose(self) -> None:
+        if self._client is not None and not self._client.closed:
+            await self._client.close()
+        self._client = None
+
+
+def bad_answer(url: str, what: str) -> EngineError:
+    """An engine answered 2xx with a body we cannot use."""
+    return EngineError(f"engine {url} answered an unusable body: {what}")

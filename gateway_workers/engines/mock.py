@@ -1,0 +1,168 @@
+"""The built-in mock engine: a GPU-less `serve` and load tests, with real token ids of the worker's tokenizer.
+
+Replies are Qwen3-format assistant messages (optional `<think>` block, text or JSON
+`<tool_call>` blocks) encoded with the worker's tokenizer and ended with its eos id, so
+they parse, render back and train like a real model's. Everything is a pure function of
+(config seed, prompt ids, request seed): the same prompt always gets the same reply and
+the same logprobs, which are multiples of 1/1024 and so exact in float32. Delays are a
+fixed time plus a per-token time. Stop strings are not simulated. Tools are read from the
+`<tools>` block of the rendered prompt (our template and Qwen3's put one JSON per line).
+Must not import the app, adapters or the backplane; the tokenizer is passed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from gateway_workers.engines.base import EngineConfig, EngineResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_WORDS = (
+    "the agent checks each result before it answers and keeps the plan short so that every step "
+    "is easy to verify with a tool or a quick look at the data while the task stays on track"
+).split()
+_TOOLS_BLOCK = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+_TOOL_SCAN_TOKENS = 8192  # tools live in the system prompt, at the start
+_TOOL_CACHE_SIZE = 256  # distinct system prompts remembered (one per agent type, typically)
+_LOGPROB_STEPS = 8192  # logprobs are -k/1024 for k in [1, 8192): exact in float32
+
+
+class MockTokenizer(Protocol):
+    """What the mock needs from the worker's tokenizer."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def convert_tokens_to_ids(self, token: str) -> int | None: ...
+
+
+class MockEngine:
+    """Deterministic fake generations with configurable delay, think blocks and tool calls."""
+
+    def __init__(self, config: EngineConfig, tokenizer: MockTokenizer) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the mock engine needs a tokenizer with an eos token")
+        self._config = config
+        self._tokenizer = tokenizer
+        self._eos = int(tokenizer.eos_token_id)
+        im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        assistant = tokenizer.encode("assistant", add_special_tokens=False)
+        # ChatML: a generation prompt is <|im_start|> followed by the single token "assistant".
+        self._turn_marker = (im_start, assistant[0]) if isinstance(im_start, int) and len(assistant) == 1 else None
+        self._tools_cache: OrderedDict[bytes, list[dict[str, Any]]] = OrderedDict()
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+    ) -> EngineResult:
+        ids = prompt_ids if isinstance(prompt_ids, array) and prompt_ids.typecode == "i" else array("i", prompt_ids)
+        result = self.reply(ids, params)
+        delay = self._config.mock_delay_s + self._config.mock_per_token_s * len(result.output_ids)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return result
+
+    async def aclose(self) -> None:
+        return None
+
+    def reply(self, prompt_ids: array, params: SamplingParams) -> EngineResult:
+        """The deterministic reply to a prompt (no delay)."""
+        digest = hashlib.blake2b(prompt_ids.tobytes(), digest_size=16)
+        digest.update(f"{self._config.seed}/{params.seed}".encode())
+        rng = random.Random(digest.digest())
+        text = self._reply_text(prompt_ids, rng)
+        ids = self._tokenizer.encode(text, add_special_tokens=False) + [self._eos]
+        finish = "stop"
+        if len(ids) > params.max_tokens:
+            ids, finish = ids[: max(params.max_tokens, 0)], "length"
+        logprobs = [-rng.randrange(1, _LOGPROB_STEPS) / 1024.0 for _ in ids]
+        return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=finish)
+
+    def _reply_text(self, prompt_ids: array, rng: random.Random) -> str:
+        n = self._config.mock_output_tokens
+        text = ""
+        if self._config.mock_think:
+            text = "<think>\n" + _sentence(rng, max(n // 2, 1)) + "\n</think>\n\n"
+        tools = self._tools(prompt_ids) if self._config.mock_tool_call_every else []
+        if tools and self._assistant_turns(prompt_ids) % self._config.mock_tool_call_every == 0:
+            calls = [_call(rng.choice(tools), rng) for _ in range(rng.choice((1, 1, 2)))]
+            return text + "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
+        return text + _sentence(rng, n)
+
+    def _assistant_turns(self, prompt_ids: array) -> int:
+        """Assistant headers in the prompt, the generation prompt included (1 on a first turn)."""
+        if self._turn_marker is None:
+            return 1
+        # A byte search over the packed ids: a Python loop over a 24k-token prompt would stall the loop.
+        raw, pattern = prompt_ids.tobytes(), array("i", self._turn_marker).tobytes()
+        count, at = 0, raw.find(pattern)
+        while at >= 0:
+            if at % prompt_ids.itemsize == 0:  # aligned on a token boundary
+                count += 1
+            at = raw.find(pattern, at + 1)
+        return max(count, 1)
+
+    def _tools(self, prompt_ids: array) -> list[dict[str, Any]]:
+        head = prompt_ids[:_TOOL_SCAN_TOKENS]
+        key = hashlib.blake2b(head.tobytes(), digest_size=16).digest()
+        cached = self._tools_cache.get(key)
+        if cached is not None:
+            self._tools_cache.move_to_end(key)
+            return cached
+        tools = _parse_tools(self._tokenizer.decode(head.tolist(), skip_special_tokens=False))
+        self._tools_cache[key] = tools
+        if len(self._tools_cache) > _TOOL_CACHE_SIZE:
+            self._tools_cache.popitem(last=False)
+        return tools
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    out = " ".join(rng.choice(_WORDS) for _ in range(words))
+    return out[:1].upper() + out[1:] + "."
+
+
+def _parse_tools(text: str) -> list[dict[str, Any]]:
+    """Function signatures from a rendered `<tools>` block: [{"name", "properties"}]."""
+    match = _TOOLS_BLOCK.search(text)
+    if match is None:
+        return []
+    tools = []
+    for line in match.group(1).splitlines():
+        try:
+            spec = json.loads(line)
+        except ValueError:
+            continue
+        fn = spec.get("function", spec) if isinstance(spec, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+            props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+            tools.append({"name": fn["name"], "properties": props})
+    return tools
+
+
+def _call(tool: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """A call of `tool` with arguments of the declared JSON types."""
+    arguments: dict[str, Any] = {}
+    for name, schema in tool["properties"].items():
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        if kind == "integer":
+            arguments[name] = rng.randrange(100)
+        elif kind == "number":
+            arguments[name] = rng.randrange(1000) / 8
+        elif kind == "boolean":
+            arguments[name] = rng.random() < 0.5
+        else:
+            arguments[name] = rng.choice(_WORDS)
+    return {"name": tool["name"], "arguments": arguments}

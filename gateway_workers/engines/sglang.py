@@ -1,0 +1,136 @@
+"""SGLang backend: token-in/token-out over `POST /generate`, with `POST /abort_request` on cancel.
+
+Wire format matched (SGLang `python/sglang/srt/managers/io_struct.py` GenerateReqInput /
+AbortReq, `sampling/sampling_params.py`, `managers/tokenizer_manager.py` meta_info,
+`entrypoints/http_server.py` routes; v0.4.x-v0.5.x, read via docs.sglang.io and the
+sgl-project/sglang sources):
+  request  {"input_ids": [int], "sampling_params": {max_new_tokens, temperature, top_p,
+            top_k, stop, sampling_seed, skip_special_tokens}, "return_logprob": true,
+            "logprob_start_len": -1, "rid": str, "stream": false}
+  response {"output_ids": [int] (recent releases), "meta_info": {"id", "finish_reason":
+            {"type": "stop"|"length"|"abort", ...}, "output_token_logprobs":
+            [[logprob, token_id, text|null], ...], ...}, "text"?: str}
+  abort    {"rid": str}
+A cancelled or timed-out generate sends the abort with its own short bound, shielded so
+the cancellation cannot skip it; failures of that best-effort call are logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from gateway_workers.engines.base import (
+    ABORT_TIMEOUT_S,
+    EngineError,
+    EngineResult,
+    EngineTimeout,
+    FinishReason,
+    HttpEngineBase,
+    SamplingParams,
+    bad_answer,
+    ids_list,
+)
+
+logger = logging.getLogger(__name__)
+
+GENERATE_PATH = "/generate"
+ABORT_PATH = "/abort_request"
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class SglangEngine(HttpEngineBase):
+    """An SGLang server (or SGLang Model Gateway) speaking the native /generate API."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._aborts: set[asyncio.Task[None]] = set()
+        self._abort_timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+    ) -> EngineResult:
+        base, headers = self.route(session_id)
+        url = base + GENERATE_PATH
+        body = {
+            "input_ids": ids_list(prompt_ids),
+            "sampling_params": sampling_body(params),
+            "return_logprob": True,
+            "logprob_start_len": -1,  # output logprobs only; prompt logprobs cost a forward pass of work
+            "rid": request_id,
+            "stream": False,
+        }
+        try:
+            answer = await self.post_json(url, body, headers)
+        except (asyncio.CancelledError, EngineTimeout):
+            # The engine keeps generating for a request nobody will read: tell it to stop.
+            await self._abort(base, request_id, headers)
+            raise
+        return parse_answer(url, answer)
+
+    async def _abort(self, base: str, rid: str, headers: dict[str, str]) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_abort(base, rid, headers))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        # Shielded: a second cancel stops our wait, never the abort call itself.
+        await asyncio.shield(task)
+
+    async def _send_abort(self, base: str, rid: str, headers: dict[str, str]) -> None:
+        try:
+            await self.post_json(base + ABORT_PATH, {"rid": rid}, headers, timeout=self._abort_timeout)
+        except EngineError as e:
+            logger.warning("abort of SGLang request %s failed: %s", rid, e)
+
+    async def aclose(self) -> None:
+        if self._aborts:
+            await asyncio.wait(set(self._aborts), timeout=ABORT_TIMEOUT_S)
+        await super().aclose()
+
+
+def sampling_body(params: SamplingParams) -> dict[str, Any]:
+    """SGLang `SamplingParams` JSON: only what is set, so the server's defaults apply to the rest."""
+    body: dict[str, Any] = {"max_new_tokens": params.max_tokens, "skip_special_tokens": False}
+    if params.temperature is not None:
+        body["temperature"] = params.temperature
+    if params.top_p is not None:
+        body["top_p"] = params.top_p
+    if params.top_k is not None:
+        body["top_k"] = params.top_k
+    if params.seed is not None:
+        body["sampling_seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    return body
+
+
+def parse_answer(url: str, answer: Any) -> EngineResult:
+    """Ids, sampled logprobs and finish reason from a /generate body."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict):
+        raise bad_answer(url, "no meta_info")
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list):
+        raise bad_answer(url, "no meta_info.output_token_logprobs (return_logprob ignored?)")
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for entry in entries:
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise bad_answer(url, "an output_token_logprobs entry is not [logprob, token_id, text]")
+        logprob, token_id = entry[0], entry[1]
+        if not isinstance(token_id, int) or not isinstance(logprob, (int, float)):
+            raise bad_answer(url, "an output_token_logprobs entry has a non-numeric logprob or id")
+        ids.append(token_id)
+        logprobs.append(float(logprob))
+    output_ids = answer.get("output_ids")
+    if output_ids is not None and output_ids != ids:
+        raise bad_answer(url, "output_ids disagree with output_token_logprobs")
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    reason = _FINISH.get(kind) if isinstance(kind, str) else None
+    if reason is None:
+        raise EngineError(f"engine {url} finished with {finish!r}")
+    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=reason)

@@ -1,0 +1,325 @@
+"""A stand-in inference engine process for tests: vLLM's and SGLang's token-in/token-out wire formats.
+
+Run: `python tests/fake_engine.py --port 0 --tokenizer DIR`; prints
+`FAKE ENGINE READY http://127.0.0.1:PORT` once listening. Serves vLLM
+`POST /inference/v1/generate` and SGLang `POST /generate` + `POST /abort_request` with the
+exact request/response shapes (see gateway_workers/engines/{vllm,sglang}.py), plus test
+controls: `POST /_fake/config` (delay, injected HTTP errors, hang) and `GET /_fake/log`
+(requests, aborts and client disconnects seen, with ids and headers). Faults can be
+scoped to one routing key so tests sharing the process do not disturb each other.
+Policy: with tools declared and fewer than `tool_rounds` tool responses since the last
+user message, reply `<think>..</think>` + one or two Qwen3 `<tool_call>`s whose JSON
+arguments derive from the prompt; otherwise a final text answer; always end with
+<|im_end|>. Ids and logprobs (multiples of 1/1024, exact in float32) are a pure function
+of the prompt ids. Depends only on starlette, uvicorn and `tokenizers`, never on our code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from tokenizers import Tokenizer
+
+READY_LINE = "FAKE ENGINE READY"
+ROUTING_HEADERS = ("x-smg-routing-key", "x-session-id")
+HANG_S = 3600.0  # a "hang" lasts until the client goes away or the request is aborted
+DISCONNECT_POLL_S = 0.02
+_TOOLS_BLOCK = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+_USER_TURN = "<|im_start|>user\n"
+_WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+
+
+@dataclass
+class Fault:
+    """Injected behaviour; `key` None applies to every request, else only to that routing key."""
+
+    key: str | None = None
+    delay: float = 0.0
+    status: int | None = None  # answer this HTTP status instead of generating...
+    times: int | None = None  # ...this many times (None: always)
+    hang: bool = False
+
+
+@dataclass
+class State:
+    tokenizer: Tokenizer
+    eos_id: int
+    tool_rounds: int
+    faults: list[Fault] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    aborts: list[dict[str, Any]] = field(default_factory=list)
+    disconnects: list[dict[str, Any]] = field(default_factory=list)
+    running: dict[str, asyncio.Event] = field(default_factory=dict)  # rid -> set on abort
+
+
+def _routing_key(request: Request) -> str | None:
+    for name in ROUTING_HEADERS:
+        if name in request.headers:
+            return request.headers[name]
+    return None
+
+
+def _fault_for(state: State, key: str | None) -> Fault:
+    scoped = [f for f in state.faults if f.key is not None and f.key == key]
+    for fault in scoped or [f for f in state.faults if f.key is None]:
+        return fault
+    return Fault()
+
+
+# --- the policy -------------------------------------------------------------------------------
+
+
+def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float], str]:
+    """(output ids, logprobs, finish 'stop'|'length') for a prompt; deterministic."""
+    digest = hashlib.sha256(json.dumps(prompt_ids).encode()).digest()
+    rng = random.Random(digest)
+    text = state.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    tools = _tools(text)
+    last_user = _last_user_turn(text)
+    tail = text[last_user:] if last_user >= 0 else text
+    answered = tail.count("<tool_response>")
+    thought = f"<think>\nStep {answered + 1}: I look at the {rng.choice(_WORDS)} case.\n</think>\n\n"
+    if tools and answered < state.tool_rounds:
+        query = _first_words(tail)
+        calls = []
+        for n in range(1 + digest[0] % 2):  # one or two parallel calls
+            tool = tools[(digest[1] + n) % len(tools)]
+            calls.append({"name": tool["name"], "arguments": _arguments(tool, query, n)})
+        body = "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
+        out = thought + body
+    else:
+        out = thought + f"Final answer after {answered} tool results: {rng.choice(_WORDS)}."
+    ids = state.tokenizer.encode(out, add_special_tokens=False).ids + [state.eos_id]
+    finish = "stop"
+    if len(ids) > max_tokens:
+        ids, finish = ids[:max_tokens], "length"
+    logprobs = [-rng.randrange(1, 8192) / 1024.0 for _ in ids]
+    return ids, logprobs, finish
+
+
+def _tools(text: str) -> list[dict[str, Any]]:
+    match = _TOOLS_BLOCK.search(text)
+    if match is None:
+        return []
+    tools = []
+    for line in match.group(1).splitlines():
+        try:
+            spec = json.loads(line)
+        except ValueError:
+            continue
+        fn = spec.get("function", spec)
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        tools.append({"name": fn["name"], "properties": props})
+    return tools
+
+
+def _last_user_turn(text: str) -> int:
+    """Start of the last user turn that is not just tool responses."""
+    at = len(text)
+    while True:
+        at = text.rfind(_USER_TURN, 0, at)
+        if at < 0 or not text.startswith("<tool_response>", at + len(_USER_TURN)):
+            return at
+
+
+def _first_words(tail: str) -> str:
+    body = tail[len(_USER_TURN) :].split("<|im_end|>", 1)[0]
+    return " ".join(body.split()[:3]) or "empty"
+
+
+def _arguments(tool: dict[str, Any], query: str, n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, schema in tool["properties"].items():
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        out[name] = n + len(query) if kind in ("integer", "number") else f"{query} #{n}"
+    return out or {"query": f"{query} #{n}"}
+
+
+# --- HTTP ----------------------------------------------------------------------------------------
+
+
+async def _wait_out(state: State, request: Request, rid: str, seconds: float) -> str | None:
+    """Sleep `seconds`, or less if the client disconnects ('disconnect') or the rid is aborted ('abort')."""
+    aborted = state.running[rid]
+    deadline = time.monotonic() + seconds
+    while True:
+        if aborted.is_set():
+            return "abort"
+        if await request.is_disconnected():
+            return "disconnect"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            await asyncio.wait_for(aborted.wait(), timeout=min(left, DISCONNECT_POLL_S))
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _generate(state: State, request: Request, api: str) -> Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        return JSONResponse({"error": "body is not JSON"}, status_code=400)
+    if api == "vllm":
+        prompt, params = body.get("token_ids"), body.get("sampling_params")
+        rid = str(body.get("request_id") or request.headers.get("x-request-id") or id(body))
+        max_key = "max_tokens"
+    else:
+        prompt, params = body.get("input_ids"), body.get("sampling_params")
+        rid, max_key = str(body.get("rid") or id(body)), "max_new_tokens"
+    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt) or not isinstance(params, dict):
+        return JSONResponse({"error": "token ids and sampling_params are required"}, status_code=400)
+    key = _routing_key(request)
+    state.requests.append(
+        {"api": api, "rid": rid, "key": key, "headers": dict(request.headers), "body": body, "at": time.time()}
+    )
+    fault = _fault_for(state, key)
+    if fault.status is not None and (fault.times is None or fault.times > 0):
+        if fault.times is not None:
+            fault.times -= 1
+        return JSONResponse({"error": "injected fault"}, status_code=fault.status)
+    state.running[rid] = asyncio.Event()
+    try:
+        outcome = await _wait_out(state, request, rid, HANG_S if fault.hang else fault.delay)
+    finally:
+        del state.running[rid]
+    if outcome == "disconnect":
+        state.disconnects.append({"api": api, "rid": rid, "key": key})
+        return Response(status_code=499)
+    ids, logprobs, finish = reply(state, prompt, int(params.get(max_key, 16)))
+    if outcome == "abort":
+        ids, logprobs, finish = [], [], "abort"
+    return JSONResponse(_vllm_body(rid, ids, logprobs, finish, params) if api == "vllm" else
+                        _sglang_body(state, rid, prompt, ids, logprobs, finish, body))
+
+
+def _vllm_body(rid: str, ids: list[int], lps: list[float], finish: str, params: dict[str, Any]) -> dict[str, Any]:
+    logprobs = None
+    if params.get("logprobs") is not None:  # vLLM returns logprobs only when asked
+        content = []
+        for t, lp in zip(ids, lps):
+            top = [{"token": f"token_id:{t}", "logprob": lp, "bytes": None}]
+            content.append({"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": top})
+        logprobs = {"content": content}
+    choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids}
+    return {"request_id": f"generate-tokens-{rid}", "choices": [choice], "prompt_logprobs": None,
+            "kv_transfer_params": None}
+
+
+def _sglang_body(state: State, rid: str, prompt: list[int], ids: list[int], lps: list[float], finish: str,
+                 body: dict[str, Any]) -> dict[str, Any]:
+    if finish == "stop":
+        reason: dict[str, Any] = {"type": "stop", "matched": state.eos_id}
+    elif finish == "length":
+        reason = {"type": "length", "length": len(ids)}
+    else:
+        reason = {"type": "abort", "message": "Abort before prefill", "status_code": None, "err_type": None}
+    meta: dict[str, Any] = {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt),
+                            "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": 0.0}
+    if body.get("return_logprob"):
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(ids, lps)]
+    text = state.tokenizer.decode(ids, skip_special_tokens=False)
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def build_app(state: State) -> Starlette:
+    async def vllm_generate(request: Request) -> Response:
+        return await _generate(state, request, "vllm")
+
+    async def sglang_generate(request: Request) -> Response:
+        return await _generate(state, request, "sglang")
+
+    async def abort_request(request: Request) -> Response:
+        body = await request.json()
+        rid = str(body.get("rid", ""))
+        state.aborts.append({"rid": rid, "key": _routing_key(request), "headers": dict(request.headers)})
+        if rid in state.running:
+            state.running[rid].set()
+        return Response(status_code=200)
+
+    async def configure(request: Request) -> Response:
+        body = await request.json()
+        if body.get("reset"):
+            state.faults.clear()
+            state.requests.clear()
+            state.aborts.clear()
+            state.disconnects.clear()
+        if "tool_rounds" in body:
+            state.tool_rounds = int(body["tool_rounds"])
+        if "fault" in body:
+            fault = Fault(**body["fault"])
+            state.faults[:] = [f for f in state.faults if f.key != fault.key] + [fault]
+        return JSONResponse({"ok": True})
+
+    async def log(request: Request) -> Response:
+        key = request.query_params.get("key")
+
+        def pick(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [i for i in items if key is None or i["key"] == key]
+
+        return JSONResponse(
+            {"requests": pick(state.requests), "aborts": pick(state.aborts), "disconnects": pick(state.disconnects)}
+        )
+
+    return Starlette(
+        routes=[
+            Route("/inference/v1/generate", vllm_generate, methods=["POST"]),
+            Route("/generate", sglang_generate, methods=["POST"]),
+            Route("/abort_request", abort_request, methods=["POST"]),
+            Route("/_fake/config", configure, methods=["POST"]),
+            Route("/_fake/log", log, methods=["GET"]),
+        ]
+    )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    tokenizer = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
+    eos_id = tokenizer.token_to_id("<|im_end|>")
+    if eos_id is None:
+        sys.exit("fake engine: the tokenizer has no <|im_end|> token")
+    state = State(tokenizer=tokenizer, eos_id=eos_id, tool_rounds=args.tool_rounds)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if serving.done():
+            serving.result()
+            sys.exit("fake engine: server stopped before it started")
+        await asyncio.sleep(0.01)
+    host, port = sock.getsockname()[:2]
+    print(f"{READY_LINE} http://{host}:{port}", flush=True)
+    await serving
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
+    parser.add_argument("--tool-rounds", type=int, default=2, help="tool-call replies before a final answer")
+    asyncio.run(_serve(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
