@@ -127,7 +127,10 @@ def build_rows(
             decisions["dropped"] += 1
             logger.warning(
                 "turn %s dropped: its %d-id prompt leaves no room under max_context_tokens=%d for its %d output ids",
-                rec.turn_id, len(t.prompt), max_context_tokens, len(t.output),
+                rec.turn_id,
+                len(t.prompt),
+                max_context_tokens,
+                len(t.output),
             )
         prepared.append(t)
     _label_from_tree(prepared)
@@ -138,7 +141,7 @@ def build_rows(
     starts = [_row_start(c.turns[0], first_seq) for c in chains]
     for start, _ in starts:
         decisions[start] += 1
-    rows = [_materialize(c, start, parent, decisions) for c, (start, parent) in zip(chains, starts)]
+    rows = [_materialize(c, start, parent, decisions) for c, (start, parent) in zip(chains, starts, strict=True)]
     logger.debug("built %d rows from %d turns: %s", len(rows), len(ordered), decisions)
     return rows
 
@@ -194,7 +197,9 @@ def _place(trained: list[_Turn], decisions: dict[str, int]) -> list[_Chain]:
             open_chains.remove(home)
             logger.warning(
                 "turn %s cut to %d of %d output ids by max_context_tokens",
-                t.rec.turn_id, t.keep, len(t.output),
+                t.rec.turn_id,
+                t.keep,
+                len(t.output),
             )
     return chains
 
@@ -256,7 +261,7 @@ def _label_from_tree(turns: list[_Turn]) -> None:
         for i, m in enumerate(msgs):
             # Prompts repeat the previous prompt's messages; equal raw dicts (a C-speed compare) reuse its key.
             keys.append(memo[i][1] if i < len(memo) and memo[i][0] == m else _message_key(m))
-        memo = list(zip(msgs, keys))
+        memo = list(zip(msgs, keys, strict=True))
         node = root
         depth = 0
         for key in keys:
@@ -311,7 +316,7 @@ def _text(content: Any) -> str:
 def _call_key(call: Any) -> tuple[str, str]:
     if not isinstance(call, dict):
         return ("?", _text(call))
-    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    fn: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else call
     args = fn.get("arguments")
     if isinstance(args, str):
         try:

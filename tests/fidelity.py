@@ -134,7 +134,7 @@ def assert_fidelity(turns: Sequence[Any], rows: Sequence[Any], *, max_context_to
     """Assert the fidelity rule; `max_context_tokens` allows each output to be cut to what fits after its prompt."""
     views = [_view(i, r, max_context_tokens) for i, r in enumerate(rows)]
     groups, need = _groups(turns, max_context_tokens)
-    sampled = sum(len(g.output) * n for g, n in zip(groups, need))
+    sampled = sum(len(g.output) * n for g, n in zip(groups, need, strict=True))
     trained = sum(v.mask.count(1) for v in views)
     assert trained == sampled, f"{trained} ids trained, {sampled} sampled (kept) over {len(turns)} turns"
     by_len: dict[int, list[int]] = {}
@@ -148,7 +148,7 @@ def assert_fidelity(turns: Sequence[Any], rows: Sequence[Any], *, max_context_to
         for gi in {gi for option in options for gi in option}:
             places[gi] += 1
         splits.append(options)
-    for g, n, p in zip(groups, need, places):
+    for g, n, p in zip(groups, need, places, strict=True):
         assert p >= n, (
             f"turn(s) {list(g.turn_ids)}: {len(g.output)} output ids trained after their exact prompt in {p} "
             f"row(s), expected {n}"
@@ -167,7 +167,6 @@ def assert_fidelity(turns: Sequence[Any], rows: Sequence[Any], *, max_context_to
                 left[gi] += 1
         return False
 
-    assert assign(0), (
-        "no way to train every turn exactly once: "
-        + "; ".join(f"{list(g.turn_ids)} needs {n}, fits {p} row(s)" for g, n, p in zip(groups, need, places))
+    assert assign(0), "no way to train every turn exactly once: " + "; ".join(
+        f"{list(g.turn_ids)} needs {n}, fits {p} row(s)" for g, n, p in zip(groups, need, places, strict=True)
     )

