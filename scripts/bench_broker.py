@@ -1,0 +1,398 @@
+"""Broker benchmark: commit ingest rate, finish_session latency, and memory per session.
+
+A thin CLI over public parts: the broker runs as `python -m broker` (a subprocess on
+port 0), publishers are separate processes speaking `broker.protocol` over plain zmq
+DEALERs like workers do, and the trainer side is `trainer_client.TrainerClient`.
+Measures (issue 6 targets): commits/s of ~4k-token prompts with 100-token outputs from
+4 concurrent publishers (growing sessions, so prefixes are shared as in real traffic);
+finish_session latency of a 50-turn session whose final context is 32k tokens; broker
+RSS per such session against its final token count. Prints medians of --runs runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from broker import protocol  # noqa: E402
+from trainer_client import TrainerClient  # noqa: E402
+
+READY_TIMEOUT_S = 30.0
+REPLY_TIMEOUT_S = 30.0
+CHARS_PER_TOKEN = 4  # English BPE: message text size tracks token count like this
+_READY = re.compile(r"BROKER READY worker=(\S+) control=(\S+)")
+
+
+# --- synthetic episodes ----------------------------------------------------------------
+
+
+def episode(seed: int, n_turns: int, first_prompt: int, tail: int, output: int) -> list[dict[str, Any]]:
+    """A growing episode: prompt[k+1] = prompt[k] + output[k] + tail; messages grow alike."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> array:
+        return array("i", rng.choices(range(1000, 150_000), k=n))
+
+    def text(n_tokens: int) -> str:
+        return "".join(rng.choices("abcdefghij klmnopqrst uvwxyz", k=n_tokens * CHARS_PER_TOKEN))
+
+    prompt = ids(first_prompt)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": text(200)},
+        {"role": "user", "content": text(first_prompt - 200)},
+    ]
+    turns = []
+    for k in range(n_turns):
+        out = ids(output)
+        response = {"role": "assistant", "content": text(output)}
+        turns.append(
+            {
+                "prompt_ids": prompt,
+                "output_ids": out,
+                "logprobs": array("f", [-0.5] * output),
+                "prompt_messages": list(messages),
+                "response_message": response,
+            }
+        )
+        prompt = prompt + out + ids(tail)
+        messages = [*messages, response, {"role": "user", "content": text(tail)}]
+    return turns
+
+
+# --- broker subprocess -------------------------------------------------------------------
+
+
+def start_broker(extra: list[str]) -> tuple[subprocess.Popen[str], str, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker", "--worker-endpoint", "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0"]
+        + ["--log-level", "WARNING", *extra],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        m = _READY.search(line)
+        if m:
+            return proc, m.group(1), m.group(2)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError("broker did not print its READY line")
+
+
+def stop_broker(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+# --- publishers ----------------------------------------------------------------------------
+
+
+class Worker:
+    """A blocking worker-side DEALER with a window of outstanding requests."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def recv(self) -> protocol.Message:
+        if not self.sock.poll(int(REPLY_TIMEOUT_S * 1000)):
+            raise TimeoutError("broker did not answer")
+        return protocol.decode_broker_to_worker(self.sock.recv())
+
+    def pipeline(self, frames: list[bytes], window: int) -> list[protocol.Message]:
+        replies = []
+        sent = 0
+        while len(replies) < len(frames):
+            while sent < len(frames) and sent - len(replies) < window:
+                self.sock.send(frames[sent])
+                sent += 1
+            replies.append(self.recv())
+        return replies
+
+
+def publisher(
+    endpoint: str, sids: list[str], seed: int, args: dict[str, Any], ready: Any, start: Any, results: Any
+) -> None:
+    ctx = zmq.Context()
+    w = Worker(ctx, endpoint)
+    n_turns = args["turns"]
+    eps = [episode(seed * 100_000 + i, n_turns, args["first_prompt"], args["tail"], args["output"]) for i in range(len(sids))]
+    rid = 0
+    opens, commits = [], []
+    # turn-major order: every session has a turn in flight, as with many concurrent agents
+    for k in range(n_turns):
+        for sid, ep in zip(sids, eps):
+            t = ep[k]
+            rid += 1
+            opens.append(protocol.encode(protocol.OpenTurn(rid, sid, f"{sid}-{k}")))
+            rid += 1
+            commits.append(
+                protocol.encode(
+                    protocol.CommitTurn(
+                        rid, sid, f"{sid}-{k}", t["prompt_ids"], t["output_ids"], t["logprobs"], "stop",
+                        t["prompt_messages"], t["response_message"],
+                    )
+                )
+            )
+    if not args["baseline"]:
+        replies = w.pipeline(opens, args["window"])
+        assert all(isinstance(r, protocol.TurnOpened) for r in replies), replies[:3]
+    ready.put(True)
+    start.wait()
+    t0 = time.monotonic()
+    replies = w.pipeline(commits, args["window"])
+    t1 = time.monotonic()
+    stored = sum(1 for r in replies if isinstance(r, protocol.TurnCommitted) and r.outcome == "stored")
+    results.put({"t0": t0, "t1": t1, "commits": len(commits), "stored": stored,
+                 "bytes": sum(map(len, commits)), "prompt_tokens": sum(len(e[k]["prompt_ids"]) for e in eps for k in range(n_turns))})
+    w.sock.close(0)
+    ctx.term()
+
+
+def echo_server(endpoint_out: Any, stop: Any) -> None:
+    """The baseline: a bare ROUTER that answers every frame with a fixed small reply, decoding nothing."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.bind("tcp://127.0.0.1:0")
+    endpoint_out.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    reply = protocol.encode(protocol.TurnCommitted(0, "t", "stored"))
+    while not stop.is_set():
+        if not sock.poll(100):
+            continue
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            sock.send_multipart([frames[0], reply], zmq.NOBLOCK)
+    ctx.destroy(linger=0)
+
+
+def bench_ingest(args: argparse.Namespace) -> dict[str, float]:
+    base = ingest_run(args, baseline=True)
+    out = ingest_run(args, baseline=False)
+    out["baseline_zmq_echo_msgs_per_s"] = base["commits_per_s"]
+    out["baseline_echo_cpu_us_per_msg"] = base["broker_cpu_us_per_commit"]
+    out["ratio_to_zmq_echo"] = out["commits_per_s"] / base["commits_per_s"]
+    return out
+
+
+def ingest_run(args: argparse.Namespace, baseline: bool) -> dict[str, float]:
+    spawn = mp.get_context("spawn")
+    stop = spawn.Event()
+    if baseline:
+        endpoints = spawn.Queue()
+        server = spawn.Process(target=echo_server, args=(endpoints, stop))
+        server.start()
+        worker_ep, pid = endpoints.get(timeout=30), server.pid
+    else:
+        proc, worker_ep, control_ep = start_broker([])
+        pid = proc.pid
+    try:
+        per = args.sessions // args.publishers
+        if baseline:
+            sids = [[f"p{p}-s{i}" for i in range(per)] for p in range(args.publishers)]
+        else:
+            client = TrainerClient(control_ep, timeout=60)
+            sids = [[client.open_session(session_id=f"p{p}-s{i}") for i in range(per)] for p in range(args.publishers)]
+        start, ready, results = spawn.Event(), spawn.Queue(), spawn.Queue()
+        params = {"turns": args.turns, "first_prompt": args.first_prompt, "tail": args.tail, "output": args.output,
+                  "window": args.window, "baseline": baseline}
+        procs = [spawn.Process(target=publisher, args=(worker_ep, sids[p], p + 1, params, ready, start, results))
+                 for p in range(args.publishers)]
+        for p in procs:
+            p.start()
+        for _ in procs:  # every publisher has built its frames and opened its turns
+            ready.get(timeout=600)
+        rss0, cpu0 = rss_bytes(pid), cpu_seconds(pid)
+        start.set()
+        res = [results.get(timeout=600) for _ in procs]
+        cpu = cpu_seconds(pid) - cpu0
+        rss1 = rss_bytes(pid)
+        for p in procs:
+            p.join(30)
+        t0, t1 = min(r["t0"] for r in res), max(r["t1"] for r in res)
+        commits = sum(r["commits"] for r in res)
+        assert sum(r["stored"] for r in res) == commits
+        stats = {"tokens_held": 0} if baseline else client.stats()
+        out = {
+            "commits": commits,
+            "seconds": t1 - t0,
+            "commits_per_s": commits / (t1 - t0),
+            # the publishers share this machine's cores with the broker: this is the rate one
+            # fully busy broker core would sustain
+            "broker_cpu_us_per_commit": 1e6 * cpu / commits,
+            "broker_cpu_util": cpu / (t1 - t0),
+            "mean_prompt_tokens": sum(r["prompt_tokens"] for r in res) / commits,
+            "mean_frame_kib": sum(r["bytes"] for r in res) / commits / 1024,
+            "MiB_per_s": sum(r["bytes"] for r in res) / (t1 - t0) / 2**20,
+            "broker_rss_growth_MiB": (rss1 - rss0) / 2**20,
+            "tokens_held": stats["tokens_held"],
+        }
+        if not baseline:
+            client.close()
+        return out
+    finally:
+        if baseline:
+            stop.set()
+            server.join(10)
+        else:
+            stop_broker(proc)
+
+
+# --- finish latency and memory per session ---------------------------------------------------
+
+
+def long_session(client: TrainerClient, w: Worker, seed: int, args: argparse.Namespace) -> tuple[str, int]:
+    n = args.long_turns
+    output = args.output
+    first = args.long_first_prompt
+    tail = (args.long_context - first - n * output) // (n - 1)
+    ep = episode(seed, n, first, tail, output)
+    sid = client.open_session(max_context_tokens=args.long_context + 1024)
+    frames = []
+    for k, t in enumerate(ep):
+        frames.append(protocol.encode(protocol.OpenTurn(2 * k, sid, f"t{k}")))
+        frames.append(protocol.encode(protocol.CommitTurn(
+            2 * k + 1, sid, f"t{k}", t["prompt_ids"], t["output_ids"], t["logprobs"], "stop",
+            t["prompt_messages"], t["response_message"])))
+    for f in frames:  # one turn after the other, like one agent
+        w.sock.send(f)
+        reply = w.recv()
+        assert not isinstance(reply, protocol.Refused), reply
+    final = len(ep[-1]["prompt_ids"]) + output
+    return sid, final
+
+
+def bench_finish(args: argparse.Namespace) -> dict[str, float]:
+    proc, worker_ep, control_ep = start_broker([])
+    ctx = zmq.Context()
+    try:
+        client = TrainerClient(control_ep, timeout=60)
+        w = Worker(ctx, worker_ep)
+        latencies, rows = [], 0
+        final = 0
+        for i in range(args.finish_sessions):
+            sid, final = long_session(client, w, 1000 + i, args)
+            t0 = time.perf_counter()
+            records = client.finish_session(sid, reward=1.0, wait_timeout=0)
+            latencies.append(time.perf_counter() - t0)
+            rows = len(records)
+        client.close()
+        w.sock.close(0)
+        return {"finish_ms_median": 1000 * statistics.median(latencies), "finish_ms_max": 1000 * max(latencies),
+                "final_context_tokens": final, "rows": rows}
+    finally:
+        ctx.term()
+        stop_broker(proc)
+
+
+def bench_memory(args: argparse.Namespace) -> dict[str, float]:
+    proc, worker_ep, control_ep = start_broker([])
+    ctx = zmq.Context()
+    try:
+        client = TrainerClient(control_ep, timeout=60)
+        w = Worker(ctx, worker_ep)
+        sid, _ = long_session(client, w, 1, args)  # warm up allocator and code paths
+        client.drop_session(sid)
+        base = rss_bytes(proc.pid)
+        final = 0
+        for i in range(args.memory_sessions):
+            _, final = long_session(client, w, 2000 + i, args)
+        grown = rss_bytes(proc.pid) - base
+        held = client.stats()
+        per_session = grown / args.memory_sessions
+        client.close()
+        w.sock.close(0)
+        return {
+            "rss_per_session_KiB": per_session / 1024,
+            "final_context_tokens": final,
+            "rss_bytes_per_token": per_session / final,
+            "goal_bytes_per_token": 8.0,
+            "gauge_bytes_per_token": held["bytes_held"] / args.memory_sessions / final,
+            "tokens_held_per_session": held["tokens_held"] / args.memory_sessions,
+        }
+    finally:
+        ctx.term()
+        stop_broker(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--publishers", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=800, help="sessions across all publishers (ingest)")
+    p.add_argument("--turns", type=int, default=8, help="turns per ingest session")
+    p.add_argument("--first-prompt", type=int, default=3400, help="first prompt tokens (ingest); grows per turn")
+    p.add_argument("--tail", type=int, default=60, help="new prompt tokens per turn besides the last output")
+    p.add_argument("--output", type=int, default=100)
+    p.add_argument("--window", type=int, default=64, help="outstanding commits per publisher")
+    p.add_argument("--long-turns", type=int, default=50)
+    p.add_argument("--long-context", type=int, default=32_768)
+    p.add_argument("--long-first-prompt", type=int, default=2_000)
+    p.add_argument("--finish-sessions", type=int, default=5)
+    p.add_argument("--memory-sessions", type=int, default=20)
+    p.add_argument("--only", choices=["ingest", "finish", "memory"], action="append")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = p.parse_args(argv)
+    parts = args.only or ["ingest", "finish", "memory"]
+    report: dict[str, Any] = {}
+    for name, fn in (("ingest", bench_ingest), ("finish", bench_finish), ("memory", bench_memory)):
+        if name not in parts:
+            continue
+        runs = [fn(args) for _ in range(args.runs)]
+        report[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        report[name]["runs"] = [{k: round(v, 2) for k, v in r.items()} for r in runs]
+        if not args.json:
+            print(f"{name} (median of {args.runs}): " + ", ".join(
+                f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in report[name].items() if k != "runs"
+            ), flush=True)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
