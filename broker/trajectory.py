@@ -291,7 +291,7 @@ def _label_from_tree(turns: list[_Turn]) -> None:
 
 
 def _message_key(m: Any) -> tuple[Any, ...]:
-    """Normalise what clients drop or add on echo: reasoning, tool-call ids, argument key order, whitespace."""
+    """Normalise what clients drop or add on echo: reasoning, tool-call ids, `name`, argument key order, whitespace."""
     if not isinstance(m, dict):
         return ("?", _text(m), ())
     role = str(m.get("role", ""))
@@ -309,8 +309,15 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content.strip()
     if isinstance(content, list):  # content parts, should a non-canonical message slip through
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content).strip()
-    return json.dumps(content, sort_keys=True, default=str)
+        return "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content).strip()
+    return _canonical_json(content)
+
+
+def _canonical_json(value: Any) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    except (TypeError, ValueError):  # mixed-type keys cannot be sorted: labels only, so any stable text will do
+        return repr(value)
 
 
 def _call_key(call: Any) -> tuple[str, str]:
@@ -323,4 +330,4 @@ def _call_key(call: Any) -> tuple[str, str]:
             args = json.loads(args)
         except ValueError:
             return (str(fn.get("name", "")), args.strip())
-    return (str(fn.get("name", "")), json.dumps(args, sort_keys=True, separators=(",", ":"), default=str))
+    return (str(fn.get("name", "")), _canonical_json(args))

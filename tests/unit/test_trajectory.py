@@ -401,6 +401,10 @@ def test_flags_and_bad_input(qwen: Any) -> None:
     assert rows[0].metadata["ill_formed"] is True and rows[0].metadata["use_tool"] is False
     with pytest.raises(ValueError, match="twice"):
         build_rows([t1, t1])
+    # messages are labels only: odd shapes (dict content, junk calls, lists as ids) never break a build
+    odd = [user({1: "a", "b": 2}), {"role": "assistant", "tool_calls": [call("f", x=1), "junk"]}, "not a message"]
+    t2 = TurnRecord("odd", 99, list(t1.prompt_ids + t1.output_ids), [7], [-0.5], "stop", odd, {})
+    check([t1, t2], build_rows([t2, t1]), [[t1.turn_id, "odd"]], ["first"])
     bad = TurnRecord("bad", 9, t1.prompt_ids, t1.output_ids, t1.logprobs[:-1], "stop", [], {})
     with pytest.raises(ValueError, match="bad.*logprobs"):
         build_rows([bad])
