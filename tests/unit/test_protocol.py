@@ -1,0 +1,241 @@
+"""broker.protocol: every message round-trips; garbage, unknown tags, wrong types and versions raise ProtocolError.
+
+Real msgpack throughout. Also pins the wire form the other side of each socket relies
+on: the frame layout, packed little-endian arrays, and schema evolution (an older
+peer's frame without trailing defaulted fields still decodes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from array import array
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import protocol
+from broker.protocol import (
+    AbortTurn,
+    CommitTurn,
+    DropSession,
+    FinishSession,
+    GetStats,
+    OpenSession,
+    OpenTurn,
+    ProtocolError,
+    Refused,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    Stats,
+    TraceRow,
+    TurnAborted,
+    TurnCommitted,
+    TurnOpened,
+    VersionMismatch,
+)
+
+IDS = protocol.ids_array([1, 151_643, 0, 2**31 - 1, -1])
+LPS = protocol.logprobs_array([-0.5, 0.0, -12.25, -1e-6, -3.0])
+
+MESSAGES: dict[str, list] = {
+    "worker_to_broker": [
+        OpenTurn(1, "sess", "turn-1"),
+        CommitTurn(
+            2, "sess", "turn-1", IDS, IDS[:2], LPS[:2], "stop",
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "héllo ✓"}],
+            {"role": "assistant", "content": "", "reasoning": "r",
+             "tool_calls": [{"name": "f", "arguments": {"b": 1, "a": [1, 2]}}]},
+            {"ill_formed": False}, {"engine_s": 0.25},
+        ),
+        CommitTurn(3, "sess", "empty", protocol.ids_array(), protocol.ids_array(), protocol.logprobs_array(), "length",
+                   [], {"role": "assistant", "content": ""}),
+        AbortTurn(4, "sess", "turn-2", "client_disconnect"),
+    ],
+    "broker_to_worker": [
+        TurnOpened(5, "turn-1", 7, {"temperature": 1.0, "stop": ["x"]}, 32_768),
+        TurnOpened(6, "turn-1", 0, {}, None),
+        TurnCommitted(7, "turn-1", "stored"),
+        TurnAborted(8, "turn-2"),
+        Refused(9, "turn_cap", "no more"),
+    ],
+    "trainer_to_broker": [
+        OpenSession(10, None, {"temperature": 0.5}, None, 8, {"task": "gsm8k"}),
+        OpenSession(11, "given-key", {}, 4096, None),
+        FinishSession(12, "sess", 1.0, "ep-7", {"k": [1, "v"]}, 5.0),
+        FinishSession(13, "sess", None, None, {}, 0.0),
+        DropSession(14, "sess"),
+        GetStats(15),
+    ],
+    "broker_to_trainer": [
+        SessionOpened(16, "rg-abc"),
+        SessionFinished(
+            17, "sess",
+            [TraceRow(IDS, array("B", [1, 0, 1]), LPS[:3], 3, "text", "ep-7", 1.0, "completed", {"use_tool": True}),
+             TraceRow(IDS[:1], array("B", [1]), LPS[:1], 1, "", None, None, "truncated", {})],
+            "complete", 2, 0,
+        ),
+        SessionFinished(18, "sess", [], "drain_timeout", 0, 3),
+        SessionDropped(19, "sess", True),
+        Stats(20, {"sessions_open": 3, "refusals": {"protocol": 1}}),
+        Refused(-1, "protocol", "garbage"),
+    ],
+}
+DECODERS = {direction: getattr(protocol, f"decode_{direction}") for direction in MESSAGES}
+ALL = [(direction, m) for direction, msgs in MESSAGES.items() for m in msgs]
+
+
+def _union_classes(direction: str) -> set[type]:
+    name = {"worker_to_broker": "WorkerToBroker", "broker_to_worker": "BrokerToWorker",
+            "trainer_to_broker": "TrainerToBroker", "broker_to_trainer": "BrokerToTrainer"}[direction]
+    return set(typing.get_args(getattr(protocol, name)))
+
+
+def test_every_message_of_every_direction_is_covered():
+    for direction, msgs in MESSAGES.items():
+        assert {type(m) for m in msgs} == _union_classes(direction)
+
+
+@pytest.mark.parametrize(("direction", "msg"), ALL, ids=lambda v: getattr(v, "TAG", v))
+def test_round_trip(direction, msg):
+    frame = protocol.encode(msg)
+    assert isinstance(frame, bytes)
+    decoded = DECODERS[direction](frame)
+    assert decoded == msg
+    assert type(decoded) is type(msg)
+    for f in dataclasses.fields(msg):  # packed fields come back as arrays of the same typecode
+        value = getattr(msg, f.name)
+        if isinstance(value, array):
+            assert getattr(decoded, f.name).typecode == value.typecode
+
+
+def test_frame_layout_and_packed_arrays_are_little_endian():
+    items = msgpack.unpackb(protocol.encode(MESSAGES["worker_to_broker"][1]), raw=False)
+    assert items[:5] == [protocol.PROTOCOL_VERSION, "commit_turn", 2, "sess", "turn-1"]
+    assert items[5] == b"".join(v.to_bytes(4, "little", signed=True) for v in IDS)  # bytes, not a list
+    assert isinstance(items[7], bytes) and len(items[7]) == 8  # two float32
+
+
+def test_an_older_peer_without_trailing_default_fields_still_decodes():
+    full = msgpack.unpackb(protocol.encode(MESSAGES["worker_to_broker"][1]), raw=False)
+    older = msgpack.packb(full[:-2], use_bin_type=True)  # no flags, no timings
+    decoded = protocol.decode_worker_to_broker(older)
+    assert decoded.flags == {} and decoded.timings == {}
+    assert decoded.prompt_ids == IDS
+
+
+GARBAGE = [
+    b"",
+    b"\xc1",  # never-used msgpack byte
+    b"\x92\x01",  # truncated array
+    msgpack.packb(7),
+    msgpack.packb({"version": 1}),
+    msgpack.packb([protocol.PROTOCOL_VERSION, "open_turn"]),  # too short
+    msgpack.packb([protocol.PROTOCOL_VERSION, "open_turn", 1, "s", "t"]) + b"\x00",  # trailing bytes
+]
+
+
+@pytest.mark.parametrize("frame", GARBAGE)
+@pytest.mark.parametrize("direction", list(DECODERS))
+def test_garbage_raises_protocol_error_without_a_request_id(direction, frame):
+    with pytest.raises(ProtocolError) as e:
+        DECODERS[direction](frame)
+    assert e.value.request_id is None
+    assert not isinstance(e.value, VersionMismatch)
+
+
+@pytest.mark.parametrize(
+    ("items", "fragment"),
+    [
+        ([protocol.PROTOCOL_VERSION, "no_such_tag", 5], "unknown message"),
+        ([protocol.PROTOCOL_VERSION, 3, 5], "unknown message"),
+        ([protocol.PROTOCOL_VERSION, "turn_opened", 5, "t", 1, {}, None], "unknown message"),  # other direction
+        ([protocol.PROTOCOL_VERSION, "open_turn", 5, 123, "t"], "OpenTurn.session_id: expected str"),
+        ([protocol.PROTOCOL_VERSION, "open_turn", 5, "s"], "OpenTurn"),  # missing a field
+        ([protocol.PROTOCOL_VERSION, "open_turn", 5, "s", "t", "extra"], "OpenTurn has 3"),
+        ([protocol.PROTOCOL_VERSION, "abort_turn", 5, "s", "t", None], "AbortTurn.reason"),
+        ([protocol.PROTOCOL_VERSION, "commit_turn", 5, "s", "t", b"\x00" * 5, b"", b"", "stop", [], {}], "packed"),
+        ([protocol.PROTOCOL_VERSION, "commit_turn", 5, "s", "t", [1, 2], b"", b"", "stop", [], {}], "packed"),
+        ([protocol.PROTOCOL_VERSION, "commit_turn", 5, "s", "t", b"", b"", b"", "stop", {}, {}], "prompt_messages"),
+        ([protocol.PROTOCOL_VERSION, "commit_turn", 5, "s", "t", b"", b"", b"", "stop", [], []], "response_message"),
+    ],
+)
+def test_wrong_tags_and_types_raise_protocol_error_with_the_request_id(items, fragment):
+    with pytest.raises(ProtocolError, match=fragment) as e:
+        protocol.decode_worker_to_broker(msgpack.packb(items, use_bin_type=True))
+    assert e.value.request_id == 5
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [protocol.PROTOCOL_VERSION, "finish_session", 6, "s", "high", None, {}, 1.0],  # reward: str
+        [protocol.PROTOCOL_VERSION, "finish_session", 6, "s", None, None, {}, True],  # a bool is no float
+        [protocol.PROTOCOL_VERSION, "open_session", 6, None, {}, "4096", None],  # max_context_tokens: str
+        [protocol.PROTOCOL_VERSION, "open_session", 6, None, {}, True, None],  # a bool is no int
+        [protocol.PROTOCOL_VERSION, "drop_session", 6, None],
+    ],
+)
+def test_trainer_side_type_errors(items):
+    with pytest.raises(ProtocolError) as e:
+        protocol.decode_trainer_to_broker(msgpack.packb(items))
+    assert e.value.request_id == 6
+
+
+def test_ints_are_accepted_where_floats_are_expected():
+    frame = msgpack.packb([protocol.PROTOCOL_VERSION, "finish_session", 6, "s", 1, None, {}, 5])
+    msg = protocol.decode_trainer_to_broker(frame)
+    assert (msg.reward, msg.wait_timeout) == (1.0, 5.0) and isinstance(msg.wait_timeout, float)
+
+
+@pytest.mark.parametrize("version", [0, protocol.PROTOCOL_VERSION + 1, "1", None])
+def test_wrong_version_is_a_version_mismatch_naming_both_versions(version):
+    frame = msgpack.packb([version, "get_stats", 9])
+    with pytest.raises(VersionMismatch) as e:
+        protocol.decode_trainer_to_broker(frame)
+    assert e.value.request_id == 9 and e.value.peer_version == version
+    assert str(protocol.PROTOCOL_VERSION) in str(e.value)
+    assert isinstance(e.value, ProtocolError)
+
+
+def test_request_id_is_only_trusted_when_it_is_an_int():
+    with pytest.raises(ProtocolError) as e:
+        protocol.decode_trainer_to_broker(msgpack.packb([protocol.PROTOCOL_VERSION, "nope", True]))
+    assert e.value.request_id is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_never_raise_anything_but_protocol_error(frame):
+    for decode in DECODERS.values():
+        try:
+            decode(frame)
+        except ProtocolError:
+            pass
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=5)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([cls.TAG for _, m in ALL for cls in [type(m)]]),
+    st.integers(-(2**63), 2**64 - 1),
+    st.lists(_values, max_size=12),
+)
+def test_well_formed_frames_with_random_fields_decode_or_raise_protocol_error(tag, rid, fields):
+    frame = msgpack.packb([protocol.PROTOCOL_VERSION, tag, rid, *fields], use_bin_type=True)
+    for decode in DECODERS.values():
+        try:
+            msg = decode(frame)
+        except ProtocolError as e:
+            assert e.request_id == rid
+        else:
+            assert msg.request_id == rid
