@@ -119,7 +119,10 @@ class Qwen3Parser:
             return _ill_formed(text, problem)
         try:
             parsed = self._tokenizer.parse_response(
-                text, schema=QWEN3_RESPONSE_TEMPLATE, prefix=head, tools=list(tools) if tools else None
+                text,
+                schema=QWEN3_RESPONSE_TEMPLATE,
+                prefix=head,
+                tools=[dict(tool) for tool in tools] if tools else None,
             )
         except Exception as e:  # any parser failure is a verdict on the output, never a 500
             return _ill_formed(text, f"unparseable reply: {e}")
@@ -143,7 +146,8 @@ class Qwen3Parser:
         ids = list(ids)
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=False)
-        return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text if isinstance(text, str) else "".join(text)
 
     def _prefix_tail(self, prefix: str | Sequence[int]) -> str:
         """The prompt from its last assistant anchor on: all the parser needs, without decoding 24k tokens."""

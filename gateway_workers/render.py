@@ -80,7 +80,11 @@ class Renderer:
         kwargs = {**self._template_kwargs, **(template_kwargs or {})}
         try:
             text = self._tokenizer.apply_chat_template(
-                chat, tools=tool_list, add_generation_prompt=True, tokenize=False, **kwargs
+                chat,
+                tools=tool_list,  # type: ignore[arg-type]  # plain dicts; HF's hint is invariant
+                add_generation_prompt=True,
+                tokenize=False,
+                **kwargs,
             )
         except jinja2.TemplateError as e:
             raise RenderError(f"the chat template refused this conversation: {e}") from e

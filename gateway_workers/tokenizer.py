@@ -44,7 +44,8 @@ class TokenizerLoadError(Exception):
 
 def builtin_template_text() -> str:
     """The text of our built-in Qwen3-style chat template (package data)."""
-    return importlib.resources.files("gateway_workers").joinpath("templates").joinpath(BUILTIN_TEMPLATE_NAME).read_text("utf-8")
+    templates = importlib.resources.files("gateway_workers").joinpath("templates")
+    return templates.joinpath(BUILTIN_TEMPLATE_NAME).read_text("utf-8")
 
 
 def cache_root() -> Path:
@@ -87,7 +88,7 @@ def prepare_tokenizer_dir(spec: str | None, chat_template_path: str | None = Non
     final = cache_root() / f"hub-{key}"
     if not (final / _COMPLETE_MARKER).exists():
         tokenizer = load_tokenizer(spec, chat_template_path)
-        _publish(final, lambda tmp: tokenizer.save_pretrained(tmp))
+        _publish(final, lambda tmp: _save(tokenizer, tmp))
     return str(final)
 
 
@@ -106,6 +107,10 @@ def _load_spec(spec: str) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as e:
         raise TokenizerLoadError(f"cannot load tokenizer {spec!r} (a local directory or a hub id): {e}") from e
+
+
+def _save(tokenizer: PreTrainedTokenizerBase, dest: Path) -> None:
+    tokenizer.save_pretrained(str(dest))
 
 
 def _load_dir(path: Path) -> PreTrainedTokenizerBase:

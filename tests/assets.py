@@ -2,9 +2,9 @@
 
 trl is data here, never code: its `chat_templates/qwen3.jinja` is located through the
 import system's finder without importing trl. The fake engine runs as a real subprocess
-(`tests/fake_engine.py`) in its own process group, started with a readiness line and a
-deadline, stopped with SIGTERM then SIGKILL by group, its output kept for failure reports.
-Imports only the stdlib, so any test module may import it cheaply.
+(`tests/fake_engine.py`) under tests/processes.py's TestProcess: its own process group,
+a readiness line awaited with a deadline, SIGTERM then SIGKILL by group, output dumped
+when a test fails. Imports only the stdlib, so any test module may import it cheaply.
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from processes import TestProcess
 
 TRL_QWEN3_SHA256 = "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8"
 FAKE_ENGINE_SCRIPT = Path(__file__).with_name("fake_engine.py")
@@ -67,32 +65,28 @@ def sha256_file(path: Path) -> str:
 
 
 class FakeEngine:
-    """A running `tests/fake_engine.py` process: its base url and its test controls."""
+    """A running `tests/fake_engine.py` process (a TestProcess): its base url and its test controls."""
 
     def __init__(self, tokenizer_dir: str, tool_rounds: int = 2) -> None:
-        cmd = [sys.executable, "-u", str(FAKE_ENGINE_SCRIPT), "--port", "0", "--tokenizer", tokenizer_dir,
-               "--tool-rounds", str(tool_rounds)]
-        self._proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        self.output: list[str] = []
-        ready = threading.Event()
-        self.url = ""
-
-        def pump() -> None:
-            assert self._proc.stdout is not None
-            for line in self._proc.stdout:
-                self.output.append(line)
-                if line.startswith("FAKE ENGINE READY "):
-                    self.url = line.split()[-1]
-                    ready.set()
-            ready.set()  # EOF: the process is gone
-
-        self._reader = threading.Thread(target=pump, daemon=True)
-        self._reader.start()
-        if not ready.wait(FAKE_ENGINE_START_TIMEOUT_S) or not self.url:
-            self.stop()
-            raise RuntimeError("fake engine did not start:\n" + "".join(self.output))
+        self.process = TestProcess(
+            [
+                sys.executable,
+                "-u",
+                str(FAKE_ENGINE_SCRIPT),
+                "--port",
+                "0",
+                "--tokenizer",
+                tokenizer_dir,
+                "--tool-rounds",
+                str(tool_rounds),
+            ],
+            name="fake_engine",
+        ).start()
+        try:
+            self.url = self.process.expect(r"FAKE ENGINE READY (\S+)", FAKE_ENGINE_START_TIMEOUT_S).group(1)
+        except BaseException:
+            self.process.stop()
+            raise
 
     def configure(self, **body: Any) -> None:
         """POST /_fake/config, e.g. reset=True, fault={"status": 500, "times": 1, "key": ...}."""
@@ -111,27 +105,20 @@ class FakeEngine:
 
     def stop(self) -> None:
         """SIGTERM the process group, then SIGKILL it if it lingers."""
-        if self._proc.poll() is None:
-            _signal_group(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(PROCESS_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                _signal_group(self._proc.pid, signal.SIGKILL)
-                self._proc.wait(PROCESS_STOP_TIMEOUT_S)
-        self._reader.join(PROCESS_STOP_TIMEOUT_S)
+        self.process.stop(PROCESS_STOP_TIMEOUT_S)
+        # TestProcess leaves its stdout pipe open after the reader hits EOF; an unclosed pipe is a
+        # ResourceWarning, an error under filterwarnings=error. Close it once the process is gone.
+        proc = getattr(self.process, "_proc", None)
+        if proc is not None and proc.stdout is not None and not proc.stdout.closed:
+            proc.stdout.close()
 
     def __enter__(self) -> FakeEngine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.stop()
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
+        if exc_type is not None:
+            self.process.dump()
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> bool:

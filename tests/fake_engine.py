@@ -206,36 +206,50 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     ids, logprobs, finish = reply(state, prompt, int(params.get(max_key, 16)))
     if outcome == "abort":
         ids, logprobs, finish = [], [], "abort"
-    return JSONResponse(_vllm_body(rid, ids, logprobs, finish, params) if api == "vllm" else
-                        _sglang_body(state, rid, prompt, ids, logprobs, finish, body))
+    return JSONResponse(
+        _vllm_body(rid, ids, logprobs, finish, params)
+        if api == "vllm"
+        else _sglang_body(state, rid, prompt, ids, logprobs, finish, body)
+    )
 
 
 def _vllm_body(rid: str, ids: list[int], lps: list[float], finish: str, params: dict[str, Any]) -> dict[str, Any]:
     logprobs = None
     if params.get("logprobs") is not None:  # vLLM returns logprobs only when asked
         content = []
-        for t, lp in zip(ids, lps):
+        for t, lp in zip(ids, lps, strict=True):
             top = [{"token": f"token_id:{t}", "logprob": lp, "bytes": None}]
             content.append({"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": top})
         logprobs = {"content": content}
     choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids}
-    return {"request_id": f"generate-tokens-{rid}", "choices": [choice], "prompt_logprobs": None,
-            "kv_transfer_params": None}
+    return {
+        "request_id": f"generate-tokens-{rid}",
+        "choices": [choice],
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
 
 
-def _sglang_body(state: State, rid: str, prompt: list[int], ids: list[int], lps: list[float], finish: str,
-                 body: dict[str, Any]) -> dict[str, Any]:
+def _sglang_body(
+    state: State, rid: str, prompt: list[int], ids: list[int], lps: list[float], finish: str, body: dict[str, Any]
+) -> dict[str, Any]:
     if finish == "stop":
         reason: dict[str, Any] = {"type": "stop", "matched": state.eos_id}
     elif finish == "length":
         reason = {"type": "length", "length": len(ids)}
     else:
         reason = {"type": "abort", "message": "Abort before prefill", "status_code": None, "err_type": None}
-    meta: dict[str, Any] = {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt),
-                            "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": 0.0}
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": reason,
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "e2e_latency": 0.0,
+    }
     if body.get("return_logprob"):
         meta["input_token_logprobs"] = []
-        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(ids, lps)]
+        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(ids, lps, strict=True)]
     text = state.tokenizer.decode(ids, skip_special_tokens=False)
     return {"text": text, "output_ids": ids, "meta_info": meta}
 

@@ -141,9 +141,7 @@ class HttpEngineBase:
         self._config = config
         self._urls = tuple(url.rstrip("/") for url in config.urls)
         self._client: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(
-            total=config.request_timeout_s, sock_connect=config.connect_timeout_s
-        )
+        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=config.connect_timeout_s)
 
     def route(self, session_id: str) -> tuple[str, dict[str, str]]:
         """(replica base url, routing headers) for a session."""

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from gateway_workers.engines.base import EngineConfig, EngineResult, SamplingParams
+from gateway_workers.engines.base import EngineConfig, EngineResult, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class MockEngine:
         rng = random.Random(digest.digest())
         text = self._reply_text(prompt_ids, rng)
         ids = self._tokenizer.encode(text, add_special_tokens=False) + [self._eos]
-        finish = "stop"
+        finish: FinishReason = "stop"
         if len(ids) > params.max_tokens:
             ids, finish = ids[: max(params.max_tokens, 0)], "length"
         logprobs = [-rng.randrange(1, _LOGPROB_STEPS) / 1024.0 for _ in ids]
@@ -146,8 +146,9 @@ def _parse_tools(text: str) -> list[dict[str, Any]]:
             continue
         fn = spec.get("function", spec) if isinstance(spec, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-            props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            props = props if isinstance(props, dict) else {}
             tools.append({"name": fn["name"], "properties": props})
     return tools
 

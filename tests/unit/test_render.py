@@ -207,7 +207,9 @@ def test_bad_conversations_raise_render_error(builtin_tokenizer, messages, tools
 
 
 STRICT_TEMPLATE = """{%- for m in messages -%}
-{%- if (m.role == 'user') != (loop.index0 % 2 == 0) -%}{{ raise_exception('roles must alternate user/assistant') }}{%- endif -%}
+{%- if (m.role == 'user') != (loop.index0 % 2 == 0) -%}
+{{- raise_exception('roles must alternate user/assistant') -}}
+{%- endif -%}
 {{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
