@@ -79,15 +79,17 @@ class CapturedReply(Response):
 
     def __init__(self, turn: CapturedTurn, chunks: list[bytes], media_type: str, watcher: DisconnectWatcher,
                  counters: Counter[str]) -> None:
-        super().__init__(status_code=200, media_type=media_type)
+        self.status_code = 200
+        self.background = None
         self.turn = turn
         self.chunks = chunks
         self.watcher = watcher
         self.counters = counters
         if media_type == "text/event-stream":
-            self.headers["cache-control"] = "no-cache"
+            self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         else:
-            self.headers["content-length"] = str(sum(len(c) for c in chunks))
+            length = str(sum(len(c) for c in chunks)).encode()
+            self.raw_headers = [(b"content-type", media_type.encode()), (b"content-length", length)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sent = False

@@ -10,8 +10,10 @@ from `broker`; nothing here blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -71,12 +73,15 @@ class Backplane:
             if future is not None and not future.done():
                 future.set_result(reply)  # a late reply to a retried request finds no future: fine
 
-    async def _request(self, build: type, timeout: float, **fields: object) -> protocol.BrokerToWorker:
+    async def _request(
+        self, build: Callable[[int], protocol.WorkerToBroker], timeout: float
+    ) -> protocol.BrokerToWorker:
+        """Send `build(request_id)` and wait for the reply with that id."""
         request_id = next(self._ids)
         future: asyncio.Future[protocol.BrokerToWorker] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            await self._sock.send(protocol.encode(build(request_id=request_id, **fields)))
+            await self._sock.send(protocol.encode(build(request_id)))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._pending.pop(request_id, None)
@@ -84,7 +89,9 @@ class Backplane:
     async def open_turn(self, session_id: str, turn_id: str) -> protocol.TurnOpened:
         """OPEN: raises TurnRefused (unknown session, closed, cap) or BrokerUnavailable."""
         try:
-            reply = await self._request(protocol.OpenTurn, OPEN_TIMEOUT_S, session_id=session_id, turn_id=turn_id)
+            reply = await self._request(
+                lambda rid: protocol.OpenTurn(request_id=rid, session_id=session_id, turn_id=turn_id), OPEN_TIMEOUT_S
+            )
         except asyncio.TimeoutError:
             raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {OPEN_TIMEOUT_S}s") from None
         if isinstance(reply, protocol.TurnOpened):
@@ -106,14 +113,15 @@ class Backplane:
         task.add_done_callback(self._commits.discard)
 
     async def _retry(self, message: protocol.CommitTurn | protocol.AbortTurn) -> None:
-        fields = {f: getattr(message, f) for f in message.__dataclass_fields__ if f != "request_id"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + COMMIT_DEADLINE_S
         attempt = 0
         while True:
             attempt += 1
             try:
-                reply = await self._request(type(message), ATTEMPT_TIMEOUT_S, **fields)
+                reply = await self._request(lambda rid: dataclasses.replace(message, request_id=rid), ATTEMPT_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
             except asyncio.TimeoutError:
                 if loop.time() > deadline:
                     logger.error(
@@ -124,6 +132,9 @@ class Backplane:
                 logger.warning("%s of turn %s not acknowledged yet (attempt %d); resending",
                                message.TAG, message.turn_id, attempt)
                 continue
+            except Exception:
+                logger.exception("%s of turn %s (session %s) failed", message.TAG, message.turn_id, message.session_id)
+                return
             if isinstance(reply, protocol.Refused):
                 logger.error("broker refused %s of turn %s (session %s): %s %s",
                              message.TAG, message.turn_id, message.session_id, reply.code, reply.message)

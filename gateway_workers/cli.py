@@ -27,12 +27,12 @@ from uvicorn.supervisors import Multiprocess
 from broker import protocol
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines.base import EngineConfig
-from gateway_workers.tokenizer import prepare_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
 BROKER_START_TIMEOUT_S = 30.0
 WORKERS_START_TIMEOUT_S = 180.0
+WORKER_HEALTHCHECK_S = 60  # a worker loads its tokenizer before it answers uvicorn's pings
 BROKER_STOP_TIMEOUT_S = 10.0
 _BROKER_READY = re.compile(r"BROKER READY worker=(\S+) control=(\S+)")
 
@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir: str | None) -> WorkerConfig:
     if args.engine_kind != "mock" and not args.engine_url:
         raise SystemExit(f"--engine-kind {args.engine_kind} needs at least one --engine-url")
-    engine = replace(EngineConfig(), kind=args.engine_kind, urls=list(args.engine_url),
+    engine = replace(EngineConfig(), kind=args.engine_kind, urls=tuple(args.engine_url),
                      request_timeout_s=args.engine_timeout, mock_delay_s=args.mock_delay)
     return WorkerConfig(
         broker_endpoint=broker_endpoint,
@@ -152,6 +152,7 @@ def _run_workers(args: argparse.Namespace, config: WorkerConfig, control: str | 
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=30,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
     )
     sock = uv_config.bind_socket()
     host, port = sock.getsockname()[:2]
@@ -170,6 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["broker"]:
         os.execv(sys.executable, [sys.executable, "-m", "broker", *argv[1:]])
     args = _parser().parse_args(argv)
+    # transformers warns at import that torch is absent; token-in/token-out never needs torch.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from gateway_workers.tokenizer import prepare_tokenizer_dir
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(message)s")
     tokenizer_dir = prepare_tokenizer_dir(args.tokenizer)
     if args.command == "workers":

@@ -51,7 +51,9 @@ class WorkerConfig:
             return cls()
         try:
             values = json.loads(raw)
-            values["engine"] = EngineConfig(**values.get("engine", {}))
+            engine = values.get("engine", {})
+            engine["urls"] = tuple(engine.get("urls", ()))
+            values["engine"] = EngineConfig(**engine)
             return cls(**values)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{CONFIG_ENV} is not a valid worker config: {e}") from e
