@@ -241,3 +241,40 @@ def test_render_from_many_threads_matches_sequential(tokenizer):
     with ThreadPoolExecutor(max_workers=8) as pool:
         threaded = list(pool.map(lambda c: list(renderer.render(c, TOOLS).prompt_ids), conversations))
     assert threaded == sequential
+
+
+def test_cache_root_respects_xdg_cache_home(monkeypatch, tmp_path):
+    from gateway_workers.tokenizer import cache_root
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_root() == tmp_path / "rollout-gateway" / "tokenizers"
+
+
+def test_concurrent_builders_publish_one_complete_dir(tmp_path):
+    """Parallel workers building the same cache entry: one rename wins, every caller sees a complete dir."""
+    import threading
+
+    from gateway_workers.tokenizer import _publish
+
+    final = tmp_path / "entry"
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def build(dest: Path) -> None:
+        (dest / "tokenizer.json").write_text(threading.current_thread().name)
+        barrier.wait(5)  # everyone has a finished temp dir before anyone renames
+
+    def worker() -> None:
+        try:
+            _publish(final, build)
+            assert (final / ".complete").exists() and (final / "tokenizer.json").read_text()
+        except BaseException as e:  # collected and re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, name=f"w{i}") for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]  # losers cleaned their temp dirs
