@@ -74,10 +74,11 @@ class TestProcess:
 
     def _read(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
-            with self._cond:
-                self._lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
+        with self._proc.stdout:  # closed at EOF: an open pipe would warn as an unclosed file
+            for line in self._proc.stdout:
+                with self._cond:
+                    self._lines.append(line.rstrip("\n"))
+                    self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
 
