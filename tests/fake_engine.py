@@ -1,17 +1,13 @@
-"""A stand-in inference engine process for tests: vLLM's and SGLang's token-in/token-out wire formats.
+"""A stand-in inference engine process for tests: vLLM's and SGLang's exact token-in/token-out formats.
 
-Run: `python tests/fake_engine.py --port 0 --tokenizer DIR`; prints
-`FAKE ENGINE READY http://127.0.0.1:PORT` once listening. Serves vLLM
-`POST /inference/v1/generate` and SGLang `POST /generate` + `POST /abort_request` with the
-exact request/response shapes (see gateway_workers/engines/{vllm,sglang}.py), plus test
-controls: `POST /_fake/config` (delay, injected HTTP errors, hang) and `GET /_fake/log`
-(requests, aborts and client disconnects seen, with ids and headers). Faults can be
-scoped to one routing key so tests sharing the process do not disturb each other.
-Policy: with tools declared and fewer than `tool_rounds` tool responses since the last
-user message, reply `<think>..</think>` + one or two Qwen3 `<tool_call>`s whose JSON
-arguments derive from the prompt; otherwise a final text answer; always end with
-<|im_end|>. Ids and logprobs (multiples of 1/1024, exact in float32) are a pure function
-of the prompt ids. Depends only on starlette, uvicorn and `tokenizers`, never on our code.
+`python tests/fake_engine.py --port 0 --tokenizer DIR` prints `FAKE ENGINE READY http://HOST:PORT`.
+Routes: vLLM `POST /inference/v1/generate`, SGLang `POST /generate` + `POST /abort_request`,
+and test controls `POST /_fake/config` (delay, injected HTTP errors, hang; scoped to a routing
+key so tests sharing the process do not collide) and `GET /_fake/log` (requests, aborts, disconnects).
+Policy: tools declared and fewer than `tool_rounds` tool responses since the last user turn ->
+`<think>..</think>` + one or two Qwen3 `<tool_call>`s with arguments from the prompt; else a final
+answer; always `<|im_end|>`. Ids and logprobs (k/1024: exact in float32) depend only on the prompt.
+Depends on starlette, uvicorn and `tokenizers` only, never on the code under test.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """SGLang backend: token-in/token-out over `POST /generate`, with `POST /abort_request` on cancel.
 
-Wire format matched (SGLang `python/sglang/srt/managers/io_struct.py` GenerateReqInput /
-AbortReq, `sampling/sampling_params.py`, `managers/tokenizer_manager.py` meta_info,
-`entrypoints/http_server.py` routes; v0.4.x-v0.5.x, read via docs.sglang.io and the
-sgl-project/sglang sources):
-  request  {"input_ids": [int], "sampling_params": {max_new_tokens, temperature, top_p,
-            top_k, stop, sampling_seed, skip_special_tokens}, "return_logprob": true,
-            "logprob_start_len": -1, "rid": str, "stream": false}
-  response {"output_ids": [int] (recent releases), "meta_info": {"id", "finish_reason":
-            {"type": "stop"|"length"|"abort", ...}, "output_token_logprobs":
-            [[logprob, token_id, text|null], ...], ...}, "text"?: str}
-  abort    {"rid": str}
-A cancelled or timed-out generate sends the abort with its own short bound, shielded so
-the cancellation cannot skip it; failures of that best-effort call are logged.
+Matched against sgl-project/sglang (v0.4-v0.5) `managers/io_struct.py` (GenerateReqInput,
+AbortReq), `sampling/sampling_params.py`, `managers/tokenizer_manager.py` (meta_info) and
+`entrypoints/http_server.py`, plus docs.sglang.io. Request: {input_ids, sampling_params
+{max_new_tokens, temperature, top_p, top_k, stop, sampling_seed}, return_logprob: true,
+logprob_start_len: -1, rid, stream: false}. Response: {output_ids (recent), meta_info
+{finish_reason {type: stop|length|abort}, output_token_logprobs [[logprob, id, text]]}}.
+A cancelled or timed-out generate sends {"rid"} to /abort_request with its own short bound,
+shielded so the cancellation cannot skip it; a failed abort is logged.
 """
 
 from __future__ import annotations

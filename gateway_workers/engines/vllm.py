@@ -1,16 +1,12 @@
-"""vLLM backend: token-in/token-out over `POST /inference/v1/generate`.
+"""vLLM backend: token-in/token-out over `POST /inference/v1/generate` (vLLM >= 0.11.2).
 
-Wire format matched (vLLM v0.11.2 `vllm/entrypoints/openai/serving_tokens.py`, moved to
-`vllm/entrypoints/serve/disagg/{protocol,serving,api_router}.py` in later releases; read
-via the docs.vllm.ai API pages and the vllm-project/vllm sources):
-  request  {"request_id", "token_ids": [int], "sampling_params": {max_tokens, temperature,
-            top_p, top_k, seed, stop, logprobs: 0, detokenize}, "stream": false, "model"?}
-  response {"request_id", "choices": [{"index", "token_ids": [int], "finish_reason":
-            "stop"|"length"|"abort", "logprobs": {"content": [{"token": "token_id:N",
-            "logprob": float, ...}]}}], ...}
-`logprobs: 0` returns the sampled token's own logprob only. The route is wrapped in vLLM's
-`with_cancellation`, so closing the connection (a cancelled `generate`) aborts the request.
-The request id also goes in `X-Request-Id`, which vLLM prefers for its own request id.
+Matched against vllm-project/vllm `entrypoints/openai/serving_tokens.py` (v0.11.2), later
+`entrypoints/serve/disagg/{protocol,serving,api_router}.py`, and the docs.vllm.ai API pages.
+Request: {request_id, token_ids, sampling_params {max_tokens, temperature, top_p, top_k, seed,
+stop, logprobs: 0 (= the sampled token's own), detokenize}, stream: false, model?}. Response:
+{choices: [{token_ids, finish_reason, logprobs: {content: [{token: "token_id:N", logprob}]}}]}.
+The route runs under vLLM's `with_cancellation`: closing the connection (a cancelled
+`generate`) aborts the request. `X-Request-Id` carries our id, which vLLM prefers.
 """
 
 from __future__ import annotations
