@@ -160,10 +160,9 @@ def _run_workers(args: argparse.Namespace, config: WorkerConfig, control: str | 
     print(f"rollout-gateway: agents use {base}/v1" + (f", trainers connect to {control}" if control else ""),
           flush=True)
     threading.Thread(target=_announce_when_healthy, args=(base, control), daemon=True).start()
-    if args.workers > 1:
-        Multiprocess(uv_config, sockets=[sock]).run()
-    else:
-        uvicorn.Server(uv_config).run(sockets=[sock])
+    # Always supervised, even for one worker: the supervisor turns SIGINT/SIGTERM into a clean
+    # return (uvicorn.Server.run would re-raise the signal and skip stopping the broker).
+    Multiprocess(uv_config, sockets=[sock]).run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,14 +90,6 @@ class CapturedTurn:
             return "length"
         return "tool_calls" if self.parsed.tool_calls else "stop"
 
-    def response_message(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": self.parsed.content}
-        if self.parsed.reasoning:
-            message["reasoning"] = self.parsed.reasoning
-        if self.parsed.tool_calls:
-            message["tool_calls"] = [{"name": c["name"], "arguments": c["arguments"]} for c in self.parsed.tool_calls]
-        return message
-
     def commit(self) -> None:
         if self._settled or self._backplane is None:
             return
@@ -115,7 +107,7 @@ class CapturedTurn:
                 logprobs=array("f", self.result.logprobs),
                 finish_reason=self.result.finish_reason,
                 prompt_messages=self.request.messages,
-                response_message=self.response_message(),
+                response_message=self.parsed.canonical_message(),
                 flags=flags,
                 timings=self.timings,
             )

@@ -40,6 +40,7 @@ class Gateway:
     client: TrainerClient
     process: subprocess.Popen[str]
     output: deque[str] = field(default_factory=lambda: deque(maxlen=2000))
+    reader: threading.Thread | None = None
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         self.client.close()
@@ -52,6 +53,14 @@ class Gateway:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)  # anything left in the group
         self.process.wait()
+        _close_output(self.process, self.reader)
+
+
+def _close_output(process: subprocess.Popen[str], reader: threading.Thread | None) -> None:
+    if reader is not None:
+        reader.join(STOP_TIMEOUT_S)  # it ends at EOF, once every process holding the pipe is gone
+    if process.stdout is not None:
+        process.stdout.close()
 
 
 @contextlib.contextmanager
@@ -92,7 +101,8 @@ def launch_gateway(
                 got_ready.set()
         got_ready.set()  # EOF: the process is gone
 
-    threading.Thread(target=pump, name="gateway-output", daemon=True).start()
+    reader = threading.Thread(target=pump, name="gateway-output", daemon=True)
+    reader.start()
     deadline = time.monotonic() + ready_timeout
     while not ready and time.monotonic() < deadline and proc.poll() is None:
         got_ready.wait(0.1)
@@ -100,10 +110,11 @@ def launch_gateway(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        _close_output(proc, reader)
         raise GatewayStartError("rollout-gateway serve did not become ready:\n" + "".join(list(output)[-60:]))
     base_url, control_endpoint = ready[0]
     gateway = Gateway(base_url, control_endpoint, TrainerClient(control_endpoint, timeout=client_timeout), proc,
-                      output)
+                      output, reader)
     try:
         yield gateway
     finally:
