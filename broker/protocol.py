@@ -40,6 +40,8 @@ ErrorCode = Literal[
     "version_mismatch",  # peer speaks another PROTOCOL_VERSION
     "busy",  # a bounded resource is full; retry later
     "internal",  # a failure of the broker's own; logged there
+    "unknown_turn",  # GetTurn: no committed turn with that id in that session
+    "turn_pending",  # GetTurn: the turn is still in flight (its commit may be on its way); retry shortly
 ]
 
 
@@ -164,6 +166,19 @@ class AbortTurn(Message):
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class GetTurn(Message):
+    """Ask for a committed turn's canonical messages (an API's `previous_response_id`).
+
+    Only turns of `session_id` are found, so a response id never leaks across sessions.
+    An empty `turn_id` only checks that the session is open (`Refused` unknown_turn if it is).
+    """
+
+    TAG: ClassVar[str] = "get_turn"
+    session_id: str
+    turn_id: str
+
+
 # Broker -> worker
 
 
@@ -193,6 +208,16 @@ class TurnAborted(Message):
 
     TAG: ClassVar[str] = "turn_aborted"
     turn_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFound(Message):
+    """A committed turn's canonical prompt messages and response message (see `CommitTurn`)."""
+
+    TAG: ClassVar[str] = "turn_found"
+    turn_id: str
+    prompt_messages: list[dict[str, Any]]
+    response_message: dict[str, Any]
 
 
 # Trainer -> broker
@@ -302,8 +327,8 @@ class Refused(Message):
     message: str
 
 
-WorkerToBroker = Union[OpenTurn, CommitTurn, AbortTurn]
-BrokerToWorker = Union[TurnOpened, TurnCommitted, TurnAborted, Refused]
+WorkerToBroker = Union[OpenTurn, CommitTurn, AbortTurn, GetTurn]
+BrokerToWorker = Union[TurnOpened, TurnCommitted, TurnAborted, TurnFound, Refused]
 TrainerToBroker = Union[OpenSession, FinishSession, DropSession, GetStats]
 BrokerToTrainer = Union[SessionOpened, SessionFinished, SessionDropped, Stats, Refused]
 

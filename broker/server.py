@@ -242,6 +242,8 @@ class BrokerServer:
                     self.registry.abort_turn(msg.session_id, msg.turn_id)
                     self._after_turn_ended(msg.session_id)
                     return protocol.TurnAborted(msg.request_id, msg.turn_id)
+                case protocol.GetTurn():
+                    return self.handle_get_turn(msg)
             raise TypeError(f"no handler for {type(msg).__name__}")
         except Refusal as r:
             return protocol.Refused(msg.request_id, r.code, r.message)
@@ -272,6 +274,21 @@ class BrokerServer:
         except Exception:
             logger.exception("%s for session %s failed", msg.TAG, getattr(msg, "session_id", None))
             return protocol.Refused(msg.request_id, "internal", f"the broker failed handling {msg.TAG}; see its log")
+
+    def handle_get_turn(self, msg: protocol.GetTurn) -> protocol.Message:
+        """A committed turn's canonical messages, looked up in that session only (ids never cross sessions)."""
+        session = self.registry.get(msg.session_id)
+        if session.state != "open":
+            raise Refusal("session_closed", f"session {msg.session_id!r} is finishing; no new turns")
+        stored = session.committed.get(msg.turn_id)
+        if stored is None:
+            if msg.turn_id in session.in_flight:
+                # Its reply reached the agent just before its COMMIT reached us: the worker retries.
+                raise Refusal("turn_pending", f"turn {msg.turn_id!r} is not committed yet")
+            raise Refusal("unknown_turn", f"session {msg.session_id!r} has no committed turn {msg.turn_id!r}")
+        messages = [m for start, stop in stored.msg_ranges for m in session.messages[start:stop]]
+        n = stored.n_prompt_messages
+        return protocol.TurnFound(msg.request_id, msg.turn_id, messages[:n], messages[n])
 
     # --- finish / drop -----------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """The worker side of the backplane: one zmq.asyncio DEALER from this worker to the broker.
 
 Owns the socket (created in the Starlette lifespan, never at import), a reader task
-that resolves futures keyed by request id, and the three turn requests: OPEN (before
+that resolves futures keyed by request id, and the turn requests: OPEN (before
 rendering), COMMIT (after the reply was sent; retried until ACKed, the broker
-de-duplicates by turn id) and ABORT. Imports `broker.protocol` and nothing else
-from `broker`; nothing here blocks the event loop.
+de-duplicates by turn id), ABORT, and GET (a committed turn's messages, for
+`previous_response_id`). Imports `broker.protocol` and nothing else from `broker`;
+nothing here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 OPEN_TIMEOUT_S = 5.0  # an agent waits this long for the broker before getting a 503
 ATTEMPT_TIMEOUT_S = 2.0  # one COMMIT/ABORT attempt; then resend (the broker de-duplicates)
 COMMIT_DEADLINE_S = 300.0  # give up (and log loudly) after retrying this long
+GET_TURN_PENDING_S = 3.0  # how long a turn whose COMMIT is still on its way is waited for
+GET_TURN_RETRY_S = 0.02
 LINGER_MS = 1000
 SEND_HWM = 100_000
 
@@ -99,6 +102,29 @@ class Backplane:
         if isinstance(reply, protocol.Refused):
             raise TurnRefused(reply.code, reply.message)
         raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to OpenTurn")
+
+    async def get_turn(self, session_id: str, turn_id: str) -> protocol.TurnFound:
+        """A committed turn's canonical messages (`previous_response_id`); raises TurnRefused or BrokerUnavailable.
+
+        A turn still in flight is asked for again for a short while: its reply can reach the agent
+        (and the agent's follow-up reach us) before its COMMIT reaches the broker.
+        """
+        deadline = asyncio.get_running_loop().time() + GET_TURN_PENDING_S
+        while True:
+            try:
+                reply = await self._request(
+                    lambda rid: protocol.GetTurn(request_id=rid, session_id=session_id, turn_id=turn_id),
+                    OPEN_TIMEOUT_S,
+                )
+            except asyncio.TimeoutError:
+                raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {OPEN_TIMEOUT_S}s") from None
+            if isinstance(reply, protocol.TurnFound):
+                return reply
+            if not isinstance(reply, protocol.Refused):
+                raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to GetTurn")
+            if reply.code != "turn_pending" or asyncio.get_running_loop().time() > deadline:
+                raise TurnRefused(reply.code, reply.message)
+            await asyncio.sleep(GET_TURN_RETRY_S)
 
     def commit_in_background(self, commit: protocol.CommitTurn) -> None:
         """Hand a COMMIT to a task that retries until ACKed; the HTTP handler does not wait."""

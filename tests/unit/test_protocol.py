@@ -23,6 +23,7 @@ from broker.protocol import (
     DropSession,
     FinishSession,
     GetStats,
+    GetTurn,
     OpenSession,
     OpenTurn,
     ProtocolError,
@@ -34,6 +35,7 @@ from broker.protocol import (
     TraceRow,
     TurnAborted,
     TurnCommitted,
+    TurnFound,
     TurnOpened,
     VersionMismatch,
 )
@@ -54,6 +56,8 @@ MESSAGES: dict[str, list] = {
         CommitTurn(3, "sess", "empty", protocol.ids_array(), protocol.ids_array(), protocol.logprobs_array(), "length",
                    [], {"role": "assistant", "content": ""}),
         AbortTurn(4, "sess", "turn-2", "client_disconnect"),
+        GetTurn(21, "sess", "turn-1"),
+        GetTurn(22, "sess", ""),
     ],
     "broker_to_worker": [
         TurnOpened(5, "turn-1", 7, {"temperature": 1.0, "stop": ["x"]}, 32_768),
@@ -61,6 +65,8 @@ MESSAGES: dict[str, list] = {
         TurnCommitted(7, "turn-1", "stored"),
         TurnAborted(8, "turn-2"),
         Refused(9, "turn_cap", "no more"),
+        TurnFound(23, "turn-1", [{"role": "user", "content": "héllo"}],
+                  {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]}),
     ],
     "trainer_to_broker": [
         OpenSession(10, None, {"temperature": 0.5}, None, 8, {"task": "gsm8k"}),
