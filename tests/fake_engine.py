@@ -2,8 +2,10 @@
 
 `python tests/fake_engine.py --port 0 --tokenizer DIR` prints `FAKE ENGINE READY http://HOST:PORT`.
 Routes: vLLM `POST /inference/v1/generate`, SGLang `POST /generate` + `POST /abort_request`,
-and test controls `POST /_fake/config` (delay, injected HTTP errors, hang; scoped to a routing
-key so tests sharing the process do not collide) and `GET /_fake/log` (requests, aborts, disconnects).
+and test controls `POST /_fake/config` (delay, per-token delay, injected HTTP errors, hang;
+scoped to a routing key so tests sharing the process do not collide) and `GET /_fake/log`
+(requests, aborts, disconnects, finished streams). `stream: true` streams one token per
+step as SSE: vLLM's new-ids chunks + usage + [DONE], SGLang's cumulative events + [DONE].
 Policy: tools declared and fewer than `tool_rounds` tool responses since the last user turn ->
 `<think>..</think>` + one or two Qwen3 `<tool_call>`s with arguments from the prompt; else a final
 answer; always `<|im_end|>`. Ids and logprobs (k/1024: exact in float32) depend only on the prompt.
@@ -50,6 +52,7 @@ class Fault:
     status: int | None = None  # answer this HTTP status instead of generating...
     times: int | None = None  # ...this many times (None: always)
     hang: bool = False
+    token_delay: float = 0.0  # streaming: seconds before each token is sent
 
 
 @dataclass
@@ -61,6 +64,7 @@ class State:
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborts: list[dict[str, Any]] = field(default_factory=list)
     disconnects: list[dict[str, Any]] = field(default_factory=list)
+    streamed: list[dict[str, Any]] = field(default_factory=list)  # streams sent to their end
     running: dict[str, asyncio.Event] = field(default_factory=dict)  # rid -> set on abort
 
 
@@ -191,6 +195,9 @@ async def _generate(state: State, request: Request, api: str) -> Response:
         if fault.times is not None:
             fault.times -= 1
         return JSONResponse({"error": "injected fault"}, status_code=fault.status)
+    if body.get("stream"):
+        ids, logprobs, finish = reply(state, prompt, int(params.get(max_key, 16)))
+        return SseReply(state, api, rid, key, body, prompt, (ids, logprobs, finish), fault)
     state.running[rid] = asyncio.Event()
     try:
         outcome = await _wait_out(state, request, rid, HANG_S if fault.hang else fault.delay)
@@ -250,6 +257,92 @@ def _sglang_body(
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
+class SseReply(Response):
+    """A streamed generation: the initial delay, then one token per step, watching for disconnects and aborts."""
+
+    def __init__(self, state: State, api: str, rid: str, key: str | None, body: dict[str, Any], prompt: list[int],
+                 result: tuple[list[int], list[float], str], fault: Fault) -> None:
+        self.state, self.api, self.rid, self.key, self.body, self.prompt = state, api, rid, key, body, prompt
+        self.result, self.fault = result, fault
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.ensure_future(watch())
+        aborted = self.state.running[self.rid] = asyncio.Event()
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            outcome = await _pause(aborted, gone, HANG_S if self.fault.hang else self.fault.delay)
+            ids, lps, finish = self.result
+            sent = 0
+            while outcome is None and sent < len(ids):
+                outcome = await _pause(aborted, gone, self.fault.token_delay)
+                if outcome is None:
+                    sent += 1
+                    await self._send_chunk(send, sent - 1, sent, finish if sent == len(ids) else None)
+            if outcome == "disconnect":
+                self.state.disconnects.append({"api": self.api, "rid": self.rid, "key": self.key, "sent": sent})
+                return
+            if outcome == "abort":
+                await self._send_chunk(send, sent, sent, "abort")
+            await send({"type": "http.response.body", "body": self._tail(sent), "more_body": False})
+            self.state.streamed.append({"api": self.api, "rid": self.rid, "key": self.key, "sent": sent})
+        finally:
+            watcher.cancel()
+            del self.state.running[self.rid]
+
+    async def _send_chunk(self, send: Any, start: int, stop: int, finish: str | None) -> None:
+        """One step: vLLM sends the new ids only (and skips steps without any), SGLang everything so far."""
+        ids, lps, _ = self.result
+        if self.api == "vllm":
+            if start == stop:
+                return
+            body = _vllm_body(self.rid, ids[start:stop], lps[start:stop], "", self.body["sampling_params"])
+            body["choices"][0]["finish_reason"] = finish
+            body = {"request_id": body["request_id"], "choices": body["choices"], "usage": None}
+        else:
+            body = _sglang_body(self.state, self.rid, self.prompt, ids[:stop], lps[:stop], finish or "", self.body)
+            if finish is None:
+                body["meta_info"]["finish_reason"] = None
+        data = b"data: " + json.dumps(body).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def _tail(self, sent: int) -> bytes:
+        tail = b""
+        if self.api == "vllm" and (self.body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(self.prompt), "total_tokens": len(self.prompt) + sent,
+                     "completion_tokens": sent}
+            final = {"request_id": f"generate-tokens-{self.rid}", "choices": [], "usage": usage}
+            tail = b"data: " + json.dumps(final).encode() + b"\n\n"
+        return tail + b"data: [DONE]\n\n"
+
+
+async def _pause(aborted: asyncio.Event, gone: asyncio.Event, seconds: float) -> str | None:
+    """Wait `seconds`; 'abort' or 'disconnect' if either happens first (checked even when seconds is 0)."""
+    if aborted.is_set():
+        return "abort"
+    if gone.is_set():
+        return "disconnect"
+    if seconds > 0:
+        waits = {asyncio.ensure_future(aborted.wait()), asyncio.ensure_future(gone.wait())}
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+    else:
+        await asyncio.sleep(0)
+    return "abort" if aborted.is_set() else "disconnect" if gone.is_set() else None
+
+
 def build_app(state: State) -> Starlette:
     async def vllm_generate(request: Request) -> Response:
         return await _generate(state, request, "vllm")
@@ -272,6 +365,7 @@ def build_app(state: State) -> Starlette:
             state.requests.clear()
             state.aborts.clear()
             state.disconnects.clear()
+            state.streamed.clear()
         if "tool_rounds" in body:
             state.tool_rounds = int(body["tool_rounds"])
         if "fault" in body:
@@ -286,7 +380,8 @@ def build_app(state: State) -> Starlette:
             return [i for i in items if key is None or i["key"] == key]
 
         return JSONResponse(
-            {"requests": pick(state.requests), "aborts": pick(state.aborts), "disconnects": pick(state.disconnects)}
+            {"requests": pick(state.requests), "aborts": pick(state.aborts), "disconnects": pick(state.disconnects),
+             "streamed": pick(state.streamed)}
         )
 
     return Starlette(

@@ -1,18 +1,19 @@
 """The engine seam: token ids in, token ids + logprobs out, behind one small Protocol.
 
-Owns the records every backend shares (`SamplingParams`, `EngineResult`, `EngineConfig`),
-the two failures the app maps to HTTP (`EngineError` -> 502, `EngineTimeout` -> 504) and
-the pooled-HTTP plumbing the vLLM and SGLang backends share (one aiohttp session per
-engine object, bounded timeouts, orjson bodies). Backends (vllm, sglang, mock) implement
-`Engine`; a streaming method joins the Protocol later (issue 5) without changing
-`generate`. Must not import the app, adapters, backplane or transformers.
+Owns the records every backend shares (`SamplingParams`, `EngineResult`, `EngineChunk`,
+`EngineConfig`), the two failures the app maps to HTTP (`EngineError` -> 502,
+`EngineTimeout` -> 504) and the pooled-HTTP plumbing the vLLM and SGLang backends share
+(one aiohttp session per engine object, bounded timeouts, orjson bodies, an SSE reader
+for streamed generations). Backends (vllm, sglang, mock) implement `Engine`: `generate`
+returns a whole generation, `stream` yields it as it is sampled.
+Must not import the app, adapters, backplane or transformers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -65,6 +66,15 @@ class EngineResult:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineChunk:
+    """Ids sampled since the previous chunk, one logprob each; `finish_reason` is set on the last chunk only."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Engine settings, embedded in the worker config and handed to every worker process.
 
@@ -108,16 +118,27 @@ class EngineConfig:
 
 
 class Engine(Protocol):
-    """A token-in/token-out engine. Cancelling `generate` must stop the engine's work (best effort)."""
+    """A token-in/token-out engine.
+
+    Cancelling `generate`, or cancelling or closing a `stream` iterator before its last
+    chunk, must stop the engine's work (best effort). A stream's chunks concatenate to
+    exactly what `generate` would have returned; its last chunk carries the finish reason.
+    """
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
     ) -> EngineResult: ...
 
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+    ) -> AsyncIterator[EngineChunk]: ...
+
     async def aclose(self) -> None: ...
 
 
 _BODY_SNIPPET = 300  # bytes of an engine's error body quoted in our error message
+# One SSE event may carry a whole generation's logprobs (SGLang's cumulative streaming): bound, don't trust.
+MAX_SSE_EVENT_BYTES = 64 * 1024 * 1024
 
 
 def ids_list(ids: Sequence[int]) -> list[int]:
@@ -180,10 +201,64 @@ class HttpEngineBase:
         except orjson.JSONDecodeError as e:
             raise EngineError(f"engine {url} answered non-JSON: {raw[:_BODY_SNIPPET]!r}") from e
 
+    async def stream_json(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> AsyncIterator[Any]:
+        """POST `body` and yield each SSE `data:` event decoded as JSON, until `[DONE]` or the end of the body.
+
+        Closing the iterator closes the connection, which is how vLLM learns the client went away.
+        Failures become EngineError/EngineTimeout, like `post_json`.
+        """
+        try:
+            async with self.client().post(
+                url, data=orjson.dumps(body), headers={"Content-Type": "application/json", **headers}
+            ) as resp:
+                if resp.status >= 300:
+                    snippet = (await resp.read())[:_BODY_SNIPPET].decode("utf-8", "replace")
+                    raise EngineError(f"engine {url} answered HTTP {resp.status}: {snippet}", status=resp.status)
+                async for data in _sse_events(resp.content, url):
+                    if data == b"[DONE]":
+                        return
+                    try:
+                        event = orjson.loads(data)
+                    except orjson.JSONDecodeError as e:
+                        raise EngineError(f"engine {url} streamed non-JSON: {data[:_BODY_SNIPPET]!r}") from e
+                    yield event
+        except asyncio.TimeoutError as e:
+            raise EngineTimeout(f"engine {url} did not finish within {self._timeout.total}s") from e
+        except aiohttp.ClientError as e:
+            raise EngineError(f"engine {url} stream failed: {type(e).__name__}: {e}") from e
+
     async def aclose(self) -> None:
         if self._client is not None and not self._client.closed:
             await self._client.close()
         self._client = None
+
+
+async def _sse_events(content: aiohttp.StreamReader, url: str) -> AsyncIterator[bytes]:
+    """The `data` of each server-sent event (multi-line data joined with newlines); other fields are ignored.
+
+    Reads raw chunks rather than lines: aiohttp's line reader refuses lines over 64 KiB, and a
+    cumulative SGLang event holds every logprob so far.
+    """
+    buffer = b""
+    data: list[bytes] = []
+    async for chunk in content.iter_any():
+        buffer += chunk
+        if len(buffer) > MAX_SSE_EVENT_BYTES:
+            raise EngineError(f"engine {url} streamed an event over {MAX_SSE_EVENT_BYTES} bytes")
+        *lines, buffer = buffer.split(b"\n")
+        for raw in lines:
+            line = raw[:-1] if raw.endswith(b"\r") else raw
+            if not line:
+                if data:
+                    yield b"\n".join(data)
+                    data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                data.append(value[1:] if value.startswith(b" ") else value)
+    if buffer.startswith(b"data:"):
+        data.append(buffer[5:].lstrip(b" "))
+    if data:
+        yield b"\n".join(data)
 
 
 def bad_answer(url: str, what: str) -> EngineError:

@@ -5,7 +5,7 @@ Replies are Qwen3-format assistant messages (optional `<think>` block, text or J
 they parse, render back and train like a real model's. Everything is a pure function of
 (config seed, prompt ids, request seed): the same prompt always gets the same reply and
 the same logprobs, which are multiples of 1/1024 and so exact in float32. Delays are a
-fixed time plus a per-token time. Stop strings are not simulated. Tools are read from the
+fixed time plus a per-token time; `stream` yields one token per step after the same delays. Stop strings are not simulated. Tools are read from the
 `<tools>` block of the rendered prompt (our template and Qwen3's put one JSON per line).
 Must not import the app, adapters or the backplane; the tokenizer is passed in.
 """
@@ -20,10 +20,10 @@ import random
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from gateway_workers.engines.base import EngineConfig, EngineResult, FinishReason, SamplingParams
+from gateway_workers.engines.base import EngineChunk, EngineConfig, EngineResult, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,21 @@ class MockEngine:
         if delay > 0:
             await asyncio.sleep(delay)
         return result
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+    ) -> AsyncIterator[EngineChunk]:
+        ids = prompt_ids if isinstance(prompt_ids, array) and prompt_ids.typecode == "i" else array("i", prompt_ids)
+        result = self.reply(ids, params)
+        if self._config.mock_delay_s > 0:
+            await asyncio.sleep(self._config.mock_delay_s)
+        last = len(result.output_ids) - 1
+        for i, (token, logprob) in enumerate(zip(result.output_ids, result.logprobs)):
+            if self._config.mock_per_token_s > 0:
+                await asyncio.sleep(self._config.mock_per_token_s)
+            yield EngineChunk([token], [logprob], result.finish_reason if i == last else None)
+        if last < 0:
+            yield EngineChunk([], [], result.finish_reason)
 
     async def aclose(self) -> None:
         return None

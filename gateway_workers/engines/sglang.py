@@ -6,21 +6,26 @@ AbortReq), `sampling/sampling_params.py`, `managers/tokenizer_manager.py` (meta_
 {max_new_tokens, temperature, top_p, top_k, stop, sampling_seed}, return_logprob: true,
 logprob_start_len: -1, rid, stream: false}. Response: {output_ids (recent), meta_info
 {finish_reason {type: stop|length|abort}, output_token_logprobs [[logprob, id, text]]}}.
-A cancelled or timed-out generate sends {"rid"} to /abort_request with its own short bound,
-shielded so the cancellation cannot skip it; a failed abort is logged.
+Streaming (`stream: true`): SSE `data: {output_ids, meta_info}` per step, then `data: [DONE]`;
+by default every event is cumulative (all ids and logprobs so far), with
+`--incremental-streaming-output` each holds only the new ones: `meta_info.completion_tokens`
+(the running total) tells which, and both are accepted. A cancelled or timed-out generate,
+or a stream closed before its finish, sends {"rid"} to /abort_request with its own short
+bound, shielded so the cancellation cannot skip it; a failed abort is logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
 
 from gateway_workers.engines.base import (
     ABORT_TIMEOUT_S,
+    EngineChunk,
     EngineError,
     EngineResult,
     EngineTimeout,
@@ -67,6 +72,38 @@ class SglangEngine(HttpEngineBase):
             raise
         return parse_answer(url, answer)
 
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+    ) -> AsyncIterator[EngineChunk]:
+        base, headers = self.route(session_id)
+        url = base + GENERATE_PATH
+        body = {
+            "input_ids": ids_list(prompt_ids),
+            "sampling_params": sampling_body(params),
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "rid": request_id,
+            "stream": True,
+        }
+        have = 0
+        finished = False
+        try:
+            async for event in self.stream_json(url, body, headers):
+                if finished:
+                    continue  # nothing follows a finish but [DONE]; read on so the connection is reusable
+                if isinstance(event, dict) and "error" in event:
+                    raise EngineError(f"engine {url} failed mid-stream: {str(event['error'])[:300]}")
+                chunk = parse_stream_event(url, event, have)
+                have += len(chunk.output_ids)
+                finished = chunk.finish_reason is not None
+                yield chunk
+            if not finished:
+                raise bad_answer(url, "the stream ended without a finish reason")
+        finally:
+            if not finished:
+                # Closed early (the agent left), failed or timed out: the engine would keep generating.
+                await self._abort(base, request_id, headers)
+
     async def _abort(self, base: str, rid: str, headers: dict[str, str]) -> None:
         task = asyncio.get_running_loop().create_task(self._send_abort(base, rid, headers))
         self._aborts.add(task)
@@ -110,6 +147,46 @@ def parse_answer(url: str, answer: Any) -> EngineResult:
     entries = meta.get("output_token_logprobs")
     if not isinstance(entries, list):
         raise bad_answer(url, "no meta_info.output_token_logprobs (return_logprob ignored?)")
+    ids, logprobs = _tokens(url, entries)
+    output_ids = answer.get("output_ids")
+    if output_ids is not None and output_ids != ids:
+        raise bad_answer(url, "output_ids disagree with output_token_logprobs")
+    reason = _finish(url, meta)
+    if reason is None:
+        raise EngineError(f"engine {url} finished with {meta.get('finish_reason')!r}")
+    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+
+
+def parse_stream_event(url: str, event: Any, have: int) -> EngineChunk:
+    """The new ids of one streamed event, given that `have` ids came before; cumulative or incremental events."""
+    meta = event.get("meta_info") if isinstance(event, dict) else None
+    if not isinstance(meta, dict):
+        raise bad_answer(url, "a stream event has no meta_info")
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list):
+        raise bad_answer(url, "a stream event has no meta_info.output_token_logprobs (return_logprob ignored?)")
+    total = meta.get("completion_tokens")
+    if total is None or len(entries) == total:
+        if len(entries) < have:
+            raise bad_answer(url, f"a cumulative stream event holds {len(entries)} ids after {have}")
+        entries = entries[have:]  # cumulative (SGLang's default): all ids so far
+    elif not isinstance(total, int) or len(entries) != total - have:
+        raise bad_answer(url, f"a stream event holds {len(entries)} ids; {have} came before, total {total!r}")
+    ids, logprobs = _tokens(url, entries)
+    raw = meta.get("finish_reason")
+    reason = None if raw is None else _finish(url, meta)
+    if raw is not None and reason is None:
+        raise EngineError(f"engine {url} finished with {raw!r}")
+    return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+
+
+def _finish(url: str, meta: dict[str, Any]) -> FinishReason | None:
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    return _FINISH.get(kind) if isinstance(kind, str) else None
+
+
+def _tokens(url: str, entries: list[Any]) -> tuple[list[int], list[float]]:
     ids: list[int] = []
     logprobs: list[float] = []
     for entry in entries:
@@ -120,12 +197,4 @@ def parse_answer(url: str, answer: Any) -> EngineResult:
             raise bad_answer(url, "an output_token_logprobs entry has a non-numeric logprob or id")
         ids.append(token_id)
         logprobs.append(float(logprob))
-    output_ids = answer.get("output_ids")
-    if output_ids is not None and output_ids != ids:
-        raise bad_answer(url, "output_ids disagree with output_token_logprobs")
-    finish = meta.get("finish_reason")
-    kind = finish.get("type") if isinstance(finish, dict) else finish
-    reason = _FINISH.get(kind) if isinstance(kind, str) else None
-    if reason is None:
-        raise EngineError(f"engine {url} finished with {finish!r}")
-    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+    return ids, logprobs

@@ -5,17 +5,23 @@ Matched against vllm-project/vllm `entrypoints/openai/serving_tokens.py` (v0.11.
 Request: {request_id, token_ids, sampling_params {max_tokens, temperature, top_p, top_k, seed,
 stop, logprobs: 0 (= the sampled token's own), detokenize}, stream: false, model?}. Response:
 {choices: [{token_ids, finish_reason, logprobs: {content: [{token: "token_id:N", logprob}]}}]}.
-The route runs under vLLM's `with_cancellation`: closing the connection (a cancelled
-`generate`) aborts the request. `X-Request-Id` carries our id, which vLLM prefers.
+Streaming (`serve_tokens_stream_generator`): `stream: true` + `stream_options.include_usage`
+gives SSE `data: {choices: [{index, token_ids (new ids only), logprobs, finish_reason}]}` per
+engine step (steps without new ids are skipped, so an abort may end the stream without a
+finish reason), then `data: {choices: [], usage}`, `data: [DONE]`; errors arrive as
+`data: {"error": {...}}`. The route runs under vLLM's `with_cancellation`: closing the
+connection (a cancelled `generate`, a closed stream) aborts the request. `X-Request-Id`
+carries our id, which vLLM prefers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from gateway_workers.engines.base import (
+    EngineChunk,
     EngineError,
     EngineResult,
     FinishReason,
@@ -50,6 +56,41 @@ class VllmEngine(HttpEngineBase):
         answer = await self.post_json(url, body, {**headers, "X-Request-Id": request_id})
         return parse_answer(url, answer)
 
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+    ) -> AsyncIterator[EngineChunk]:
+        base, headers = self.route(session_id)
+        url = base + GENERATE_PATH
+        body: dict[str, Any] = {
+            "request_id": request_id,
+            "token_ids": ids_list(prompt_ids),
+            "sampling_params": sampling_body(params),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self._config.model:
+            body["model"] = self._config.model
+        finished = False
+        total = 0
+        async for event in self.stream_json(url, body, {**headers, "X-Request-Id": request_id}):
+            if not isinstance(event, dict):
+                raise bad_answer(url, "a stream event is not an object")
+            if "error" in event:
+                raise EngineError(f"engine {url} failed mid-stream: {str(event['error'])[:300]}")
+            for choice in event.get("choices") or ():
+                if finished:
+                    raise bad_answer(url, "tokens after the finish reason")
+                chunk = parse_stream_choice(url, choice)
+                total += len(chunk.output_ids)
+                finished = chunk.finish_reason is not None
+                yield chunk
+            usage = event.get("usage")
+            if isinstance(usage, dict) and usage.get("completion_tokens") not in (None, total):
+                raise bad_answer(url, f"usage counts {usage.get('completion_tokens')} tokens, the stream had {total}")
+        if not finished:
+            # vLLM skips steps without new ids, so a request aborted on its side ends without a reason.
+            yield EngineChunk(output_ids=[], logprobs=[], finish_reason="abort")
+
 
 def sampling_body(params: SamplingParams) -> dict[str, Any]:
     """vLLM `SamplingParams` JSON: only what is set, so the server's defaults apply to the rest."""
@@ -75,10 +116,31 @@ def parse_answer(url: str, answer: Any) -> EngineResult:
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise bad_answer(url, "no choices")
-    choice = choices[0]
+    ids, logprobs = _tokens(url, choices[0])
+    reason = _FINISH.get(choices[0].get("finish_reason") or "stop")
+    if reason is None:
+        raise EngineError(f"engine {url} finished with {choices[0].get('finish_reason')!r}")
+    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+
+
+def parse_stream_choice(url: str, choice: Any) -> EngineChunk:
+    """New ids, their logprobs and the finish reason (None until the last) from a `GenerateStreamResponse` choice."""
+    if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+        raise bad_answer(url, "a stream choice other than index 0")
+    ids, logprobs = _tokens(url, choice)
+    raw = choice.get("finish_reason")
+    reason = None if raw is None else _FINISH.get(raw)
+    if raw is not None and reason is None:
+        raise EngineError(f"engine {url} finished with {raw!r}")
+    return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+
+
+def _tokens(url: str, choice: dict[str, Any]) -> tuple[list[int], list[float]]:
     ids = choice.get("token_ids")
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         raise bad_answer(url, "choices[0].token_ids is not a list of ints")
+    if not ids:
+        return [], []
     content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
     if not isinstance(content, list) or len(content) != len(ids):
         raise bad_answer(url, f"expected {len(ids)} logprobs in choices[0].logprobs.content")
@@ -88,7 +150,4 @@ def parse_answer(url: str, answer: Any) -> EngineResult:
         if not isinstance(value, (int, float)):
             raise bad_answer(url, "a logprobs.content entry has no numeric logprob")
         logprobs.append(float(value))
-    reason = _FINISH.get(choice.get("finish_reason") or "stop")
-    if reason is None:
-        raise EngineError(f"engine {url} finished with {choice.get('finish_reason')!r}")
-    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+    return ids, logprobs
