@@ -19,7 +19,9 @@ from broker.server import run_broker
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m broker", description="rollout-gateway broker: sessions and trajectories")
+    p = argparse.ArgumentParser(
+        prog="python -m broker", description="rollout-gateway broker: sessions and trajectories"
+    )
     p.add_argument(
         "--worker-endpoint",
         default=None,

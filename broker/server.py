@@ -14,11 +14,9 @@ import heapq
 import itertools
 import logging
 import math
-import os
 import signal
 import sys
 import time
-from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +27,8 @@ import zmq
 
 from broker import protocol
 from broker.config import BrokerConfig
-from broker.sessions import FinishedSession, Refusal, SessionRegistry
-from broker.trajectory import Row, build_rows
+from broker.rows import RowBuilder
+from broker.sessions import Refusal, SessionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +37,7 @@ READY_LINE = "BROKER READY worker={worker} control={control}"
 MAX_POLL_MS = 100
 # Frames handled per socket before the loop looks at the other socket and the clock:
 # batching amortizes the poll, the bound keeps the trainer side responsive under load.
-DRAIN_BATCH = 256
+DRAIN_BATCH = 64
 # Protocol errors are logged individually up to this many, then at most once per interval.
 PROTOCOL_LOG_BURST = 20
 PROTOCOL_LOG_INTERVAL_S = 5.0
@@ -51,27 +49,6 @@ class _ParkedFinish:
     msg: protocol.FinishSession
     deadline: float
     token: int
-
-
-class _ResponseDecoder:
-    """Row `response` text: decoded with a `tokenizers` tokenizer if one is configured, loaded at first use."""
-
-    def __init__(self, path: str | None) -> None:
-        self._path = path
-        self._tokenizer: Any = None
-
-    def __call__(self, ids: array) -> str:
-        if self._path is None or not len(ids):
-            return ""
-        if self._tokenizer is None:
-            from tokenizers import Tokenizer  # lazy: Rust extension, only when configured
-
-            path = self._path
-            if os.path.isdir(path):
-                path = os.path.join(path, "tokenizer.json")
-            self._tokenizer = Tokenizer.from_file(path)
-            logger.info("loaded tokenizer %s for response text", path)
-        return str(self._tokenizer.decode(ids.tolist(), skip_special_tokens=False))
 
 
 class BrokerServer:
@@ -95,7 +72,7 @@ class BrokerServer:
         self._parked: dict[str, _ParkedFinish] = {}
         self._deadlines: list[tuple[float, int, str]] = []
         self._tokens = itertools.count()
-        self._decode_response = _ResponseDecoder(config.tokenizer)
+        self._rows = RowBuilder(config.tokenizer)
         self._refusals: Counter[str] = Counter()
         self._counters: Counter[str] = Counter()
         self._last_protocol_log = 0.0
@@ -171,17 +148,22 @@ class BrokerServer:
         return max(0, min(MAX_POLL_MS, math.ceil(wait * 1000)))
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes], bytes], protocol.Message | None]) -> None:
+        replies: list[tuple[list[bytes], protocol.Message]] = []
         for _ in range(DRAIN_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter. Echo the
             # whole envelope so either kind of peer gets its reply.
             envelope, payload = frames[:-1], frames[-1]
             reply = handle(envelope, payload)
             if reply is not None:
-                self._send(sock, envelope, reply)
+                replies.append((envelope, reply))
+        # Replies leave as one burst after the batch: libzmq wakes its I/O thread once per
+        # burst instead of once per reply (measured: that wake-up dominated the send cost).
+        for envelope, reply in replies:
+            self._send(sock, envelope, reply)
 
     def _send(self, sock: zmq.Socket, envelope: list[bytes], reply: protocol.Message) -> None:
         try:
@@ -202,9 +184,7 @@ class BrokerServer:
 
     # --- dispatch ----------------------------------------------------------------------
 
-    def _decode(
-        self, payload: bytes, decode: Callable[[bytes], Any], side: str
-    ) -> protocol.Message | protocol.Refused:
+    def _decode(self, payload: bytes, decode: Callable[[bytes], Any], side: str) -> protocol.Message | protocol.Refused:
         try:
             msg: protocol.Message = decode(payload)
             return msg
@@ -277,18 +257,8 @@ class BrokerServer:
 
     def handle_get_turn(self, msg: protocol.GetTurn) -> protocol.Message:
         """A committed turn's canonical messages, looked up in that session only (ids never cross sessions)."""
-        session = self.registry.get(msg.session_id)
-        if session.state != "open":
-            raise Refusal("session_closed", f"session {msg.session_id!r} is finishing; no new turns")
-        stored = session.committed.get(msg.turn_id)
-        if stored is None:
-            if msg.turn_id in session.in_flight:
-                # Its reply reached the agent just before its COMMIT reached us: the worker retries.
-                raise Refusal("turn_pending", f"turn {msg.turn_id!r} is not committed yet")
-            raise Refusal("unknown_turn", f"session {msg.session_id!r} has no committed turn {msg.turn_id!r}")
-        messages = [m for start, stop in stored.msg_ranges for m in session.messages[start:stop]]
-        n = stored.n_prompt_messages
-        return protocol.TurnFound(msg.request_id, msg.turn_id, messages[:n], messages[n])
+        prompt_messages, response_message = self.registry.turn_messages(msg.session_id, msg.turn_id)
+        return protocol.TurnFound(msg.request_id, msg.turn_id, prompt_messages, response_message)
 
     # --- finish / drop -----------------------------------------------------------------
 
@@ -346,9 +316,7 @@ class BrokerServer:
     def _complete_finish(self, msg: protocol.FinishSession) -> protocol.Message:
         finished = self.registry.finish(msg.session_id)
         try:
-            rows = build_rows(finished.turns, max_context_tokens=finished.max_context_tokens)
-            status = "drain_timeout" if finished.turns_abandoned else "complete"
-            trace_rows = [self._trace_row(row, msg, finished, status) for row in rows]
+            trace_rows, status = self._rows.build(finished, msg)
         except Exception:
             self._counters["finish_failures"] += 1
             logger.exception("building rows of session %s failed (%d turns)", finished.sid, len(finished.turns))
@@ -359,26 +327,6 @@ class BrokerServer:
             self._counters["drain_timeouts"] += 1
         return protocol.SessionFinished(
             msg.request_id, finished.sid, trace_rows, status, len(finished.turns), finished.turns_abandoned
-        )
-
-    def _trace_row(
-        self, row: Row, msg: protocol.FinishSession, finished: FinishedSession, status: str
-    ) -> protocol.TraceRow:
-        n = row.response_length
-        metadata = {**finished.metadata, **msg.metadata, **row.metadata}
-        if status != "complete":
-            metadata["drain_status"] = status
-            metadata["turns_abandoned"] = finished.turns_abandoned
-        return protocol.TraceRow(
-            token_ids=row.token_ids,
-            loss_mask=row.loss_mask,
-            logprobs=row.logprobs,
-            response_length=n,
-            response=self._decode_response(row.token_ids[len(row.token_ids) - n :] if n else row.token_ids[:0]),
-            rollout_id=msg.rollout_id,
-            reward=msg.reward,
-            status="truncated" if row.metadata.get("truncated") else "completed",
-            metadata=metadata,
         )
 
     # --- stats / shutdown --------------------------------------------------------------

@@ -1,10 +1,8 @@
 """Session registry and turn store: the broker's state, and the lifecycle rules of DESIGN.md.
 
-Pure bookkeeping: no sockets, no clocks of its own (callers pass `now`), no encoding.
-`server.py` calls it from its single thread and turns `Refusal` into `protocol.Refused`.
-Storage is deduplicated per session: a turn's tokens (prompt + output) and messages
-(prompt + response) are ranges into two append-only session logs, sharing the longest
-common prefix with a neighbouring turn, so a session costs about its unique tokens.
+Pure bookkeeping: no sockets, no clocks, no encoding. `server.py` calls it from its
+single thread and turns `Refusal` into `protocol.Refused`. Each session keeps its
+committed turns in a deduplicated `turn_store.TurnStore` (about its unique tokens);
 `TurnRecord`s are materialized only at finish. Imports only the stdlib and `broker`.
 """
 
@@ -13,15 +11,13 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from array import array
-from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from broker import protocol
 from broker.trajectory import TurnRecord
+from broker.turn_store import TurnStore
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +26,7 @@ _SESSION_ID_RE = re.compile(r"[!-~]{1,256}")
 _MAX_TURN_ID_LEN = 256
 _MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
 _MINTED_KEY_PREFIX = "rg-"
-_MESSAGE_OVERHEAD = 64  # dict + key slots, for the bytes_held gauge
 
-Range = tuple[int, int]
 State = Literal["open", "closing"]
 
 
@@ -43,22 +37,6 @@ class Refusal(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-@dataclass(slots=True, eq=False)
-class StoredTurn:
-    """A committed turn as held: ranges into its session's logs instead of copies."""
-
-    turn_id: str
-    seq: int
-    tok_ranges: list[Range]  # prompt ids + output ids, in the session's token log
-    ctx_len: int
-    prompt_len: int
-    logprobs: array
-    finish_reason: str
-    msg_ranges: list[Range]  # prompt messages + the response message, in the message log
-    n_prompt_messages: int
-    flags: dict[str, Any]
 
 
 @dataclass(slots=True, eq=False)
@@ -74,18 +52,7 @@ class Session:
     next_seq: int = 0
     in_flight: dict[str, int] = field(default_factory=dict)  # turn_id -> seq
     aborted: set[str] = field(default_factory=set)
-    committed: dict[str, StoredTurn] = field(default_factory=dict)
-    by_seq: dict[int, StoredTurn] = field(default_factory=dict)
-    seqs: list[int] = field(default_factory=list)  # committed seqs, sorted
-    last: StoredTurn | None = None  # most recent commit by arrival
-    tokens: array = field(default_factory=protocol.ids_array)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    message_bytes: int = 0
-
-    def bytes_held(self) -> int:
-        """Approximate payload bytes: token log, logprobs and message text."""
-        lp = sum(len(t.logprobs) for t in self.committed.values()) * 4
-        return len(self.tokens) * self.tokens.itemsize + lp + self.message_bytes
+    committed: TurnStore = field(default_factory=TurnStore)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +152,7 @@ class SessionRegistry:
         abandoned = len(session.in_flight)
         self.counters["sessions_finished"] += 1
         self.counters["turns_abandoned"] += abandoned
-        turns = [_materialize(session, session.by_seq[seq]) for seq in session.seqs]
+        turns = session.committed.records()
         return FinishedSession(sid, turns, session.max_context_tokens, session.metadata, abandoned)
 
     def drop(self, sid: str) -> bool:
@@ -238,12 +205,12 @@ class SessionRegistry:
         if seq is None:
             what = "was aborted" if msg.turn_id in session.aborted else "was never opened"
             raise Refusal("bad_request", f"turn {msg.turn_id!r} of session {msg.session_id!r} {what}")
-        if any(type(m) is not dict for m in msg.prompt_messages):
+        if not set(map(type, msg.prompt_messages)) <= {dict}:
             raise Refusal("bad_request", "prompt_messages must be a list of maps")
         n_out = len(msg.output_ids)
         if len(msg.logprobs) != n_out:
             raise Refusal("bad_request", f"{len(msg.logprobs)} logprobs for {n_out} output ids")
-        _store(session, msg, seq)
+        session.committed.add(msg, seq)
         del session.in_flight[msg.turn_id]
         self.counters["commits_stored"] += 1
         return "stored"
@@ -260,6 +227,22 @@ class SessionRegistry:
             raise Refusal("bad_request", f"turn {turn_id!r} of session {sid!r} is already committed")
         return session
 
+    def turn_messages(self, sid: str, turn_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """A committed turn's canonical prompt messages and response (for `previous_response_id`).
+
+        Only turns of an open session `sid` are found, so a turn id never leaks across sessions.
+        """
+        session = self.get(sid)
+        if session.state != "open":
+            raise Refusal("session_closed", f"session {sid!r} is finishing; no new turns")
+        found = session.committed.turn_messages(turn_id)
+        if found is None:
+            if turn_id in session.in_flight:
+                # Its reply reached the agent just before its COMMIT reached us: the worker retries.
+                raise Refusal("turn_pending", f"turn {turn_id!r} is not committed yet")
+            raise Refusal("unknown_turn", f"session {sid!r} has no committed turn {turn_id!r}")
+        return found
+
     # --- observability -----------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -270,145 +253,7 @@ class SessionRegistry:
             "sessions_closing": sum(1 for s in sessions if s.state == "closing"),
             "turns_in_flight": sum(len(s.in_flight) for s in sessions),
             "turns_held": sum(len(s.committed) for s in sessions),
-            "tokens_held": sum(len(s.tokens) for s in sessions),
-            "bytes_held": sum(s.bytes_held() for s in sessions),
+            "tokens_held": sum(len(s.committed.tokens) for s in sessions),
+            "bytes_held": sum(s.committed.bytes_held() for s in sessions),
             **self.counters,
         }
-
-
-# --- deduplicated storage ---------------------------------------------------------------
-
-
-def _store(session: Session, msg: protocol.CommitTurn, seq: int) -> None:
-    ctx = msg.prompt_ids + msg.output_ids
-    msgs = msg.prompt_messages + [msg.response_message]
-    # Candidates that most likely share a prefix: the neighbours by OPEN order (the usual
-    # case: the next prompt extends the previous turn) and the latest arrival.
-    seqs, last = session.seqs, session.last
-    if not seqs or seqs[-1] < seq:  # in-order arrival, the common case: no search
-        pos = len(seqs)
-        candidates = [] if last is None else [last] if last.seq == seqs[-1] else [session.by_seq[seqs[-1]], last]
-    else:
-        pos = bisect_left(seqs, seq)
-        candidates = [session.by_seq[seqs[i]] for i in (pos - 1, pos) if 0 <= i < len(seqs)]
-        if last is not None and all(c is not last for c in candidates):
-            candidates.append(last)
-    best_len, best_ranges, base = 0, [], None
-    for cand in candidates:
-        n, ranges = _common_prefix(ctx, session.tokens, cand.tok_ranges)
-        if n > best_len or base is None:
-            best_len, best_ranges, base = n, ranges, cand
-        if n == len(ctx):
-            break
-    tok_ranges = _append(session.tokens, best_ranges, ctx[best_len:] if best_len else ctx)
-    shared, msg_ranges = (0, []) if base is None else _common_prefix(msgs, session.messages, base.msg_ranges)
-    new_msgs = msgs[shared:]
-    for m in new_msgs:
-        session.message_bytes += _message_bytes(m)
-    msg_ranges = _append(session.messages, msg_ranges, new_msgs)
-    turn = StoredTurn(
-        msg.turn_id,
-        seq,
-        tok_ranges,
-        len(ctx),
-        len(msg.prompt_ids),
-        msg.logprobs,
-        msg.finish_reason,
-        msg_ranges,
-        len(msg.prompt_messages),
-        msg.flags,
-    )
-    session.committed[msg.turn_id] = turn
-    session.by_seq[seq] = turn
-    seqs.insert(pos, seq)
-    session.last = turn
-
-
-def _common_prefix(seq: Sequence[Any], log: Sequence[Any], ranges: list[Range]) -> tuple[int, list[Range]]:
-    """Length of the common prefix of `seq` and the sequence `ranges` spell in `log`, and those ranges cut to it.
-
-    Whole ranges compare at once; only a mismatching range is bisected, so the cost is
-    about two passes over the prefix.
-    """
-    same = _same_ids if isinstance(seq, array) else _same_items
-    off = 0
-    out: list[Range] = []
-    for start, stop in ranges:
-        n = min(stop - start, len(seq) - off)
-        if n <= 0:
-            break
-        if same(seq, off, log, start, n):
-            out.append((start, start + n))
-            off += n
-            if n < stop - start:
-                break
-            continue
-        lo, hi = 0, n  # seq[off:off+lo] matches, seq[off:off+hi] does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if same(seq, off + lo, log, start + lo, mid - lo):
-                lo = mid
-            else:
-                hi = mid
-        if lo:
-            out.append((start, start + lo))
-            off += lo
-        break
-    return off, out
-
-
-def _same_ids(a: Any, i: int, b: Any, j: int, n: int) -> bool:
-    # Bytes compare with memcmp; array and memoryview equality go element by element
-    # (measured 2-10x slower for 4k ids). The views are released before the log grows.
-    with memoryview(a) as va, memoryview(b) as vb:
-        return bool(va[i : i + n].tobytes() == vb[j : j + n].tobytes())
-
-
-def _same_items(a: Any, i: int, b: Any, j: int, n: int) -> bool:
-    return bool(a[i : i + n] == b[j : j + n])
-
-
-def _append(log: Any, ranges: list[Range], tail: Sequence[Any]) -> list[Range]:
-    """Append `tail` to `log` and return `ranges` extended to cover it (merged when contiguous)."""
-    if not len(tail):
-        return ranges
-    start = len(log)
-    log.extend(tail)
-    if ranges and ranges[-1][1] == start:  # the base turn ended at the log's end: a plain extension
-        ranges[-1] = (ranges[-1][0], len(log))
-    else:
-        ranges.append((start, len(log)))
-    return ranges
-
-
-def _message_bytes(message: dict[str, Any]) -> int:
-    """Rough size of a message for the bytes_held gauge: its text plus a fixed overhead (cheap on the hot path)."""
-    size = _MESSAGE_OVERHEAD
-    for key in ("content", "reasoning"):
-        text = message.get(key)
-        if type(text) is str:
-            size += len(text)
-    calls = message.get("tool_calls")
-    if type(calls) is list:
-        size += _MESSAGE_OVERHEAD * len(calls)
-    return size
-
-
-def _materialize(session: Session, turn: StoredTurn) -> TurnRecord:
-    ctx = protocol.ids_array()
-    for start, stop in turn.tok_ranges:
-        ctx += session.tokens[start:stop]
-    msgs: list[dict[str, Any]] = []
-    for start, stop in turn.msg_ranges:
-        msgs.extend(session.messages[start:stop])
-    return TurnRecord(
-        turn_id=turn.turn_id,
-        seq=turn.seq,
-        prompt_ids=ctx[: turn.prompt_len],
-        output_ids=ctx[turn.prompt_len :],
-        logprobs=turn.logprobs,
-        finish_reason=turn.finish_reason,
-        prompt_messages=msgs[: turn.n_prompt_messages],
-        response_message=msgs[turn.n_prompt_messages],
-        flags=turn.flags,
-    )

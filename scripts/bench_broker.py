@@ -57,7 +57,7 @@ def episode(seed: int, n_turns: int, first_prompt: int, tail: int, output: int) 
         {"role": "user", "content": text(first_prompt - 200)},
     ]
     turns = []
-    for k in range(n_turns):
+    for _ in range(n_turns):
         out = ids(output)
         response = {"role": "assistant", "content": text(output)}
         turns.append(
@@ -156,12 +156,15 @@ def publisher(
     ctx = zmq.Context()
     w = Worker(ctx, endpoint)
     n_turns = args["turns"]
-    eps = [episode(seed * 100_000 + i, n_turns, args["first_prompt"], args["tail"], args["output"]) for i in range(len(sids))]
+    eps = [
+        episode(seed * 100_000 + i, n_turns, args["first_prompt"], args["tail"], args["output"])
+        for i in range(len(sids))
+    ]
     rid = 0
     opens, commits = [], []
     # turn-major order: every session has a turn in flight, as with many concurrent agents
     for k in range(n_turns):
-        for sid, ep in zip(sids, eps):
+        for sid, ep in zip(sids, eps, strict=True):
             t = ep[k]
             rid += 1
             opens.append(protocol.encode(protocol.OpenTurn(rid, sid, f"{sid}-{k}")))
@@ -169,8 +172,15 @@ def publisher(
             commits.append(
                 protocol.encode(
                     protocol.CommitTurn(
-                        rid, sid, f"{sid}-{k}", t["prompt_ids"], t["output_ids"], t["logprobs"], "stop",
-                        t["prompt_messages"], t["response_message"],
+                        rid,
+                        sid,
+                        f"{sid}-{k}",
+                        t["prompt_ids"],
+                        t["output_ids"],
+                        t["logprobs"],
+                        "stop",
+                        t["prompt_messages"],
+                        t["response_message"],
                     )
                 )
             )
@@ -183,8 +193,16 @@ def publisher(
     replies = w.pipeline(commits, args["window"])
     t1 = time.monotonic()
     stored = sum(1 for r in replies if isinstance(r, protocol.TurnCommitted) and r.outcome == "stored")
-    results.put({"t0": t0, "t1": t1, "commits": len(commits), "stored": stored,
-                 "bytes": sum(map(len, commits)), "prompt_tokens": sum(len(e[k]["prompt_ids"]) for e in eps for k in range(n_turns))})
+    results.put(
+        {
+            "t0": t0,
+            "t1": t1,
+            "commits": len(commits),
+            "stored": stored,
+            "bytes": sum(map(len, commits)),
+            "prompt_tokens": sum(len(e[k]["prompt_ids"]) for e in eps for k in range(n_turns)),
+        }
+    )
     w.sock.close(0)
     ctx.term()
 
@@ -201,12 +219,14 @@ def echo_server(endpoint_out: Any, stop: Any) -> None:
     while not stop.is_set():
         if not sock.poll(100):
             continue
-        for _ in range(256):
+        peers = []
+        for _ in range(64):  # the broker's batching, so only the per-message work differs
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                peers.append(sock.recv_multipart(zmq.NOBLOCK)[0])
             except zmq.Again:
                 break
-            sock.send_multipart([frames[0], reply], zmq.NOBLOCK)
+        for peer in peers:
+            sock.send_multipart([peer, reply], zmq.NOBLOCK)
     ctx.destroy(linger=0)
 
 
@@ -238,10 +258,18 @@ def ingest_run(args: argparse.Namespace, baseline: bool) -> dict[str, float]:
             client = TrainerClient(control_ep, timeout=60)
             sids = [[client.open_session(session_id=f"p{p}-s{i}") for i in range(per)] for p in range(args.publishers)]
         start, ready, results = spawn.Event(), spawn.Queue(), spawn.Queue()
-        params = {"turns": args.turns, "first_prompt": args.first_prompt, "tail": args.tail, "output": args.output,
-                  "window": args.window, "baseline": baseline}
-        procs = [spawn.Process(target=publisher, args=(worker_ep, sids[p], p + 1, params, ready, start, results))
-                 for p in range(args.publishers)]
+        params = {
+            "turns": args.turns,
+            "first_prompt": args.first_prompt,
+            "tail": args.tail,
+            "output": args.output,
+            "window": args.window,
+            "baseline": baseline,
+        }
+        procs = [
+            spawn.Process(target=publisher, args=(worker_ep, sids[p], p + 1, params, ready, start, results))
+            for p in range(args.publishers)
+        ]
         for p in procs:
             p.start()
         for _ in procs:  # every publisher has built its frames and opened its turns
@@ -295,9 +323,21 @@ def long_session(client: TrainerClient, w: Worker, seed: int, args: argparse.Nam
     frames = []
     for k, t in enumerate(ep):
         frames.append(protocol.encode(protocol.OpenTurn(2 * k, sid, f"t{k}")))
-        frames.append(protocol.encode(protocol.CommitTurn(
-            2 * k + 1, sid, f"t{k}", t["prompt_ids"], t["output_ids"], t["logprobs"], "stop",
-            t["prompt_messages"], t["response_message"])))
+        frames.append(
+            protocol.encode(
+                protocol.CommitTurn(
+                    2 * k + 1,
+                    sid,
+                    f"t{k}",
+                    t["prompt_ids"],
+                    t["output_ids"],
+                    t["logprobs"],
+                    "stop",
+                    t["prompt_messages"],
+                    t["response_message"],
+                )
+            )
+        )
     for f in frames:  # one turn after the other, like one agent
         w.sock.send(f)
         reply = w.recv()
@@ -322,8 +362,12 @@ def bench_finish(args: argparse.Namespace) -> dict[str, float]:
             rows = len(records)
         client.close()
         w.sock.close(0)
-        return {"finish_ms_median": 1000 * statistics.median(latencies), "finish_ms_max": 1000 * max(latencies),
-                "final_context_tokens": final, "rows": rows}
+        return {
+            "finish_ms_median": 1000 * statistics.median(latencies),
+            "finish_ms_max": 1000 * max(latencies),
+            "final_context_tokens": final,
+            "rows": rows,
+        }
     finally:
         ctx.term()
         stop_broker(proc)
@@ -386,9 +430,15 @@ def main(argv: list[str] | None = None) -> int:
         report[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         report[name]["runs"] = [{k: round(v, 2) for k, v in r.items()} for r in runs]
         if not args.json:
-            print(f"{name} (median of {args.runs}): " + ", ".join(
-                f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in report[name].items() if k != "runs"
-            ), flush=True)
+            print(
+                f"{name} (median of {args.runs}): "
+                + ", ".join(
+                    f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in report[name].items()
+                    if k != "runs"
+                ),
+                flush=True,
+            )
     if args.json:
         print(json.dumps(report, indent=2))
     return 0

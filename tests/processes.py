@@ -158,7 +158,9 @@ class TestProcess:
 
     def dump(self, file: object = None) -> None:
         """Write the captured output to stderr (pytest shows it for a failing test)."""
-        print(f"----- output of {self.name} (pid {self._proc.pid if self._proc else '-'}) -----", file=file or sys.stderr)
+        print(
+            f"----- output of {self.name} (pid {self._proc.pid if self._proc else '-'}) -----", file=file or sys.stderr
+        )
         print(self.output, file=file or sys.stderr)
 
     def __enter__(self) -> TestProcess:

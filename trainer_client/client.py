@@ -172,16 +172,14 @@ class TrainerClient:
         sock.close(linger=0)
 
     def _discard(self, sock: zmq.Socket) -> None:
-        """Close a socket whose state is unknown (timed out, garbage received): a late reply must not reach a later call."""
+        """Close a socket in an unknown state (timed out, garbage received): no late reply may reach a later call."""
         with self._lock:
             self._sockets.discard(sock)
         sock.close(linger=0)
 
     # --- one request / reply -------------------------------------------------------------
 
-    def _call(
-        self, build: Callable[[int], protocol.Message], expect: type[_Reply], timeout: float
-    ) -> _Reply:
+    def _call(self, build: Callable[[int], protocol.Message], expect: type[_Reply], timeout: float) -> _Reply:
         rid = next(self._ids)
         msg = build(rid)
         try:

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import zmq
+from component.peers import TrainerPeer, WorkerPeer
 
 from broker.config import BrokerConfig
 from broker.server import BrokerServer
-from component.peers import TrainerPeer, WorkerPeer
 from trainer_client import TrainerClient
 
 STOP_TIMEOUT_S = 5.0

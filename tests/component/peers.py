@@ -144,8 +144,10 @@ def assert_trained_once(records: list[Any], turns: list[SyntheticTurn]) -> None:
     from fidelity import assert_fidelity  # tests/ is on sys.path (tests/conftest.py)
 
     assert_fidelity(
-        [SimpleNamespace(turn_id=f"t{k}", prompt_ids=t.prompt_ids, output_ids=t.output_ids, logprobs=t.logprobs)
-         for k, t in enumerate(turns)],
+        [
+            SimpleNamespace(turn_id=f"t{k}", prompt_ids=t.prompt_ids, output_ids=t.output_ids, logprobs=t.logprobs)
+            for k, t in enumerate(turns)
+        ],
         records,
     )
     assert sum(sum(r.loss_mask) for r in records) == sum(len(t.output_ids) for t in turns)
@@ -154,7 +156,11 @@ def assert_trained_once(records: list[Any], turns: list[SyntheticTurn]) -> None:
         hits = 0
         for r in records:
             off = len(prompt) - (len(r.token_ids) - r.response_length)  # output's offset in the response region
-            if off < 0 or r.token_ids[: len(prompt)] != prompt or r.token_ids[len(prompt) : len(prompt) + len(out)] != out:
+            if (
+                off < 0
+                or r.token_ids[: len(prompt)] != prompt
+                or r.token_ids[len(prompt) : len(prompt) + len(out)] != out
+            ):
                 continue
             if all(r.loss_mask[off : off + len(out)]) and r.logprobs[off : off + len(out)] == lps:
                 hits += 1

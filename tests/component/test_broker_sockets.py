@@ -14,9 +14,9 @@ import time
 import msgpack
 import pytest
 import zmq
+from component.peers import WorkerPeer, assert_linear_rows, assert_trained_once, conversation
 
 from broker import protocol
-from component.peers import WorkerPeer, assert_linear_rows, assert_trained_once, conversation
 from trainer_client import (
     BrokerBusy,
     DuplicateSession,
@@ -192,7 +192,9 @@ def test_finish_with_nothing_in_flight_answers_at_once_and_abort_completes_a_dra
     worker.open_turn(sid, "gone")
     done = threading.Event()
     records: list = []
-    finisher = threading.Thread(target=lambda: (records.extend(client.finish_session(sid, wait_timeout=30)), done.set()))
+    finisher = threading.Thread(
+        target=lambda: (records.extend(client.finish_session(sid, wait_timeout=30)), done.set())
+    )
     finisher.start()
     _wait_for(lambda: client.stats()["finishes_parked"] == 1)
     worker.abort(sid, "gone")  # the last in-flight turn ends by abort: the finish completes now
@@ -302,8 +304,9 @@ def test_responses_are_decoded_with_a_configured_tokenizer(make_broker, zctx, tm
     text = "the lazy fox<|im_end|>"
     out = protocol.ids_array(tok.encode(text).ids)
     turn = conversation(12, 1)[0]
-    turn = type(turn)(turn.prompt_ids, out, protocol.logprobs_array([-0.25] * len(out)), turn.prompt_messages,
-                      turn.response_message)
+    turn = type(turn)(
+        turn.prompt_ids, out, protocol.logprobs_array([-0.25] * len(out)), turn.prompt_messages, turn.response_message
+    )
     try:
         with TrainerClient(b.control_endpoint, timeout=10) as client:
             sid = client.open_session()

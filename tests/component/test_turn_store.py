@@ -22,8 +22,15 @@ def commit(reg: SessionRegistry, sid: str, turn_id: str, prompt, output, message
     if lps is None:
         lps = [-(i % 7) / 8 for i in range(len(output))]
     msg = protocol.CommitTurn(
-        0, sid, turn_id, protocol.ids_array(prompt), protocol.ids_array(output), protocol.logprobs_array(lps),
-        "stop", messages, response,
+        0,
+        sid,
+        turn_id,
+        protocol.ids_array(prompt),
+        protocol.ids_array(output),
+        protocol.logprobs_array(lps),
+        "stop",
+        messages,
+        response,
     )
     return reg.commit_turn(msg)
 
@@ -78,8 +85,7 @@ def test_any_sharing_pattern_in_any_commit_order_materializes_exactly(data):
     for i in order:
         turn_id, prompt, output, messages, response = turns[i]
         assert commit(reg, "s", turn_id, prompt, output, messages, response) == "stored"
-    session = reg.get("s")
-    assert len(session.tokens) <= sum(len(p) + len(o) for _, p, o, _, _ in turns)
+    assert len(reg.get("s").committed.tokens) <= sum(len(p) + len(o) for _, p, o, _, _ in turns)
     check_exact(reg, "s", {t[0]: t[1:] for t in turns})
 
 
@@ -98,11 +104,11 @@ def test_a_growing_session_holds_each_token_once():
         expected[f"t{k}"] = (prompt, output, messages, response)
         prompt = prompt + output + [rng.randrange(150_000) for _ in range(500)]
         messages = [*messages, response, {"role": "user", "content": f"q{k}"}]
-    session = reg.get("s")
+    store = reg.get("s").committed
     final = len(expected["t49"][0]) + 100
-    assert len(session.tokens) == final  # every token exactly once
-    assert len(session.messages) == len(expected["t49"][2]) + 1
-    assert session.bytes_held() < 2 * 4 * final  # tokens + logprobs + message text
+    assert len(store.tokens) == final  # every token exactly once
+    assert len(store.messages) == len(expected["t49"][2]) + 1
+    assert store.bytes_held() < 2 * 4 * final  # tokens + logprobs + message text
     check_exact(reg, "s", expected)
 
 

@@ -17,10 +17,10 @@ import time
 
 import pytest
 import zmq
-
-from broker import protocol
 from component.peers import WorkerPeer, assert_linear_rows, conversation
 from processes import TestProcess
+
+from broker import protocol
 from trainer_client import BrokerTimeout, TrainerClient, UnknownSession
 
 READY = r"BROKER READY worker=(\S+) control=(\S+)"
@@ -209,11 +209,19 @@ def test_rows_carry_response_text_decoded_with_the_real_tokenizer(qwen3_tokenize
         try:
             sid = client.open_session()
             worker.open_turn(sid, "t0")
-            reply = worker.request(protocol.CommitTurn(
-                worker.next_id(), sid, "t0", protocol.ids_array(prompt_ids), protocol.ids_array(out),
-                protocol.logprobs_array([-0.125] * len(out)), "stop", [{"role": "user", "content": "2+2?"}],
-                {"role": "assistant", "content": "The answer is 4.", "reasoning": "short"},
-            ))
+            reply = worker.request(
+                protocol.CommitTurn(
+                    worker.next_id(),
+                    sid,
+                    "t0",
+                    protocol.ids_array(prompt_ids),
+                    protocol.ids_array(out),
+                    protocol.logprobs_array([-0.125] * len(out)),
+                    "stop",
+                    [{"role": "user", "content": "2+2?"}],
+                    {"role": "assistant", "content": "The answer is 4.", "reasoning": "short"},
+                )
+            )
             assert reply.outcome == "stored"
             (record,) = client.finish_session(sid)
         finally:

@@ -21,8 +21,16 @@ IMPORT_TIMEOUT_S = 60
 CASES = {
     "trainer_client": ["zmq.asyncio", "asyncio", "uvloop", "starlette", "transformers", "gateway_workers"],
     "broker.protocol": ["zmq", "asyncio", "broker.server", "broker.sessions", "gateway_workers", "trainer_client"],
-    "broker.server": ["zmq.asyncio", "asyncio", "uvloop", "starlette", "transformers", "gateway_workers",
-                      "trainer_client", "tokenizers"],
+    "broker.server": [
+        "zmq.asyncio",
+        "asyncio",
+        "uvloop",
+        "starlette",
+        "transformers",
+        "gateway_workers",
+        "trainer_client",
+        "tokenizers",
+    ],
     "broker.__main__": ["zmq.asyncio", "asyncio", "transformers", "gateway_workers", "trainer_client"],
 }
 

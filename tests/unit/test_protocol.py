@@ -47,14 +47,34 @@ MESSAGES: dict[str, list] = {
     "worker_to_broker": [
         OpenTurn(1, "sess", "turn-1"),
         CommitTurn(
-            2, "sess", "turn-1", IDS, IDS[:2], LPS[:2], "stop",
+            2,
+            "sess",
+            "turn-1",
+            IDS,
+            IDS[:2],
+            LPS[:2],
+            "stop",
             [{"role": "system", "content": "s"}, {"role": "user", "content": "héllo ✓"}],
-            {"role": "assistant", "content": "", "reasoning": "r",
-             "tool_calls": [{"name": "f", "arguments": {"b": 1, "a": [1, 2]}}]},
-            {"ill_formed": False}, {"engine_s": 0.25},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning": "r",
+                "tool_calls": [{"name": "f", "arguments": {"b": 1, "a": [1, 2]}}],
+            },
+            {"ill_formed": False},
+            {"engine_s": 0.25},
         ),
-        CommitTurn(3, "sess", "empty", protocol.ids_array(), protocol.ids_array(), protocol.logprobs_array(), "length",
-                   [], {"role": "assistant", "content": ""}),
+        CommitTurn(
+            3,
+            "sess",
+            "empty",
+            protocol.ids_array(),
+            protocol.ids_array(),
+            protocol.logprobs_array(),
+            "length",
+            [],
+            {"role": "assistant", "content": ""},
+        ),
         AbortTurn(4, "sess", "turn-2", "client_disconnect"),
         GetTurn(21, "sess", "turn-1"),
         GetTurn(22, "sess", ""),
@@ -65,8 +85,12 @@ MESSAGES: dict[str, list] = {
         TurnCommitted(7, "turn-1", "stored"),
         TurnAborted(8, "turn-2"),
         Refused(9, "turn_cap", "no more"),
-        TurnFound(23, "turn-1", [{"role": "user", "content": "héllo"}],
-                  {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]}),
+        TurnFound(
+            23,
+            "turn-1",
+            [{"role": "user", "content": "héllo"}],
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]},
+        ),
     ],
     "trainer_to_broker": [
         OpenSession(10, None, {"temperature": 0.5}, None, 8, {"task": "gsm8k"}),
@@ -79,10 +103,15 @@ MESSAGES: dict[str, list] = {
     "broker_to_trainer": [
         SessionOpened(16, "rg-abc"),
         SessionFinished(
-            17, "sess",
-            [TraceRow(IDS, array("B", [1, 0, 1]), LPS[:3], 3, "text", "ep-7", 1.0, "completed", {"use_tool": True}),
-             TraceRow(IDS[:1], array("B", [1]), LPS[:1], 1, "", None, None, "truncated", {})],
-            "complete", 2, 0,
+            17,
+            "sess",
+            [
+                TraceRow(IDS, array("B", [1, 0, 1]), LPS[:3], 3, "text", "ep-7", 1.0, "completed", {"use_tool": True}),
+                TraceRow(IDS[:1], array("B", [1]), LPS[:1], 1, "", None, None, "truncated", {}),
+            ],
+            "complete",
+            2,
+            0,
         ),
         SessionFinished(18, "sess", [], "drain_timeout", 0, 3),
         SessionDropped(19, "sess", True),
@@ -95,8 +124,12 @@ ALL = [(direction, m) for direction, msgs in MESSAGES.items() for m in msgs]
 
 
 def _union_classes(direction: str) -> set[type]:
-    name = {"worker_to_broker": "WorkerToBroker", "broker_to_worker": "BrokerToWorker",
-            "trainer_to_broker": "TrainerToBroker", "broker_to_trainer": "BrokerToTrainer"}[direction]
+    name = {
+        "worker_to_broker": "WorkerToBroker",
+        "broker_to_worker": "BrokerToWorker",
+        "trainer_to_broker": "TrainerToBroker",
+        "broker_to_trainer": "BrokerToTrainer",
+    }[direction]
     return set(typing.get_args(getattr(protocol, name)))
 
 
@@ -224,7 +257,11 @@ def test_random_bytes_never_raise_anything_but_protocol_error(frame):
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=5)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=5)
     | st.binary(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
     max_leaves=10,
@@ -232,7 +269,8 @@ _values = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([cls.TAG for _, m in ALL for cls in [type(m)]]),
+@given(
+    st.sampled_from([cls.TAG for _, m in ALL for cls in [type(m)]]),
     st.integers(-(2**63), 2**64 - 1),
     st.lists(_values, max_size=12),
 )
