@@ -2,9 +2,11 @@
 
 The lifespan builds this process's tokenizer, renderer, parser, engine client and
 backplane socket (never at import, never in the uvicorn parent) and closes them with
-bounded waits. `CapturedReply` sends a turn's reply and only then commits it; a reply
-that did not reach the agent aborts the turn. uvicorn starts workers through
-`create_app_from_env` (factory=True), which reads the CLI's WorkerConfig.
+bounded waits. Every dialect (Chat Completions, Anthropic Messages, Responses) goes
+through one handler and one `CapturedReply`, which sends the reply (one body, or SSE
+events while the engine generates) and only then commits the turn; a reply that did not
+reach the agent aborts it, and a stream the agent left stops the engine. uvicorn starts
+workers through `create_app_from_env` (factory=True), which reads the CLI's WorkerConfig.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import orjson
 from starlette.applications import Starlette
@@ -24,14 +26,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway_workers.adapters import openai_chat
+from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
 from gateway_workers.backplane import Backplane
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
+from gateway_workers.live import start_live_turn
 from gateway_workers.parsing import detect_parser
 from gateway_workers.render import Renderer
 from gateway_workers.tokenizer import load_tokenizer
-from gateway_workers.turns import ApiError, CapturedTurn, TurnPipeline
+from gateway_workers.turns import ApiError, TurnPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,19 @@ class WorkerState(TypedDict):
     pipeline: TurnPipeline
     config: WorkerConfig
     counters: Counter[str]
+
+
+class ReplySource(Protocol):
+    """What a reply settles: a whole `CapturedTurn` or a `LiveTurn` still generating."""
+
+    turn_id: str
+    session_id: str
+
+    def commit(self) -> None: ...
+
+    def abort(self, reason: str) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 def session_key(request: Request) -> str | None:
@@ -69,47 +85,85 @@ class DisconnectWatcher:
         self._task.cancel()
 
 
-class CapturedReply(Response):
-    """Sends a turn's reply as one body or as SSE events, then commits the turn.
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    yield body
 
-    uvicorn's `send` silently drops data once the client is gone, so the last check of
-    the watcher happens right before the final chunk: a turn whose reply the agent did
-    not get is aborted, never trained on.
+
+class CapturedReply(Response):
+    """Sends a turn's reply, one body or SSE events as they are produced, then commits the turn.
+
+    uvicorn's `send` silently drops data once the client is gone, so the watcher is checked
+    before every chunk, and a disconnect cancels the sending (and with it the engine stream).
+    A turn whose reply the agent did not get entirely is aborted, never trained on. An
+    `ApiError` from the body (the engine failed mid-stream, after the adapter sent its error
+    event) ends the stream and aborts the turn.
     """
 
-    def __init__(self, turn: CapturedTurn, chunks: list[bytes], media_type: str, watcher: DisconnectWatcher,
-                 counters: Counter[str]) -> None:
+    def __init__(self, source: ReplySource, body: AsyncIterator[bytes], media_type: str, watcher: DisconnectWatcher,
+                 counters: Counter[str], length: int | None = None) -> None:
         self.status_code = 200
         self.background = None
-        self.turn = turn
-        self.chunks = chunks
+        self.source = source
+        self.body_iterator = body
         self.watcher = watcher
         self.counters = counters
         if media_type == "text/event-stream":
             self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         else:
-            length = str(sum(len(c) for c in chunks)).encode()
-            self.raw_headers = [(b"content-type", media_type.encode()), (b"content-length", length)]
+            self.raw_headers = [(b"content-type", media_type.encode())]
+            if length is not None:
+                self.raw_headers.append((b"content-length", str(length).encode()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.ensure_future(self._send_all(send))
+        gone = asyncio.ensure_future(self.watcher.gone.wait())
         sent = False
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            last = len(self.chunks) - 1
-            for i, chunk in enumerate(self.chunks):
-                if self.watcher.gone.is_set():
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": i < last})
-            else:
-                sent = True
+            await asyncio.wait({sender, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            gone.cancel()
             self.watcher.stop()
-            if sent:
-                self.turn.commit()
-                self.counters["turns_committed"] += 1
-            else:
-                self.turn.abort("client disconnected before the reply was sent")
-                self.counters["turns_aborted"] += 1
+            if not sender.done():
+                sender.cancel()  # the agent left mid-reply: stop generating and sending
+            try:
+                sent = await sender
+            except asyncio.CancelledError:
+                pass
+            except ApiError as e:
+                self.counters[f"stream_{e.status}"] += 1
+            except Exception:
+                logger.exception("sending the reply of turn %s (session %s) failed", self.source.turn_id,
+                                 self.source.session_id)
+            await self._settle(sent)
+
+    async def _send_all(self, send: Send) -> bool:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                if self.watcher.gone.is_set():
+                    return False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except ApiError:
+            # The adapter already sent the error event; end the stream so the agent is not left waiting.
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            raise
+        if self.watcher.gone.is_set():
+            return False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+    async def _settle(self, sent: bool) -> None:
+        aclose = getattr(self.body_iterator, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+        await self.source.close()
+        if sent:
+            self.source.commit()
+            self.counters["turns_committed"] += 1
+        else:
+            self.source.abort("client disconnected before the reply was sent")
+            self.counters["turns_aborted"] += 1
 
 
 def _error(adapter: Any, error: ApiError, counters: Counter[str]) -> Response:
@@ -119,34 +173,87 @@ def _error(adapter: Any, error: ApiError, counters: Counter[str]) -> Response:
     return Response(orjson.dumps(adapter.error_body(error)), status_code=error.status, media_type="application/json")
 
 
-async def chat_completions(request: Request) -> Response:
+async def _body(request: Request) -> Any:
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, "invalid_request", f"the body is not valid JSON: {e}") from None
+
+
+def _key(request: Request) -> str:
+    sid = session_key(request)
+    if sid is None:
+        raise ApiError(401, "authentication", "missing API key (the session key)", code="invalid_api_key")
+    return sid
+
+
+async def _with_history(pipeline: TurnPipeline, sid: str, parsed: Any) -> Any:
+    """A Responses request naming `previous_response_id`: prepend that turn's messages (from the broker)."""
+    if getattr(parsed, "previous_turn_id", None) is None:
+        return parsed
+    try:
+        found = await pipeline.get_turn(sid, parsed.previous_turn_id)
+    except ApiError as e:
+        if e.code in ("unknown_turn", "turn_pending"):
+            raise ApiError(400, "invalid_request", f"previous_response_id {parsed.previous_response_id!r} is not a "
+                           "committed response of this session", code=e.code, param="previous_response_id") from None
+        raise
+    return openai_responses.with_history(parsed, found)
+
+
+async def serve_turn(request: Request, adapter: Any) -> Response:
+    """One turn in any dialect: validate, run (live when streaming), reply, commit."""
     state = request.state
     counters: Counter[str] = state.counters
     counters["requests"] += 1
-    sid = session_key(request)
-    if sid is None:
-        return _error(openai_chat, ApiError(401, "authentication", "missing API key (the session key)",
-                                            code="invalid_api_key"), counters)
     try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as e:
-        return _error(openai_chat, ApiError(400, "invalid_request", f"the body is not valid JSON: {e}"), counters)
+        sid = _key(request)
+        parsed = adapter.parse_request(await _body(request))
+        parsed = await _with_history(state.pipeline, sid, parsed)
+    except ApiError as e:
+        return _error(adapter, e, counters)
     watcher = DisconnectWatcher(request)
+    model = state.config.model_name
     try:
-        chat = openai_chat.parse_request(body)
-        turn = await state.pipeline.run(sid, chat.turn, watcher.gone)
+        if parsed.stream:
+            live = await start_live_turn(state.pipeline, sid, parsed.turn, watcher.gone)
+            return CapturedReply(live, adapter.stream_events(live, parsed, model), "text/event-stream", watcher,
+                                 counters)
+        turn = await state.pipeline.run(sid, parsed.turn, watcher.gone)
     except ApiError as e:
         watcher.stop()
-        return _error(openai_chat, e, counters)
+        return _error(adapter, e, counters)
     except Exception:
         watcher.stop()
         logger.exception("turn of session %s failed", sid)
-        return _error(openai_chat, ApiError(500, "internal", "internal error in the gateway worker"), counters)
-    model = state.config.model_name
-    if chat.stream:
-        return CapturedReply(turn, openai_chat.stream_events(turn, model, chat.include_usage), "text/event-stream",
-                             watcher, counters)
-    return CapturedReply(turn, [openai_chat.response_body(turn, model)], "application/json", watcher, counters)
+        return _error(adapter, ApiError(500, "internal", "internal error in the gateway worker"), counters)
+    body = adapter.response_body(turn, parsed, model)
+    return CapturedReply(turn, _once(body), "application/json", watcher, counters, length=len(body))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await serve_turn(request, openai_chat)
+
+
+async def messages(request: Request) -> Response:
+    return await serve_turn(request, anthropic_messages)
+
+
+async def responses(request: Request) -> Response:
+    return await serve_turn(request, openai_responses)
+
+
+async def count_tokens(request: Request) -> Response:
+    """Anthropic's token counting: the prompt rendered exactly as a turn would be; records nothing."""
+    state = request.state
+    try:
+        sid = _key(request)
+        parsed = anthropic_messages.parse_request(await _body(request), counting=True)
+        await state.pipeline.check_session(sid)
+        count = await state.pipeline.count_tokens(parsed.turn)
+    except ApiError as e:
+        return _error(anthropic_messages, e, state.counters)
+    return JSONResponse({"input_tokens": count})
 
 
 async def models(request: Request) -> Response:
@@ -185,6 +292,9 @@ def create_app(config: WorkerConfig) -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

@@ -4,7 +4,8 @@ Dialect-free: adapters turn their wire body into a `TurnRequest` of canonical
 messages and turn the `CapturedTurn` back into their wire reply. The app decides when
 the reply has been fully sent and only then calls `CapturedTurn.commit()`; every other
 exit calls `abort()`. `ApiError` carries the HTTP status an adapter renders in its
-own error shape.
+own error shape. `TurnPipeline.prepare` (OPEN + render) is shared with the live path
+(`gateway_workers.live`); `run` generates a whole reply at once.
 """
 
 from __future__ import annotations
@@ -51,7 +52,28 @@ _REFUSALS = {
     "session_closed": (403, "permission"),
     "turn_cap": (403, "permission"),
     "busy": (503, "unavailable"),
+    "unknown_turn": (400, "invalid_request"),
+    "turn_pending": (400, "invalid_request"),
 }
+
+
+def refusal_error(e: TurnRefused) -> ApiError:
+    status, kind = _REFUSALS.get(e.code, (400, "invalid_request"))
+    return ApiError(status, kind, e.message, code=e.code)
+
+
+def engine_error(e: EngineError, session_id: str, turn_id: str) -> ApiError:
+    """The HTTP error for an engine failure (logged: it is ours, not the agent's)."""
+    if isinstance(e, EngineTimeout):
+        logger.error("engine timed out on turn %s (session %s): %s", turn_id, session_id, e)
+        return ApiError(504, "timeout", f"the inference engine timed out: {e}")
+    logger.error("engine failed on turn %s (session %s): %s", turn_id, session_id, e)
+    return ApiError(502, "engine", f"the inference engine failed: {e}")
+
+
+def tool_call_id(prefix: str, turn_id: str, index: int) -> str:
+    """The wire id of a reply's index-th tool call: derived from the turn, so a later request can name it."""
+    return f"{prefix}{turn_id[:24]}_{index}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +102,7 @@ class CapturedTurn:
     parsed: ParsedResponse
     created: int
     timings: dict[str, float] = field(default_factory=dict)
+    flags: dict[str, Any] = field(default_factory=dict)  # extra verdicts for the commit (e.g. stream_diverged)
     _backplane: Backplane | None = None
     _settled: bool = False
 
@@ -94,7 +117,7 @@ class CapturedTurn:
         if self._settled or self._backplane is None:
             return
         self._settled = True
-        flags: dict[str, Any] = {"ill_formed": self.parsed.ill_formed}
+        flags: dict[str, Any] = {"ill_formed": self.parsed.ill_formed, **self.flags}
         if self.parsed.error:
             flags["parse_error"] = self.parsed.error
         self._backplane.commit_in_background(
@@ -119,6 +142,24 @@ class CapturedTurn:
         self._settled = True
         self._backplane.abort_in_background(self.session_id, self.turn_id, reason)
 
+    async def close(self) -> None:
+        """Nothing is left running once a whole reply exists (the live path holds an engine stream)."""
+
+
+@dataclass(slots=True)
+class PreparedTurn:
+    """An OPENed, rendered turn about to go to the engine."""
+
+    session_id: str
+    turn_id: str
+    request: TurnRequest
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams
+    over_budget: bool
+    t0: float
+    t_render: float
+
 
 class TurnPipeline:
     """Runs turns against one backplane, renderer, parser and engine (one per worker)."""
@@ -137,75 +178,96 @@ class TurnPipeline:
         self.engine = engine
         self.default_max_tokens = default_max_tokens
 
-    async def run(self, session_id: str, request: TurnRequest, disconnected: asyncio.Event) -> CapturedTurn:
-        """Generate one turn; raises ApiError. The caller must commit() or abort() the result."""
+    async def prepare(self, session_id: str, request: TurnRequest) -> PreparedTurn:
+        """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened)."""
         turn_id = uuid.uuid4().hex
         t0 = time.perf_counter()
         try:
             opened = await self.backplane.open_turn(session_id, turn_id)
         except TurnRefused as e:
-            status, kind = _REFUSALS.get(e.code, (400, "invalid_request"))
-            raise ApiError(status, kind, e.message, code=e.code) from None
+            raise refusal_error(e) from None
         except BrokerUnavailable as e:
             logger.error("OPEN of a turn for session %s failed: %s", session_id, e)
             raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
         try:
-            return await self._generate(session_id, turn_id, request, opened, disconnected, t0)
+            try:
+                rendered = await run_in_threadpool(self.renderer.render, request.messages, request.tools)
+            except RenderError as e:
+                raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
+            prompt_ids = list(rendered.prompt_ids)
+            params, over_budget = self._sampling(request, opened, len(prompt_ids))
         except BaseException as e:
             self.backplane.abort_in_background(session_id, turn_id, type(e).__name__)
             raise
+        return PreparedTurn(session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0,
+                            time.perf_counter())
 
-    async def _generate(
-        self,
-        session_id: str,
-        turn_id: str,
-        request: TurnRequest,
-        opened: protocol.TurnOpened,
-        disconnected: asyncio.Event,
-        t0: float,
-    ) -> CapturedTurn:
+    async def run(self, session_id: str, request: TurnRequest, disconnected: asyncio.Event) -> CapturedTurn:
+        """Generate one whole turn; raises ApiError. The caller must commit() or abort() the result."""
+        prepared = await self.prepare(session_id, request)
         try:
-            rendered = await run_in_threadpool(self.renderer.render, request.messages, request.tools)
-        except RenderError as e:
-            raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
-        t_render = time.perf_counter()
-        prompt_ids = list(rendered.prompt_ids)
-        params, over_budget = self._sampling(request, opened, len(prompt_ids))
-        if over_budget:
-            # DESIGN: a prompt already over the context budget yields an empty `length` turn.
-            result = EngineResult(output_ids=[], logprobs=[], finish_reason="length")
-        else:
-            result = await self._call_engine(prompt_ids, params, session_id, turn_id, disconnected)
-        t_engine = time.perf_counter()
-        parsed = self.parser.parse(result.output_ids, prompt_ids, request.tools)
-        t_parse = time.perf_counter()
+            if prepared.over_budget:
+                # DESIGN: a prompt already over the context budget yields an empty `length` turn.
+                result = EngineResult(output_ids=[], logprobs=[], finish_reason="length")
+            else:
+                result = await self._call_engine(prepared, disconnected)
+            t_engine = time.perf_counter()
+            parsed = self.parser.parse(result.output_ids, prepared.prompt_ids, request.tools)
+            return self.captured(prepared, result, parsed, t_engine)
+        except BaseException as e:
+            self.backplane.abort_in_background(session_id, prepared.turn_id, type(e).__name__)
+            raise
+
+    def captured(self, prepared: PreparedTurn, result: EngineResult, parsed: ParsedResponse,
+                 t_engine: float) -> CapturedTurn:
+        """The generated turn, waiting for its reply to be sent."""
         return CapturedTurn(
-            session_id=session_id,
-            turn_id=turn_id,
-            request=request,
-            prompt_ids=prompt_ids,
+            session_id=prepared.session_id,
+            turn_id=prepared.turn_id,
+            request=prepared.request,
+            prompt_ids=prepared.prompt_ids,
             result=result,
             parsed=parsed,
             created=int(time.time()),
             timings={
                 "open_s": 0.0,
-                "render_s": t_render - t0,
-                "engine_s": t_engine - t_render,
-                "parse_s": t_parse - t_engine,
+                "render_s": prepared.t_render - prepared.t0,
+                "engine_s": t_engine - prepared.t_render,
+                "parse_s": time.perf_counter() - t_engine,
             },
             _backplane=self.backplane,
         )
 
-    async def _call_engine(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        session_id: str,
-        turn_id: str,
-        disconnected: asyncio.Event,
-    ) -> EngineResult:
+    async def get_turn(self, session_id: str, turn_id: str) -> protocol.TurnFound:
+        """A committed turn of this session (`previous_response_id`); raises ApiError."""
+        try:
+            return await self.backplane.get_turn(session_id, turn_id)
+        except TurnRefused as e:
+            raise refusal_error(e) from None
+        except BrokerUnavailable as e:
+            logger.error("GET of turn %s of session %s failed: %s", turn_id, session_id, e)
+            raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
+
+    async def check_session(self, session_id: str) -> None:
+        """Raise ApiError unless the session is open (for requests that record nothing)."""
+        try:
+            await self.get_turn(session_id, "")
+        except ApiError as e:
+            if e.code != "unknown_turn":
+                raise
+
+    async def count_tokens(self, request: TurnRequest) -> int:
+        """Prompt length of a request, rendered exactly as a turn would be."""
+        try:
+            rendered = await run_in_threadpool(self.renderer.render, request.messages, request.tools)
+        except RenderError as e:
+            raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
+        return len(rendered.prompt_ids)
+
+    async def _call_engine(self, prepared: PreparedTurn, disconnected: asyncio.Event) -> EngineResult:
+        session_id, turn_id = prepared.session_id, prepared.turn_id
         generate = asyncio.ensure_future(
-            self.engine.generate(prompt_ids, params, session_id=session_id, request_id=turn_id)
+            self.engine.generate(prepared.prompt_ids, prepared.params, session_id=session_id, request_id=turn_id)
         )
         gone = asyncio.ensure_future(disconnected.wait())
         try:
@@ -224,12 +286,8 @@ class TurnPipeline:
             raise ApiError(499, "invalid_request", "client disconnected")
         try:
             return generate.result()
-        except EngineTimeout as e:
-            logger.error("engine timed out on turn %s (session %s): %s", turn_id, session_id, e)
-            raise ApiError(504, "timeout", f"the inference engine timed out: {e}") from None
         except EngineError as e:
-            logger.error("engine failed on turn %s (session %s): %s", turn_id, session_id, e)
-            raise ApiError(502, "engine", f"the inference engine failed: {e}") from None
+            raise engine_error(e, session_id, turn_id) from None
 
     def _sampling(
         self, request: TurnRequest, opened: protocol.TurnOpened, prompt_len: int

@@ -1,0 +1,275 @@
+"""Anthropic Messages dialect: `POST /v1/messages` (and count_tokens) -> TurnRequest, turns -> Messages replies.
+
+Content blocks map onto canonical messages: `thinking` -> reasoning, `text` -> content,
+`tool_use` -> tool calls (ids are wire-only), each `tool_result` -> a tool message named
+after its call; `redacted_thinking` carries nothing we can render and is dropped. Replies
+are one message with thinking / text / tool_use blocks, streamed live with the event
+sequence the `anthropic` SDK consumes (message_start, ping, content_block_start / delta /
+stop, message_delta with stop_reason and usage, message_stop). Strict validation, as in
+the other dialects. No I/O here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway_workers.adapters.common import (
+    BlockEvent,
+    bad,
+    block_events,
+    canonical_tool,
+    check_known,
+    check_object,
+    flag,
+    integer,
+    number,
+    reply_deltas,
+    sse,
+)
+from gateway_workers.live import LiveTurn
+from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
+
+# Accepted and without effect on a token-in/token-out turn (thinking is the chat template's business).
+_IGNORED = {"model", "metadata", "service_tier", "thinking", "context_management", "output_config"}
+_HANDLED = {"messages", "system", "tools", "tool_choice", "max_tokens", "stop_sequences", "temperature", "top_p",
+            "top_k", "stream"}
+SIGNATURE = "rollout-gateway"  # thinking blocks carry a signature; ours only says where they came from
+
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "rate_limit": "rate_limit_error",
+    "unavailable": "overloaded_error",
+}
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.kind, "api_error"), "message": error.message}}
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesRequest:
+    """A validated Messages body."""
+
+    turn: TurnRequest
+    stream: bool
+
+
+def _text_blocks(content: Any, where: str, joiner: str) -> str:
+    """A string, or a list of text blocks joined (other block types are refused)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}: content must be a string or a list of text blocks", "messages")
+    texts = []
+    for block in content:
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise bad(f"{where}: a block of type {kind!r} is not supported here (text only)", "messages")
+        texts.append(block["text"])
+    return joiner.join(texts)
+
+
+def _assistant(content: Any, where: str, call_names: dict[str, str]) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise bad(f"{where}: content must be a string or a list of blocks", "messages")
+    text, reasoning, calls = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            reasoning.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # encrypted elsewhere; nothing of it can be rendered
+        elif kind == "tool_use":
+            name, arguments = block.get("name"), block.get("input", {})
+            if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+                raise bad(f"{where}.content[{j}]: tool_use needs a name and an object input", "messages")
+            if isinstance(block.get("id"), str):
+                call_names[block["id"]] = name
+            calls.append({"name": name, "arguments": arguments})
+        else:
+            raise bad(f"{where}.content[{j}]: block type {kind!r} is not supported in assistant messages", "messages")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if reasoning and "".join(reasoning):
+        message["reasoning"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _user(content: Any, where: str, call_names: dict[str, str]) -> list[dict[str, Any]]:
+    """A user turn: its tool results become tool messages and its text a user message, in order."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list):
+        raise bad(f"{where}: content must be a string or a list of blocks", "messages")
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            result = block.get("content", "")
+            tool: dict[str, Any] = {"role": "tool",
+                                    "content": _text_blocks(result, f"{where}.content[{j}].content", "\n")}
+            name = call_names.get(block.get("tool_use_id") or "")
+            if name:
+                tool["name"] = name
+            out.append(tool)
+        else:
+            raise bad(f"{where}.content[{j}]: block type {kind!r} is not supported (text and tool_result only)",
+                      "messages")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad("'messages' must be a non-empty list", "messages")
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_blocks(system, "system", "\n")
+        if text:
+            messages.append({"role": "system", "content": text})
+    call_names: dict[str, str] = {}
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise bad(f"{where} must be an object with role 'user' or 'assistant'", "messages")
+        if message["role"] == "assistant":
+            messages.append(_assistant(message.get("content"), where, call_names))
+        else:
+            messages.extend(_user(message.get("content"), where, call_names))
+    return messages
+
+
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise bad("'tools' must be a list", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            raise bad(f"tools[{i}]: only custom (client) tools are supported", "tools")
+        tools.append(canonical_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+                                    f"tools[{i}]"))
+    return tools
+
+
+def parse_request(body: Any, *, counting: bool = False) -> MessagesRequest:
+    """Validate a Messages body (`counting`: a count_tokens body, without max_tokens)."""
+    body = check_object(body)
+    check_known(body, _HANDLED, _IGNORED)
+    choice = body.get("tool_choice")
+    if choice is not None and (not isinstance(choice, dict) or choice.get("type") != "auto"):
+        raise bad("only tool_choice {'type': 'auto'} is supported", "tool_choice")
+    stop = body.get("stop_sequences")
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+        raise bad("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
+    max_tokens = integer(body, "max_tokens", 1)
+    if max_tokens is None and not counting:
+        raise bad("'max_tokens' is required", "max_tokens")
+    turn = TurnRequest(
+        messages=_messages(body),
+        tools=_tools(body.get("tools")),
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", 0.0, 1.0),
+        top_p=number(body, "top_p", 0.0, 1.0),
+        top_k=integer(body, "top_k", 0),
+        stop=tuple(stop or ()),
+    )
+    return MessagesRequest(turn, flag(body, "stream"))
+
+
+def _stop_reason(finish_reason: str) -> str:
+    return {"length": "max_tokens", "tool_calls": "tool_use"}.get(finish_reason, "end_turn")
+
+
+def _block(event: BlockEvent, turn_id: str) -> dict[str, Any]:
+    """The block an `open` event starts, empty (tool calls arrive whole: their input comes as one delta)."""
+    if event.kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    if event.kind == "content":
+        return {"type": "text", "text": ""}
+    assert event.call is not None
+    return {"type": "tool_use", "id": tool_call_id("toolu_", turn_id, event.call_index), "name": event.call["name"],
+            "input": {}}
+
+
+def _message(turn_id: str, model: str, content: list[dict[str, Any]], stop_reason: str | None, prompt: int,
+             output: int) -> dict[str, Any]:
+    return {"id": f"msg_{turn_id}", "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": None,
+            "usage": {"input_tokens": prompt, "output_tokens": output, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": 0}}
+
+
+def response_body(turn: CapturedTurn, request: MessagesRequest, model: str) -> bytes:
+    content: list[dict[str, Any]] = []
+    calls = 0
+    for delta in reply_deltas(turn.parsed):
+        if delta.kind == "reasoning":
+            content.append({"type": "thinking", "thinking": delta.text, "signature": SIGNATURE})
+        elif delta.kind == "content":
+            content.append({"type": "text", "text": delta.text})
+        else:
+            assert delta.call is not None
+            content.append({"type": "tool_use", "id": tool_call_id("toolu_", turn.turn_id, calls),
+                            "name": delta.call["name"], "input": delta.call["arguments"]})
+            calls += 1
+    return orjson.dumps(_message(turn.turn_id, model, content, _stop_reason(turn.finish_reason),
+                                 len(turn.prompt_ids), len(turn.result.output_ids)))
+
+
+async def stream_events(live: LiveTurn, request: MessagesRequest, model: str) -> AsyncIterator[bytes]:
+    """The Messages SSE stream of a live turn."""
+    start = _message(live.turn_id, model, [], None, len(live.prompt_ids), 0)
+    yield sse({"type": "message_start", "message": start}, "message_start")
+    yield sse({"type": "ping"}, "ping")
+    try:
+        async for event in block_events(live.deltas()):
+            index = event.index
+            if event.action == "open":
+                block = _block(event, live.turn_id)
+                yield sse({"type": "content_block_start", "index": index, "content_block": block},
+                          "content_block_start")
+                if event.kind == "tool_call":
+                    assert event.call is not None
+                    delta = {"type": "input_json_delta", "partial_json": orjson.dumps(event.call["arguments"]).decode()}
+                    yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+            elif event.action == "delta":
+                delta = ({"type": "thinking_delta", "thinking": event.text} if event.kind == "reasoning"
+                         else {"type": "text_delta", "text": event.text})
+                yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+            else:
+                if event.kind == "reasoning":
+                    delta = {"type": "signature_delta", "signature": SIGNATURE}
+                    yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+                yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+    except ApiError as e:
+        yield sse(error_body(e), "error")
+        raise
+    turn = live.turn
+    assert turn is not None
+    delta = {"stop_reason": _stop_reason(turn.finish_reason), "stop_sequence": None}
+    usage = {"input_tokens": len(turn.prompt_ids), "output_tokens": len(turn.result.output_ids)}
+    yield sse({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta")
+    yield sse({"type": "message_stop"}, "message_stop")

@@ -1,0 +1,153 @@
+"""What the three wire adapters share: validation errors, canonical tools and arguments, SSE framing, reply blocks.
+
+Canonical tools are `{"type": "function", "function": {"name", "description"?, "parameters"?}}`
+whatever dialect declared them, so one session can mix dialects and still render the same
+prompt. A reply is a sequence of blocks (reasoning, text, tool calls), built from the final
+parse for a whole reply or from live deltas for a stream (`block_events`). No I/O here; must
+not import the app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from gateway_workers.parsing import ParsedResponse
+from gateway_workers.streaming import DeltaKind, LiveDelta
+from gateway_workers.turns import ApiError
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    """A 400 for a request the agent must fix."""
+    return ApiError(400, "invalid_request", message, code="invalid_request", param=param)
+
+
+def check_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def check_known(body: Mapping[str, Any], handled: set[str], ignored: set[str]) -> None:
+    """A parameter we cannot honour gets a 400 that names it, never silent ignoring."""
+    unknown = sorted(set(body) - handled - ignored)
+    if unknown:
+        raise bad(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
+
+
+def number(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise bad(f"'{name}' must be a number between {lo} and {hi}", name)
+    return float(value)
+
+
+def integer(body: Mapping[str, Any], name: str, lo: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise bad(f"'{name}' must be an integer >= {lo}", name)
+    return value
+
+
+def flag(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be a boolean", name)
+    return value
+
+
+def canonical_tool(name: Any, description: Any, parameters: Any, where: str, param: str = "tools") -> dict[str, Any]:
+    """One function tool in the canonical (Chat Completions) shape the chat template receives."""
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where} needs a name", param)
+    if description is not None and not isinstance(description, str):
+        raise bad(f"{where}: 'description' must be a string", param)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad(f"{where}: the parameters schema must be an object", param)
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def parse_arguments(raw: Any) -> Any:
+    """Wire arguments (a JSON string) -> canonical (an object); unparseable text stays text."""
+    if isinstance(raw, str):
+        try:
+            return orjson.loads(raw) if raw.strip() else {}
+        except orjson.JSONDecodeError:
+            return raw
+    return raw if raw is not None else {}
+
+
+def arguments_json(arguments: Any) -> str:
+    """Canonical arguments as the JSON string the OpenAI dialects carry."""
+    return arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event; `event:` is named for the dialects that name their events."""
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def reply_deltas(parsed: ParsedResponse) -> list[LiveDelta]:
+    """A whole reply as blocks in reply order: reasoning, text, then each tool call (empty fields left out)."""
+    deltas = []
+    if parsed.reasoning:
+        deltas.append(LiveDelta("reasoning", parsed.reasoning))
+    if parsed.content:
+        deltas.append(LiveDelta("content", parsed.content))
+    deltas.extend(LiveDelta("tool_call", call=call) for call in parsed.tool_calls)
+    return deltas
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """A block boundary or a piece of a block: what the Anthropic and Responses streams are made of."""
+
+    action: Literal["open", "delta", "close"]
+    index: int  # the block's position in the reply (an Anthropic content index, a Responses output index)
+    kind: DeltaKind
+    text: str = ""
+    call: dict[str, Any] | None = None
+    call_index: int = 0  # a tool call's position among the reply's tool calls (its wire id)
+
+
+async def block_events(deltas: AsyncIterator[LiveDelta]) -> AsyncIterator[BlockEvent]:
+    """Group deltas into blocks: consecutive text of one kind is one block; each tool call is its own."""
+    index, calls = -1, 0
+    open_kind: DeltaKind | None = None
+    async for delta in deltas:
+        if open_kind is not None and (delta.kind == "tool_call" or delta.kind != open_kind):
+            yield BlockEvent("close", index, open_kind)
+            open_kind = None
+        if delta.kind == "tool_call":
+            index += 1
+            yield BlockEvent("open", index, "tool_call", call=delta.call, call_index=calls)
+            yield BlockEvent("close", index, "tool_call", call=delta.call, call_index=calls)
+            calls += 1
+            continue
+        if open_kind is None:
+            index += 1
+            open_kind = delta.kind
+            yield BlockEvent("open", index, delta.kind)
+        yield BlockEvent("delta", index, delta.kind, text=delta.text)
+    if open_kind is not None:
+        yield BlockEvent("close", index, open_kind)
+
+
+async def from_list(deltas: list[LiveDelta]) -> AsyncIterator[LiveDelta]:
+    for delta in deltas:
+        yield delta

@@ -1,0 +1,349 @@
+"""OpenAI Responses dialect: `POST /v1/responses` -> TurnRequest, turns -> Response objects and event streams.
+
+Input items map onto canonical messages: `message` items by role (developer -> system),
+and a model turn's `reasoning`, assistant `message` and `function_call` items fold into
+one assistant message (reasoning, content, tool calls); `function_call_output` items
+become tool messages named after their call. `instructions` is the system message.
+`previous_response_id` (`resp_<turn id>`) names a committed turn of the same session: the
+app fetches its canonical prompt + response from the broker and `with_history` prepends
+them (new instructions replace the old system message). Tool-call ids derive from the
+turn, so a follow-up's outputs find their call names. Replies stream live with the event
+sequence the `openai` SDK consumes. No I/O here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from broker.protocol import TurnFound
+from gateway_workers.adapters.common import (
+    BlockEvent,
+    arguments_json,
+    bad,
+    block_events,
+    canonical_tool,
+    check_known,
+    check_object,
+    flag,
+    integer,
+    number,
+    parse_arguments,
+    reply_deltas,
+    sse,
+)
+from gateway_workers.live import LiveTurn
+from gateway_workers.parsing import ParsedResponse
+from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
+
+_IGNORED = {"model", "metadata", "store", "user", "service_tier", "prompt_cache_key", "safety_identifier",
+            "prompt_cache_retention", "include", "reasoning", "truncation", "stream_options", "parallel_tool_calls"}
+_HANDLED = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
+            "previous_response_id", "text", "background"}
+_RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})")
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "rate_limit": "rate_limit_error",
+}
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    return {"error": {"message": error.message, "type": _ERROR_TYPES.get(error.kind, "api_error"),
+                      "param": error.param, "code": error.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    """A validated Responses body; `items` are kept for `with_history` to canonicalize again."""
+
+    turn: TurnRequest
+    stream: bool
+    instructions: str | None
+    items: list[Any]
+    wire_tools: list[Any]
+    previous_response_id: str | None = None
+    previous_turn_id: str | None = None
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}: content must be a string or a list of parts", "input")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad(f"{where}: content part of type {kind!r} is not supported (text only)", "input")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise bad(f"{where}: reasoning content must be a list", "input")
+    texts = [p.get("text") for p in parts if isinstance(p, dict)]
+    if not all(isinstance(t, str) for t in texts):
+        raise bad(f"{where}: reasoning parts need a string 'text'", "input")
+    return "".join(t for t in texts if t)
+
+
+def canonical_messages(items: Any, call_names: dict[str, str]) -> list[dict[str, Any]]:
+    """Input items -> canonical messages; `call_names` (call id -> name) is read and extended."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad("'input' must be a string or a non-empty list of items", "input")
+    out: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None  # the model turn being folded together
+
+    def flush() -> None:
+        nonlocal turn
+        if turn is not None:
+            out.append(turn)
+            turn = None
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))
+            if role is None:
+                raise bad(f"{where}: unknown role {item.get('role')!r}", "input")
+            text = _text(item.get("content"), where)
+            if role != "assistant":
+                flush()
+                out.append({"role": role, "content": text})
+                continue
+            if turn is not None and turn.get("tool_calls"):
+                flush()
+            turn = turn or {"role": "assistant", "content": ""}
+            turn["content"] += text
+        elif kind == "reasoning":
+            text = _reasoning_text(item, where)
+            if turn is not None and (turn["content"] or turn.get("tool_calls")):
+                flush()  # reasoning opens a new model turn
+            turn = turn or {"role": "assistant", "content": ""}
+            if text:
+                turn["reasoning"] = turn.get("reasoning", "") + text
+        elif kind == "function_call":
+            name = item.get("name")
+            if not isinstance(name, str) or not name or not isinstance(item.get("call_id"), str):
+                raise bad(f"{where}: a function_call needs a name and a call_id", "input")
+            call_names[item["call_id"]] = name
+            turn = turn or {"role": "assistant", "content": ""}
+            turn.setdefault("tool_calls", []).append({"name": name, "arguments": parse_arguments(item.get("arguments"))})
+        elif kind == "function_call_output":
+            flush()
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise bad(f"{where}: a function_call_output needs a call_id", "input")
+            message = {"role": "tool", "content": _text(item.get("output", ""), where)}
+            if call_id in call_names:
+                message["name"] = call_names[call_id]
+            out.append(message)
+        else:
+            raise bad(f"{where}: item type {kind!r} is not supported (message, reasoning, function_call, "
+                      "function_call_output)", "input")
+    flush()
+    return out
+
+
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise bad("'tools' must be a list", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad(f"tools[{i}]: only function tools are supported", "tools")
+        tools.append(canonical_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools[{i}]"))
+    return tools
+
+
+def parse_request(body: Any) -> ResponsesRequest:
+    body = check_object(body)
+    check_known(body, _HANDLED, _IGNORED)
+    if flag(body, "background"):
+        raise bad("background responses are not supported", "background")
+    if body.get("tool_choice", "auto") not in ("auto", None):
+        raise bad("only tool_choice='auto' is supported", "tool_choice")
+    text = body.get("text")
+    if text is not None:
+        fmt = text.get("format") if isinstance(text, dict) else None
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise bad("only text output is supported (no structured output formats)", "text")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad("'instructions' must be a string", "instructions")
+    previous = body.get("previous_response_id")
+    previous_turn = None
+    if previous is not None:
+        match = _RESPONSE_ID.fullmatch(previous) if isinstance(previous, str) else None
+        if match is None:
+            raise bad(f"previous_response_id {previous!r} is not a response of this session", "previous_response_id")
+        previous_turn = match.group(1)
+    items = body.get("input")
+    messages = canonical_messages(items, {})
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    turn = TurnRequest(
+        messages=messages,
+        tools=_tools(body.get("tools")),
+        max_tokens=integer(body, "max_output_tokens", 1),
+        temperature=number(body, "temperature", 0.0, 2.0),
+        top_p=number(body, "top_p", 0.0, 1.0),
+    )
+    return ResponsesRequest(turn, flag(body, "stream"), instructions, items if isinstance(items, list) else [items],
+                            body.get("tools") or [], previous, previous_turn)
+
+
+def with_history(request: ResponsesRequest, found: TurnFound) -> ResponsesRequest:
+    """Prepend a previous turn's prompt and response (`previous_response_id`) to the new input."""
+    chain = [*found.prompt_messages, found.response_message]
+    if request.instructions:
+        if chain and chain[0].get("role") == "system":
+            chain = chain[1:]  # instructions are not carried over from the previous response
+        chain.insert(0, {"role": "system", "content": request.instructions})
+    calls = found.response_message.get("tool_calls") or []
+    call_names = {tool_call_id("call_", found.turn_id, i): c.get("name") for i, c in enumerate(calls)}
+    items = request.items[0] if len(request.items) == 1 and isinstance(request.items[0], str) else request.items
+    turn = dataclasses.replace(request.turn, messages=chain + canonical_messages(items, call_names))
+    return dataclasses.replace(request, turn=turn)
+
+
+# --- replies -------------------------------------------------------------------------------------
+
+
+def _item(event: BlockEvent, turn_id: str, text: str, done: bool) -> dict[str, Any]:
+    status = "completed" if done else "in_progress"
+    if event.kind == "reasoning":
+        content = [{"type": "reasoning_text", "text": text}] if done else []
+        return {"id": f"rs_{turn_id}_{event.index}", "type": "reasoning", "summary": [], "content": content,
+                "status": status}
+    if event.kind == "content":
+        content = [_output_text(text)] if done else []
+        return {"id": f"msg_{turn_id}_{event.index}", "type": "message", "role": "assistant", "status": status,
+                "content": content}
+    assert event.call is not None
+    return {"id": f"fc_{turn_id}_{event.index}", "type": "function_call",
+            "call_id": tool_call_id("call_", turn_id, event.call_index), "name": event.call["name"],
+            "arguments": arguments_json(event.call["arguments"]) if done else "", "status": status}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _response(request: ResponsesRequest, turn_id: str, model: str, created: int, output: list[dict[str, Any]],
+              status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+    turn = request.turn
+    return {
+        "id": f"resp_{turn_id}", "object": "response", "created_at": created, "status": status,
+        "completed_at": int(time.time()) if status != "in_progress" else None, "model": model, "output": output,
+        "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": request.instructions, "previous_response_id": request.previous_response_id,
+        "tools": request.wire_tools, "tool_choice": "auto", "parallel_tool_calls": True,
+        "temperature": turn.temperature, "top_p": turn.top_p, "max_output_tokens": turn.max_tokens,
+        "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
+        "metadata": {}, "store": False, "background": False, "usage": usage,
+    }
+
+
+def _usage(turn: CapturedTurn) -> dict[str, Any]:
+    prompt, output = len(turn.prompt_ids), len(turn.result.output_ids)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
+
+
+def _status(turn: CapturedTurn) -> str:
+    return "incomplete" if turn.finish_reason == "length" else "completed"
+
+
+def _output(parsed: ParsedResponse, turn_id: str) -> list[dict[str, Any]]:
+    output, calls = [], 0
+    for index, delta in enumerate(reply_deltas(parsed)):
+        event = BlockEvent("close", index, delta.kind, call=delta.call, call_index=calls)
+        calls += delta.kind == "tool_call"
+        output.append(_item(event, turn_id, delta.text, done=True))
+    return output
+
+
+def response_body(turn: CapturedTurn, request: ResponsesRequest, model: str) -> bytes:
+    return orjson.dumps(_response(request, turn.turn_id, model, turn.created, _output(turn.parsed, turn.turn_id),
+                                  _status(turn), _usage(turn)))
+
+
+async def stream_events(live: LiveTurn, request: ResponsesRequest, model: str) -> AsyncIterator[bytes]:
+    """The Responses SSE stream of a live turn; every event carries a sequence_number."""
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        return sse({"type": kind, "sequence_number": seq - 1, **fields}, kind)
+
+    turn_id = live.turn_id
+    started = _response(request, turn_id, model, live.created, [], "in_progress", None)
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
+    output: list[dict[str, Any]] = []
+    text = ""
+    try:
+        async for block in block_events(live.deltas()):
+            ids = {"item_id": _item(block, turn_id, "", False)["id"], "output_index": block.index}
+            if block.action == "open":
+                text = ""
+                yield event("response.output_item.added", output_index=block.index,
+                            item=_item(block, turn_id, "", False))
+                if block.kind == "reasoning":
+                    yield event("response.content_part.added", **ids, content_index=0,
+                                part={"type": "reasoning_text", "text": ""})
+                elif block.kind == "content":
+                    yield event("response.content_part.added", **ids, content_index=0, part=_output_text(""))
+                else:
+                    assert block.call is not None
+                    args = arguments_json(block.call["arguments"])
+                    yield event("response.function_call_arguments.delta", **ids, delta=args)
+                    yield event("response.function_call_arguments.done", **ids, arguments=args,
+                                name=block.call["name"])
+            elif block.action == "delta":
+                text += block.text
+                kind = "response.reasoning_text.delta" if block.kind == "reasoning" else "response.output_text.delta"
+                extra = {} if block.kind == "reasoning" else {"logprobs": []}
+                yield event(kind, **ids, content_index=0, delta=block.text, **extra)
+            else:
+                if block.kind == "reasoning":
+                    yield event("response.reasoning_text.done", **ids, content_index=0, text=text)
+                    yield event("response.content_part.done", **ids, content_index=0,
+                                part={"type": "reasoning_text", "text": text})
+                elif block.kind == "content":
+                    yield event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
+                    yield event("response.content_part.done", **ids, content_index=0, part=_output_text(text))
+                item = _item(block, turn_id, text, True)
+                output.append(item)
+                yield event("response.output_item.done", output_index=block.index, item=item)
+    except ApiError as e:
+        failed = _response(request, turn_id, model, live.created, output, "failed", None)
+        failed["error"] = {"code": "server_error", "message": e.message}
+        yield event("response.failed", response=failed)
+        raise
+    turn = live.turn
+    assert turn is not None
+    status = _status(turn)
+    final = _response(request, turn_id, model, live.created, output, status, _usage(turn))
+    yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
