@@ -3,7 +3,7 @@
 `python tests/fake_engine.py --port 0 --tokenizer DIR` prints `FAKE ENGINE READY http://HOST:PORT`.
 Routes: vLLM `POST /inference/v1/generate`, SGLang `POST /generate` + `POST /abort_request`,
 and test controls `POST /_fake/config` (delay, per-token delay, injected HTTP errors, hang;
-scoped to a routing key so tests sharing the process do not collide) and `GET /_fake/log`
+scoped to a routing key so tests sharing the process do not collide; mid-stream failures) and `GET /_fake/log`
 (requests, aborts, disconnects, finished streams). `stream: true` streams one token per
 step as SSE: vLLM's new-ids chunks + usage + [DONE], SGLang's cumulative events + [DONE].
 Policy: tools declared and fewer than `tool_rounds` tool responses since the last user turn ->
@@ -53,6 +53,7 @@ class Fault:
     times: int | None = None  # ...this many times (None: always)
     hang: bool = False
     token_delay: float = 0.0  # streaming: seconds before each token is sent
+    error_after: int | None = None  # streaming: fail with an error event after this many tokens
 
 
 @dataclass
@@ -284,6 +285,12 @@ class SseReply(Response):
             ids, lps, finish = self.result
             sent = 0
             while outcome is None and sent < len(ids):
+                if sent == self.fault.error_after:
+                    error = {"error": {"message": "injected mid-stream failure", "type": "InternalServerError",
+                                       "code": 500}}
+                    data = b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                    return
                 outcome = await _pause(aborted, gone, self.fault.token_delay)
                 if outcome is None:
                     sent += 1
