@@ -253,7 +253,7 @@ class SessionRegistry:
             "sessions_closing": sum(1 for s in sessions if s.state == "closing"),
             "turns_in_flight": sum(len(s.in_flight) for s in sessions),
             "turns_held": sum(len(s.committed) for s in sessions),
-            "tokens_held": sum(len(s.committed.tokens) for s in sessions),
+            "tokens_held": sum(s.committed.tokens_held for s in sessions),
             "bytes_held": sum(s.committed.bytes_held() for s in sessions),
             **self.counters,
         }

@@ -11,8 +11,8 @@ clocks, no lifecycle rules (`sessions.py` owns those). Imports only the stdlib a
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left
-from collections.abc import Sequence
+from bisect import bisect_left, insort
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from broker.trajectory import TurnRecord
 
 Range = tuple[int, int]
 _MESSAGE_OVERHEAD = 64  # dict + key slots, for the bytes_held gauge
+_ID_BYTES = 4  # int32 token ids
 
 
 @dataclass(slots=True, eq=False)
@@ -44,7 +45,10 @@ class TurnStore:
     __slots__ = ("tokens", "messages", "message_bytes", "logprob_bytes", "_turns", "_by_seq", "_seqs", "_last")
 
     def __init__(self) -> None:
-        self.tokens: array = protocol.ids_array()  # every distinct token run, once
+        # Every distinct token run, once, as native int32 bytes: a bytearray, because
+        # `bytearray.startswith(buffer, offset)` compares against it in place (one memcmp,
+        # no slice copies), which is most of the commit hot path.
+        self.tokens = bytearray()
         self.messages: list[dict[str, Any]] = []  # every distinct message, once (read-only dicts)
         self.message_bytes = 0
         self.logprob_bytes = 0
@@ -59,38 +63,33 @@ class TurnStore:
     def __len__(self) -> int:
         return len(self._turns)
 
+    @property
+    def tokens_held(self) -> int:
+        return len(self.tokens) // _ID_BYTES
+
     def bytes_held(self) -> int:
         """Approximate payload bytes: token log, logprobs and message text."""
-        return len(self.tokens) * self.tokens.itemsize + self.logprob_bytes + self.message_bytes
+        return len(self.tokens) + self.logprob_bytes + self.message_bytes
 
     def add(self, msg: protocol.CommitTurn, seq: int) -> None:
         """Store a commit (the caller checked it is new and well-formed) as the turn with OPEN sequence `seq`."""
-        ctx = msg.prompt_ids + msg.output_ids
         msgs = msg.prompt_messages + [msg.response_message]
-        # Candidates that most likely share a prefix: the neighbours by OPEN order (the usual
-        # case: the next prompt extends the previous turn) and the latest arrival.
-        seqs, last = self._seqs, self._last
-        if not seqs or seqs[-1] < seq:  # in-order arrival, the common case: no search
-            pos = len(seqs)
-            candidates = [] if last is None else [last] if last.seq == seqs[-1] else [self._by_seq[seqs[-1]], last]
-        else:
-            pos = bisect_left(seqs, seq)
-            candidates = [self._by_seq[seqs[i]] for i in (pos - 1, pos) if 0 <= i < len(seqs)]
-            if last is not None and all(c is not last for c in candidates):
-                candidates.append(last)
-        best_len, best_ranges, base = 0, [], None
-        for cand in candidates:
-            n, ranges = _common_prefix(ctx, self.tokens, cand.tok_ranges)
-            if n > best_len or base is None:
-                best_len, best_ranges, base = n, ranges, cand
-            if n == len(ctx):
-                break
-        tok_ranges = _append(self.tokens, best_ranges, ctx[best_len:] if best_len else ctx)
-        shared, msg_ranges = (0, []) if base is None else _common_prefix(msgs, self.messages, base.msg_ranges)
+        with memoryview(msg.prompt_ids) as p, memoryview(msg.output_ids) as o, p.cast("B") as pb, o.cast("B") as ob:
+            tok_ranges, base = self._add_ids(pb, ob, seq)
+        shared, msg_ranges = 0, []
+        if base is not None:
+            log_msgs = self.messages
+
+            def same_msgs(i: int, j: int, n: int) -> bool:
+                return bool(msgs[i : i + n] == log_msgs[j : j + n])  # dict equality, in C
+
+            shared, msg_ranges = _common_prefix(len(msgs), same_msgs, base.msg_ranges)
         new_msgs = msgs[shared:]
         for m in new_msgs:
             self.message_bytes += _message_bytes(m)
-        msg_ranges = _append(self.messages, msg_ranges, new_msgs)
+        start = len(self.messages)
+        self.messages += new_msgs
+        msg_ranges = _extend(msg_ranges, start, len(self.messages))
         turn = StoredTurn(
             msg.turn_id,
             seq,
@@ -105,8 +104,51 @@ class TurnStore:
         self.logprob_bytes += len(msg.logprobs) * msg.logprobs.itemsize
         self._turns[msg.turn_id] = turn
         self._by_seq[seq] = turn
-        seqs.insert(pos, seq)
+        insort(self._seqs, seq)
         self._last = turn
+
+    def _add_ids(self, pb: memoryview, ob: memoryview, seq: int) -> tuple[list[Range], StoredTurn | None]:
+        """Store prompt + output ids (as byte views) sharing the longest prefix with a likely base turn."""
+        log = self.tokens
+        n_prompt = len(pb) // _ID_BYTES
+        n_ctx = n_prompt + len(ob) // _ID_BYTES
+
+        def same(i: int, j: int, n: int) -> bool:
+            # ids [i, i+n) of prompt + output against log ids [j, j+n), without building prompt + output
+            if i + n <= n_prompt:
+                return log.startswith(pb[i * _ID_BYTES : (i + n) * _ID_BYTES], j * _ID_BYTES)
+            if i >= n_prompt:
+                k = i - n_prompt
+                return log.startswith(ob[k * _ID_BYTES : (k + n) * _ID_BYTES], j * _ID_BYTES)
+            head = n_prompt - i
+            return log.startswith(pb[i * _ID_BYTES :], j * _ID_BYTES) and log.startswith(
+                ob[: (n - head) * _ID_BYTES], (j + head) * _ID_BYTES
+            )
+
+        # Candidates that most likely share a prefix: the neighbours by OPEN order (the usual
+        # case: the next prompt extends the previous turn) and the latest arrival.
+        seqs, last = self._seqs, self._last
+        if not seqs or seqs[-1] < seq:  # in-order arrival, the common case: no search
+            candidates = [] if last is None else [last] if last.seq == seqs[-1] else [self._by_seq[seqs[-1]], last]
+        else:
+            pos = bisect_left(seqs, seq)
+            candidates = [self._by_seq[seqs[i]] for i in (pos - 1, pos) if 0 <= i < len(seqs)]
+            if last is not None and all(c is not last for c in candidates):
+                candidates.append(last)
+        best_len, best_ranges, base = 0, [], None
+        for cand in candidates:
+            n, ranges = _common_prefix(n_ctx, same, cand.tok_ranges)
+            if n > best_len or base is None:
+                best_len, best_ranges, base = n, ranges, cand
+            if n == n_ctx:
+                break
+        start = len(log) // _ID_BYTES
+        if best_len < n_prompt:
+            log += pb[best_len * _ID_BYTES :]
+            log += ob
+        else:
+            log += ob[(best_len - n_prompt) * _ID_BYTES :]
+        return _extend(best_ranges, start, len(log) // _ID_BYTES), base
 
     def turn_messages(self, turn_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """A committed turn's prompt messages and response message; None if it is not stored."""
@@ -129,7 +171,7 @@ class TurnStore:
     def _materialize(self, turn: StoredTurn) -> TurnRecord:
         ctx = protocol.ids_array()
         for start, stop in turn.tok_ranges:
-            ctx += self.tokens[start:stop]
+            ctx.frombytes(self.tokens[start * _ID_BYTES : stop * _ID_BYTES])
         msgs = self._messages_of(turn)
         return TurnRecord(
             turn_id=turn.turn_id,
@@ -144,29 +186,29 @@ class TurnStore:
         )
 
 
-def _common_prefix(seq: Sequence[Any], log: Sequence[Any], ranges: list[Range]) -> tuple[int, list[Range]]:
-    """Length of the common prefix of `seq` and the sequence `ranges` spell in `log`, and those ranges cut to it.
+def _common_prefix(length: int, same: Callable[[int, int, int], bool], ranges: list[Range]) -> tuple[int, list[Range]]:
+    """Common prefix of a `length`-item sequence and the one `ranges` spell in a log, and those ranges cut to it.
 
-    Whole ranges compare at once; only a mismatching range is bisected, so the cost is
-    about two passes over the prefix.
+    `same(i, j, n)` compares items [i, i+n) of the sequence with log items [j, j+n). Whole
+    ranges compare at once; only a mismatching range is bisected, so the cost is about two
+    passes over the prefix.
     """
-    same = _same_ids if isinstance(seq, array) else _same_items
     off = 0
     out: list[Range] = []
     for start, stop in ranges:
-        n = min(stop - start, len(seq) - off)
+        n = min(stop - start, length - off)
         if n <= 0:
             break
-        if same(seq, off, log, start, n):
+        if same(off, start, n):
             out.append((start, start + n))
             off += n
             if n < stop - start:
                 break
             continue
-        lo, hi = 0, n  # seq[off:off+lo] matches, seq[off:off+hi] does not
+        lo, hi = 0, n  # items [off, off+lo) match, [off, off+hi) do not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if same(seq, off + lo, log, start + lo, mid - lo):
+            if same(off + lo, start + lo, mid - lo):
                 lo = mid
             else:
                 hi = mid
@@ -177,28 +219,14 @@ def _common_prefix(seq: Sequence[Any], log: Sequence[Any], ranges: list[Range]) 
     return off, out
 
 
-def _same_ids(a: Any, i: int, b: Any, j: int, n: int) -> bool:
-    # bytearray == buffer is one memcmp; array and memoryview equality go element by element
-    # (measured 2-10x slower for 4k ids). One copy (the log side) instead of two. The views
-    # are released before the log grows (an exported buffer would forbid the append).
-    with memoryview(a) as va, memoryview(b) as vb:
-        return bytearray(vb[j : j + n]) == va[i : i + n]
-
-
-def _same_items(a: Any, i: int, b: Any, j: int, n: int) -> bool:
-    return bool(a[i : i + n] == b[j : j + n])
-
-
-def _append(log: Any, ranges: list[Range], tail: Sequence[Any]) -> list[Range]:
-    """Append `tail` to `log` and return `ranges` extended to cover it (merged when contiguous)."""
-    if not len(tail):
+def _extend(ranges: list[Range], start: int, stop: int) -> list[Range]:
+    """`ranges` plus the log items just appended at [start, stop), merged when contiguous."""
+    if stop == start:
         return ranges
-    start = len(log)
-    log.extend(tail)
     if ranges and ranges[-1][1] == start:  # the base turn ended at the log's end: a plain extension
-        ranges[-1] = (ranges[-1][0], len(log))
+        ranges[-1] = (ranges[-1][0], stop)
     else:
-        ranges.append((start, len(log)))
+        ranges.append((start, stop))
     return ranges
 
 

@@ -85,7 +85,7 @@ def test_any_sharing_pattern_in_any_commit_order_materializes_exactly(data):
     for i in order:
         turn_id, prompt, output, messages, response = turns[i]
         assert commit(reg, "s", turn_id, prompt, output, messages, response) == "stored"
-    assert len(reg.get("s").committed.tokens) <= sum(len(p) + len(o) for _, p, o, _, _ in turns)
+    assert reg.get("s").committed.tokens_held <= sum(len(p) + len(o) for _, p, o, _, _ in turns)
     check_exact(reg, "s", {t[0]: t[1:] for t in turns})
 
 
@@ -106,7 +106,7 @@ def test_a_growing_session_holds_each_token_once():
         messages = [*messages, response, {"role": "user", "content": f"q{k}"}]
     store = reg.get("s").committed
     final = len(expected["t49"][0]) + 100
-    assert len(store.tokens) == final  # every token exactly once
+    assert store.tokens_held == final  # every token exactly once
     assert len(store.messages) == len(expected["t49"][2]) + 1
     assert store.bytes_held() < 2 * 4 * final  # tokens + logprobs + message text
     check_exact(reg, "s", expected)
