@@ -174,11 +174,11 @@ class SessionRegistry:
     def open_turn(self, sid: str, turn_id: str) -> tuple[Session, int]:
         """Admit a turn: session open, under its cap. Returns the session and the turn's seq."""
         session = self.get(sid)
+        seq = session.in_flight.get(turn_id)
+        if seq is not None:  # a worker re-sent OPEN after losing our reply: same answer, even if closing
+            return session, seq
         if session.state != "open":
             raise Refusal("session_closed", f"session {sid!r} is finishing; no new turns")
-        seq = session.in_flight.get(turn_id)
-        if seq is not None:  # a worker re-sent OPEN after losing our reply: same answer
-            return session, seq
         if not turn_id or len(turn_id) > _MAX_TURN_ID_LEN:
             raise Refusal("bad_request", f"turn_id must be 1-{_MAX_TURN_ID_LEN} characters")
         if turn_id in session.committed or turn_id in session.aborted:

@@ -152,9 +152,11 @@ def test_drain_waits_for_in_flight_turns_without_blocking_the_loop(client, worke
     finisher = threading.Thread(target=finish)
     finisher.start()
     _wait_for(lambda: client.stats()["finishes_parked"] == 1)
-    # while the finish is parked: stragglers are refused and other sessions are served
+    # while the finish is parked: stragglers are refused, a re-sent OPEN of the in-flight
+    # turn gets its same answer, and other sessions are served
     refused = worker.open_turn(sid, "t3")
     assert isinstance(refused, protocol.Refused) and refused.code == "session_closed"
+    assert worker.open_turn(sid, "t2").seq == 2
     other = client.open_session()
     other_turns = conversation(7, 2)
     run_turns(worker, other, other_turns)

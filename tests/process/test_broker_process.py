@@ -191,6 +191,10 @@ def test_cli_refuses_bad_arguments_clearly(tmp_path):
     with TestProcess([sys.executable, "-m", "broker", "--tokenizer", str(tmp_path / "nope.json")]) as p:
         assert p.wait(30) == 2
         p.expect("does not exist", 1)
+    env = {"ROLLOUT_BROKER_MAX_SESSIONS": "lots"}
+    with TestProcess([sys.executable, "-m", "broker"], env=env) as p:
+        assert p.wait(30) == 2
+        p.expect("ROLLOUT_BROKER_MAX_SESSIONS='lots'", 1)  # the error names the variable
     proc, worker_ep, control_ep = start_broker()
     with proc:
         with TestProcess([sys.executable, "-m", "broker", "--worker-endpoint", worker_ep]) as second:
