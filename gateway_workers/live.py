@@ -115,7 +115,7 @@ class LiveTurn:
             while True:
                 ids += chunk.output_ids
                 logprobs += chunk.logprobs
-                for delta in self._split(self._decoder.feed(chunk.output_ids)):
+                for delta in self._split(self._decoder.feed(chunk.output_ids), ids):
                     yield delta
                 if chunk.finish_reason is not None:
                     finish = chunk.finish_reason
@@ -125,7 +125,7 @@ class LiveTurn:
         finally:
             if finish is None and self._stream is not None:
                 await self._close_stream()
-        for delta in self._split(self._decoder.flush()):
+        for delta in self._split(self._decoder.flush(), ids):
             yield delta
         t_engine = time.perf_counter()
         result = EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=finish)
@@ -153,13 +153,29 @@ class LiveTurn:
         except EngineError as e:
             raise engine_error(e, self.session_id, self.turn_id) from None
 
-    def _split(self, text: str) -> list[LiveDelta]:
+    def _split(self, text: str, ids: list[int]) -> list[LiveDelta]:
         if not text:
             return []
         deltas = self._splitter.feed(text)
+        if any(d.kind == "tool_call" for d in deltas):
+            deltas = self._confirm_calls(deltas, ids)
         for delta in deltas:
             self._tracker.record(delta)
         return deltas
+
+    def _confirm_calls(self, deltas: list[LiveDelta], ids: list[int]) -> list[LiveDelta]:
+        """Tool calls as the format's own parser reads the reply so far (typed arguments included).
+
+        The splitter only finds where a call ends; the parser decides what it says, so a streamed
+        call equals the final parse's. Once per completed call, never per token.
+        """
+        parsed = self.pipeline.parser.parse(ids, self.prompt_ids, self.request.tools)
+        sent = self._tracker.calls
+        new = sum(d.kind == "tool_call" for d in deltas)
+        if parsed.ill_formed or parsed.tool_calls[: len(sent)] != sent or len(parsed.tool_calls) < len(sent) + new:
+            return deltas  # the final parse will say otherwise anyway; the tracker reports the divergence
+        calls = iter(parsed.tool_calls[len(sent) : len(sent) + new])
+        return [LiveDelta("tool_call", call=dict(next(calls))) if d.kind == "tool_call" else d for d in deltas]
 
     async def _close_stream(self) -> None:
         stream, self._stream = self._stream, None
