@@ -4,9 +4,11 @@ A thin CLI over public parts: the broker runs as `python -m broker` (a subproces
 port 0), publishers are separate processes speaking `broker.protocol` over plain zmq
 DEALERs like workers do, and the trainer side is `trainer_client.TrainerClient`.
 Measures (issue 6 targets): commits/s of ~4k-token prompts with 100-token outputs from
-4 concurrent publishers (growing sessions, so prefixes are shared as in real traffic);
-finish_session latency of a 50-turn session whose final context is 32k tokens; broker
-RSS per such session against its final token count. Prints medians of --runs runs.
+4 concurrent publishers (growing sessions, so prefixes are shared as in real traffic),
+side by side with a bare zmq echo fed the same frames by the same publishers; the
+broker's per-commit hot path in-process; finish_session latency of a 50-turn session
+whose final context is 32k tokens; broker RSS per such session against its final token
+count. Prints medians of --runs runs.
 """
 
 from __future__ import annotations
@@ -403,6 +405,66 @@ def bench_memory(args: argparse.Namespace) -> dict[str, float]:
         stop_broker(proc)
 
 
+def bench_hotpath(args: argparse.Namespace) -> dict[str, float]:
+    """The broker's per-commit work without sockets: decode, dedup store, encode the ACK (thread CPU time).
+
+    The same frames as the ingest run, in the same turn-major order over many sessions
+    (so each session's log is cold in cache, as under real load).
+    """
+    from broker.sessions import SessionRegistry  # in-process on purpose: this isolates the hot path
+
+    sessions = args.sessions
+    eps = [episode(i, args.turns, args.first_prompt, args.tail, args.output) for i in range(sessions)]
+    frames = [
+        protocol.encode(
+            protocol.CommitTurn(
+                1, f"s{s}", f"t{k}", eps[s][k]["prompt_ids"], eps[s][k]["output_ids"], eps[s][k]["logprobs"],
+                "stop", eps[s][k]["prompt_messages"], eps[s][k]["response_message"],
+            )
+        )
+        for k in range(args.turns)
+        for s in range(sessions)
+    ]  # fmt: skip
+    del eps
+
+    def fresh_registry() -> SessionRegistry:
+        reg = SessionRegistry(max_sessions=sessions)
+        for s in range(sessions):
+            reg.open_session(f"s{s}", {}, None, None, {})
+            for k in range(args.turns):
+                reg.open_turn(f"s{s}", f"t{k}")
+        return reg
+
+    # the whole path, untimed inside (per-stage clocks cost a syscall each)
+    reg = fresh_registry()
+    t0 = time.thread_time()
+    for frame in frames:
+        msg = protocol.decode_worker_to_broker(frame)
+        outcome = reg.commit_turn(msg)
+        protocol.encode(protocol.TurnCommitted(msg.request_id, msg.turn_id, outcome))
+    n = len(frames)
+    total = (time.thread_time() - t0) / n
+    # per stage (each includes a clock read)
+    reg = fresh_registry()
+    decode = store = encode = 0.0
+    for frame in frames:
+        t0 = time.thread_time()
+        msg = protocol.decode_worker_to_broker(frame)
+        t1 = time.thread_time()
+        outcome = reg.commit_turn(msg)
+        t2 = time.thread_time()
+        protocol.encode(protocol.TurnCommitted(msg.request_id, msg.turn_id, outcome))
+        t3 = time.thread_time()
+        decode, store, encode = decode + t1 - t0, store + t2 - t1, encode + t3 - t2
+    return {
+        "total_us": 1e6 * total,
+        "decode_us": 1e6 * decode / n,
+        "store_us": 1e6 * store / n,
+        "encode_ack_us": 1e6 * encode / n,
+        "single_core_ceiling_commits_per_s": 1 / total,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
@@ -418,12 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-first-prompt", type=int, default=2_000)
     p.add_argument("--finish-sessions", type=int, default=5)
     p.add_argument("--memory-sessions", type=int, default=20)
-    p.add_argument("--only", choices=["ingest", "finish", "memory"], action="append")
+    p.add_argument("--only", choices=["ingest", "hotpath", "finish", "memory"], action="append")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
-    parts = args.only or ["ingest", "finish", "memory"]
+    parts = args.only or ["ingest", "hotpath", "finish", "memory"]
     report: dict[str, Any] = {}
-    for name, fn in (("ingest", bench_ingest), ("finish", bench_finish), ("memory", bench_memory)):
+    benches = {"ingest": bench_ingest, "hotpath": bench_hotpath, "finish": bench_finish, "memory": bench_memory}
+    for name, fn in benches.items():
         if name not in parts:
             continue
         runs = [fn(args) for _ in range(args.runs)]
