@@ -1,0 +1,32 @@
+"""Process-test fixtures shared across modules: one fake engine and one 2-worker `serve` per test process.
+
+Session-scoped so the dialect, streaming and Agents SDK modules pay the gateway's start-up
+once per xdist worker; tests scope engine faults and logs by their session's routing key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from assets import FakeEngine
+
+from trainer_client import launch_gateway
+
+DIALECT_ENGINE_TIMEOUT_S = 6.0
+
+
+@pytest.fixture(scope="session")
+def dialect_engine(qwen3_tokenizer_dir: str) -> Iterator[FakeEngine]:
+    with FakeEngine(qwen3_tokenizer_dir) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def dialect_gateway(dialect_engine: FakeEngine, qwen3_tokenizer_dir: str) -> Iterator[Any]:
+    """`serve` with 2 workers on the fake vLLM engine, the real Qwen BPE and trl's qwen3.jinja."""
+    extra = ["--engine-timeout", str(DIALECT_ENGINE_TIMEOUT_S), "--log-level", "warning"]
+    with launch_gateway(workers=2, engine_kind="vllm", engine_urls=[dialect_engine.url],
+                        tokenizer=qwen3_tokenizer_dir, extra_args=extra) as gw:
+        yield gw
