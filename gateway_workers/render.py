@@ -1,17 +1,24 @@
 """Rendering: canonical messages + tools -> prompt token ids, with the tokenizer's own chat template.
 
 Sits on the seam between the wire adapters (which produce canonical messages, see
-`broker.protocol.CommitTurn`) and the engines (which take token ids). The template text
-is rendered first and then encoded without added special tokens, which equals
-`apply_chat_template(tokenize=True)` and keeps the text for the response parser's prefix.
+`broker.protocol.CommitTurn`) and the engines (which take token ids). The template is
+rendered to text, then encoded with ids identical to `apply_chat_template(tokenize=True)`,
+but at a cost proportional to what is new: the text is cut at added-token boundaries
+(which the tokenizer splits on before normalizing and BPE, so no merge crosses them) and
+each piece's ids come from a bounded per-process LRU cache (`SegmentCache`). Known templates
+render through their plain-Python twin (`native_templates`), checked against Jinja on a sample.
 `Renderer.render` is safe to call from worker threads (the app uses run_in_threadpool).
 Must not import the app, adapters, engines or the backplane.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import re
+import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +26,22 @@ from typing import Any
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
+from gateway_workers.native_templates import NativeTemplate, native_template
+
 logger = logging.getLogger(__name__)
 
 CANONICAL_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# Per worker process. A 24k-token conversation holds ~200 KB (text + ids), so the default keeps
+# ~1,000 such conversations; an agent whose pieces were evicted just pays a full encode once.
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+_ID_BYTES = 4  # array('i')
+_ENTRY_OVERHEAD_BYTES = 200  # dict slot, str and array headers: counted so tiny pieces are not free
+# Texts that exercise every boundary effect we know of (leading space markers, NFC across a cut,
+# CRLF, digits, trailing whitespace): a tokenizer that encodes a piece differently alone fails this.
+_PROBE_TEXTS = ("hello world", " x", "  two\n\n", "e\u0301t\u00e9 12345", "\r\n\tz ", "\u0301a", "", "b c\n")
+# A template twin's text is compared with Jinja's on the first renders and then on one in this many.
+NATIVE_VERIFY_FIRST = 16
+NATIVE_VERIFY_EVERY = 1024
 
 
 class RenderError(ValueError):
@@ -40,15 +60,87 @@ class RenderedPrompt:
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of a `SegmentCache`: hits and misses count pieces, bytes is the current estimate."""
+
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    bytes: int
+
+
+class SegmentCache:
+    """A thread-safe LRU map from a text piece to its token ids, bounded by an estimate of its bytes."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, array] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._evictions = 0
+
+    @staticmethod
+    def cost(piece: str, ids: array) -> int:
+        return len(piece) + _ID_BYTES * len(ids) + _ENTRY_OVERHEAD_BYTES
+
+    def get_many(self, pieces: Sequence[str]) -> list[array | None]:
+        """The cached ids of each piece (None for a miss), refreshing the hits' recency."""
+        out: list[array | None] = []
+        with self._lock:
+            entries = self._entries
+            for piece in pieces:
+                ids = entries.get(piece)
+                if ids is not None:
+                    entries.move_to_end(piece)
+                out.append(ids)
+            hits = sum(ids is not None for ids in out)
+            self._hits += hits
+            self._misses += len(out) - hits
+        return out
+
+    def put_many(self, items: Sequence[tuple[str, array]]) -> None:
+        with self._lock:
+            for piece, ids in items:
+                cost = self.cost(piece, ids)
+                if cost > self.max_bytes:
+                    continue  # larger than the whole cache: keeping it would evict everything else
+                old = self._entries.pop(piece, None)
+                if old is not None:
+                    self._bytes -= self.cost(piece, old)
+                self._entries[piece] = ids
+                self._bytes += cost
+            while self._bytes > self.max_bytes:
+                piece, ids = self._entries.popitem(last=False)
+                self._bytes -= self.cost(piece, ids)
+                self._evictions += 1
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._hits, self._misses, self._evictions, len(self._entries), self._bytes)
+
+
 class Renderer:
     """Renders canonical conversations with one tokenizer's chat template.
 
     Args:
         tokenizer: a transformers tokenizer with a chat template.
         template_kwargs: extra variables every render passes to the template (e.g. enable_thinking).
+        cache_bytes: bound of the piece cache; 0 turns incremental encoding off (every render encodes all).
+        native_templates: render known templates with their plain-Python twin (`native_templates.py`).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        native_templates: bool = True,
+    ) -> None:
         if not tokenizer.chat_template:
             raise TemplateConfigError("the tokenizer has no chat template")
         self._tokenizer = tokenizer
@@ -56,6 +148,12 @@ class Renderer:
         # The Rust tokenizer's encode borrows immutably, so worker threads can share it; the Python
         # wrapper may touch truncation/padding state, which is not thread-safe.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.cache = SegmentCache(cache_bytes)
+        self._splitter, why_not = _special_splitter(self._backend) if cache_bytes else (None, "cache_bytes=0")
+        if self._splitter is None:
+            logger.info("incremental prompt encoding is off (%s); every render encodes the whole prompt", why_not)
+        self._native: NativeTemplate | None = native_template(tokenizer.chat_template) if native_templates else None
+        self._native_renders = itertools.count()
         try:
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": "ping"}], tokenize=False, add_generation_prompt=True
@@ -67,6 +165,17 @@ class Renderer:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
+    @property
+    def native_template(self) -> str | None:
+        """The name of the template twin in use, if any."""
+        native = self._native
+        return native.name if native is not None else None
+
+    @property
+    def incremental(self) -> bool:
+        """Whether renders reuse cached piece ids (the tokenizer passed the boundary checks)."""
+        return self._splitter is not None
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -75,13 +184,57 @@ class Renderer:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> RenderedPrompt:
         """Render canonical messages (+ OpenAI function tools) into prompt ids, ending with the generation prompt."""
+        text = self.render_text(messages, tools, template_kwargs=template_kwargs)
+        return RenderedPrompt(prompt_ids=self.encode_prompt(text), text=text)
+
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat template's text for these messages, ending with the generation prompt."""
         chat = template_messages(messages)
         tool_list = _check_tools(tools)
         kwargs = {**self._template_kwargs, **(template_kwargs or {})}
+        native = self._native
+        if native is not None and native.variables.issuperset(kwargs):
+            try:
+                text = native.render(chat, tool_list, True, **kwargs)
+            except (TypeError, ValueError, KeyError):
+                pass  # something the twin does not cover (e.g. arguments json cannot encode): Jinja decides
+            else:
+                count = next(self._native_renders)
+                if count < NATIVE_VERIFY_FIRST or count % NATIVE_VERIFY_EVERY == 0:
+                    return self._verified(native, text, chat, tool_list, kwargs)
+                return text
+        return self._jinja(chat, tool_list, kwargs)
+
+    def _verified(
+        self, native: NativeTemplate, text: str, chat: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]
+    ) -> str:
+        expected = self._jinja(chat, tools, kwargs)
+        if expected != text:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b),
+                min(len(text), len(expected)),
+            )
+            logger.error(
+                "the %s template twin rendered differently from Jinja at char %d (%r vs %r); using Jinja from now on",
+                native.name,
+                at,
+                text[max(0, at - 40) : at + 40],
+                expected[max(0, at - 40) : at + 40],
+            )
+            self._native = None
+        return expected
+
+    def _jinja(self, chat: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]) -> str:
         try:
             text = self._tokenizer.apply_chat_template(
                 chat,
-                tools=tool_list,  # type: ignore[arg-type]  # plain dicts; HF's hint is invariant
+                tools=tools,
                 add_generation_prompt=True,
                 tokenize=False,
                 **kwargs,
@@ -92,13 +245,102 @@ class Renderer:
             raise RenderError(f"cannot render this conversation: {e}") from e
         if not isinstance(text, str):
             raise RenderError(f"chat template rendered {type(text).__name__}, expected text")
-        return RenderedPrompt(prompt_ids=array("i", self.encode(text)), text=text)
+        return text
+
+    def encode_prompt(self, text: str) -> array:
+        """Ids of rendered template text, equal to a full encode; only pieces not seen before are tokenized."""
+        if self._splitter is None:
+            return array("i", self.encode(text))
+        parts = self._splitter.pattern.split(text)  # [piece, special, piece, special, ..., piece]
+        pieces = parts[0::2]
+        cached = self.cache.get_many(pieces)
+        missing = [i for i, ids in enumerate(cached) if ids is None]
+        if missing:
+            fresh = self._encode_pieces([pieces[i] for i in missing])
+            for i, ids in zip(missing, fresh, strict=True):
+                cached[i] = ids
+            self.cache.put_many([(pieces[i], ids) for i, ids in zip(missing, fresh, strict=True)])
+        special = self._splitter.ids
+        out = array("i", cached[0])  # type: ignore[arg-type]  # every miss was filled above
+        for k in range(1, len(parts), 2):
+            out.append(special[parts[k]])
+            out.extend(cached[(k + 1) // 2])  # type: ignore[arg-type]
+        return out
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of already-rendered template text (no special tokens added)."""
+        """Token ids of already-rendered template text (no special tokens added), encoded in full."""
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def _encode_pieces(self, pieces: list[str]) -> list[array]:
+        # The batch call releases the GIL (a single encode holds it, stalling the worker's event loop
+        # for the whole encode) and skips offset tracking, which we never read.
+        encodings = self._backend.encode_batch_fast(pieces, add_special_tokens=False)  # type: ignore[union-attr]
+        return [array("i", e.ids) for e in encodings]
+
+
+@dataclass(frozen=True, slots=True)
+class _Splitter:
+    """Where the tokenizer itself cuts text before BPE: its added tokens (leftmost-longest), and their ids."""
+
+    pattern: re.Pattern[str]  # one capturing group, so pattern.split keeps the tokens
+    ids: dict[str, int]
+
+
+def _special_splitter(backend: Any) -> tuple[_Splitter | None, str]:
+    """A splitter whose pieces encode independently to exactly the full encode's ids, or (None, why not).
+
+    The `tokenizers` pipeline first splits raw text on its non-normalized added tokens (Aho-Corasick,
+    leftmost-longest), then normalizes, pre-tokenizes and BPE-encodes each piece on its own. A regex
+    alternation of the same tokens, longest first, finds the same cuts. Tokens that strip neighbouring
+    whitespace or match only whole words move the cuts, and some pre-tokenizers look at a piece's
+    offset in the whole text: those tokenizers are refused, and a probe encode checks the rest.
+    """
+    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return None, "no fast (Rust) tokenizer"
+    if getattr(backend, "encode_special_tokens", False):
+        return None, "the tokenizer encodes special tokens as text"
+    if backend.padding is not None or backend.truncation is not None:
+        return None, "the tokenizer pads or truncates"
+    ids: dict[str, int] = {}
+    for token_id, token in backend.get_added_tokens_decoder().items():
+        if token.normalized:
+            continue  # matched inside normalized pieces, which are encoded whole anyway
+        if token.lstrip or token.rstrip or token.single_word:
+            return None, f"added token {token.content!r} strips whitespace or matches whole words only"
+        if not token.content:
+            return None, "an added token is empty"
+        ids[token.content] = token_id
+    if not ids:
+        return None, "the tokenizer has no added tokens to cut at"
+    # Metaspace(prepend_scheme="first") marks only the piece at offset 0: cut pieces would all get it.
+    # (__getstate__ is the component's own JSON; the whole tokenizer's to_str() takes seconds.)
+    pre_tokenizer = backend.pre_tokenizer
+    if pre_tokenizer is not None and b'"prepend_scheme":"first"' in pre_tokenizer.__getstate__():
+        return None, "the pre-tokenizer treats the text's first piece specially"
+    alternation = "|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))
+    splitter = _Splitter(re.compile(f"({alternation})"), ids)
+    for probe in _probes(list(ids)):
+        whole = backend.encode(probe, add_special_tokens=False).ids
+        parts = splitter.pattern.split(probe)
+        pieces = backend.encode_batch_fast(parts[0::2], add_special_tokens=False)
+        cut = list(pieces[0].ids)
+        for k in range(1, len(parts), 2):
+            cut += [ids[parts[k]], *pieces[(k + 1) // 2].ids]
+        if cut != whole:
+            return None, f"a probe encodes differently when cut at added tokens: {probe[:80]!r}"
+    return splitter, ""
+
+
+def _probes(tokens: list[str]) -> list[str]:
+    """Probe texts: every added token between every pair of boundary-sensitive texts."""
+    out = []
+    for i, token in enumerate(tokens):
+        left = _PROBE_TEXTS[i % len(_PROBE_TEXTS)]
+        out.append("".join(f"{a}{token}{b}" for a in _PROBE_TEXTS for b in (left, "")))
+    out.append("".join(tokens) + " " + "".join(reversed(tokens)))
+    return out
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

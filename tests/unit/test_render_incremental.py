@@ -1,0 +1,210 @@
+"""Incremental prompt encoding: ids identical to a full encode, on the real Qwen BPE and real templates.
+
+Property tests (hypothesis) compare `Renderer.render` against `apply_chat_template(tokenize=True)`
+for trl's qwen3.jinja and the built-in template, over conversations with unicode, whitespace at
+piece edges and special-token-looking text inside content, and growing episodes rendered turn by
+turn through one shared renderer (so later turns reuse cached pieces). Also: the cache's bound and
+LRU order, and the tokenizers the splitter must refuse.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from assets import TOOLS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+
+from gateway_workers.render import Renderer, SegmentCache, _special_splitter, template_messages
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+            "<tool_response>", "</tool_response>", "<|endoftext|>", "<|fim_pad|>"]
+# Near-misses and pieces of specials, whitespace runs and characters whose NFC form or BPE merges
+# would change if a cut split them from their neighbours.
+TRICKY = ["<|im_", "|>", "<think", "think>", "</", "<", ">", "\n", "\n\n", " ", "  ", "\t", "\r\n", "e\u0301",
+          "\u0301", "é", "中文", "🙂", "12345", "'s", " x", "```", '{"a": 1}', "\u00a0", "\u200b"]
+fragment = st.one_of(st.sampled_from(SPECIALS), st.sampled_from(TRICKY),
+                     st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12))
+content = st.lists(fragment, max_size=8).map("".join)
+arguments = st.one_of(
+    st.dictionaries(st.sampled_from(["query", "city", "q é", "n"]),
+                    st.one_of(content, st.integers(-5, 10**12), st.floats(allow_nan=False), st.booleans(),
+                              st.none(), st.lists(st.integers(0, 9), max_size=3)), max_size=3),
+    content,  # a string passes through verbatim
+)
+call = st.fixed_dictionaries({"name": st.sampled_from(["search", "get_weather", "naïve_tool"]), "arguments": arguments})
+
+
+@st.composite
+def message(draw: st.DrawFn) -> dict:
+    role = draw(st.sampled_from(["user", "assistant", "assistant", "tool", "tool", "system"]))
+    out: dict = {"role": role, "content": draw(content)}
+    if role == "assistant":
+        if draw(st.booleans()):
+            out["reasoning"] = draw(content)
+        if draw(st.booleans()):
+            out["tool_calls"] = draw(st.lists(call, min_size=1, max_size=3))
+    return out
+
+
+@st.composite
+def conversation(draw: st.DrawFn) -> list[dict]:
+    head = [{"role": "system", "content": draw(content)}] if draw(st.booleans()) else []
+    return head + [{"role": "user", "content": draw(content)}] + draw(st.lists(message(), max_size=8))
+
+
+def expected_ids(tokenizer, messages, tools, **kwargs) -> list[int]:
+    return list(tokenizer.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False, **kwargs))
+
+
+@pytest.fixture(scope="module", params=["builtin", "qwen3"])
+def tokenizer(request, builtin_tokenizer, qwen3_tokenizer):
+    return builtin_tokenizer if request.param == "builtin" else qwen3_tokenizer
+
+
+@pytest.fixture(scope="module")
+def renderer(tokenizer):
+    """One renderer per template for the whole module: later examples hit pieces cached by earlier ones."""
+    r = Renderer(tokenizer)
+    assert r.incremental
+    return r
+
+
+PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(messages=conversation(), with_tools=st.booleans(), thinking=st.sampled_from([None, True, False]))
+def test_render_ids_equal_apply_chat_template(tokenizer, renderer, messages, with_tools, thinking):
+    tools = TOOLS if with_tools else None
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    rendered = renderer.render(messages, tools, template_kwargs=kwargs)
+    assert rendered.prompt_ids.typecode == "i"
+    assert list(rendered.prompt_ids) == expected_ids(tokenizer, messages, tools, **kwargs)
+
+
+@PROPERTY
+@given(messages=conversation())
+def test_a_growing_episode_equals_full_renders_at_every_turn(tokenizer, renderer, messages):
+    for cut in range(1, len(messages) + 1):
+        rendered = renderer.render(messages[:cut], TOOLS)
+        assert list(rendered.prompt_ids) == expected_ids(tokenizer, messages[:cut], TOOLS), cut
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.lists(fragment, max_size=30).map("".join))
+def test_encode_prompt_equals_full_encode_on_any_text(renderer, text):
+    assert list(renderer.encode_prompt(text)) == renderer.encode(text)
+    assert list(renderer.encode_prompt(text)) == renderer.encode(text)  # second time: all pieces cached
+
+
+def test_later_turns_reuse_cached_pieces(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    episode = [{"role": "system", "content": "sys " * 500}, {"role": "user", "content": "question " * 800}]
+    renderer.render(episode, TOOLS)
+    before = renderer.cache.stats()
+    episode += [{"role": "assistant", "content": "", "tool_calls": [{"name": "search", "arguments": {"query": "x"}}]},
+                {"role": "tool", "content": "result " * 300}]
+    renderer.render(episode, TOOLS)
+    after = renderer.cache.stats()
+    # Only the new turn's pieces are tokenized: the system prompt, tools and question come from the cache.
+    new_misses = after.misses - before.misses
+    assert after.hits > before.hits and 0 < new_misses <= 4, (before, after)
+
+
+def test_cache_is_bounded_and_evicts_least_recently_used():
+    one = array("i", [1, 2, 3])
+    cost = SegmentCache.cost("aaaa", one)
+    cache = SegmentCache(max_bytes=3 * cost)
+    cache.put_many([("aaaa", one), ("bbbb", one), ("cccc", one)])
+    assert cache.get_many(["aaaa"]) == [one]  # refreshes "aaaa"
+    cache.put_many([("dddd", one)])
+    assert cache.get_many(["bbbb", "aaaa", "cccc", "dddd"]) == [None, one, one, one]
+    stats = cache.stats()
+    assert stats.entries == 3 and stats.bytes == 3 * cost and stats.evictions == 1
+    assert stats.hits == 4 and stats.misses == 1
+    cache.put_many([("x" * 10_000, one)])  # bigger than the whole cache: not kept, nothing evicted
+    assert cache.stats().entries == 3
+    with pytest.raises(ValueError):
+        SegmentCache(-1)
+
+
+def test_a_tiny_cache_still_renders_exact_ids(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer, cache_bytes=2_000)
+    messages = [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "more " * 400}]
+    for _ in range(2):
+        assert list(renderer.render(messages, TOOLS).prompt_ids) == expected_ids(builtin_tokenizer, messages, TOOLS)
+    assert renderer.cache.stats().bytes <= 2_000 and renderer.cache.stats().evictions > 0
+
+
+def test_cache_bytes_zero_turns_incremental_off(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer, cache_bytes=0)
+    assert not renderer.incremental
+    messages = [{"role": "user", "content": "hi <think> there"}]
+    assert list(renderer.render(messages).prompt_ids) == expected_ids(builtin_tokenizer, messages, None)
+
+
+def test_concurrent_renders_of_overlapping_episodes_are_exact(qwen3_tokenizer):
+    renderer = Renderer(qwen3_tokenizer)
+    base = [{"role": "system", "content": "shared system prompt " * 50}]
+    episodes = [base + [{"role": "user", "content": f"agent {i}: " + "text é " * (20 * i)}] for i in range(24)]
+    expected = [expected_ids(qwen3_tokenizer, e, TOOLS) for e in episodes]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        got = list(pool.map(lambda e: list(renderer.render(e, TOOLS).prompt_ids), episodes * 3))
+    assert got == expected * 3
+
+
+# --- tokenizers the splitter must refuse --------------------------------------------------------------
+
+
+def _word_level(pre_tokenizer=None, normalizer=None) -> Tokenizer:
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "▁a": 3, "▁b": 4, "▁": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.Whitespace()
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    return tok
+
+
+def test_splitter_accepts_a_plain_tokenizer_with_added_tokens():
+    tok = _word_level()
+    tok.add_special_tokens([AddedToken("<s>", normalized=False)])
+    splitter, why = _special_splitter(tok)
+    assert splitter is not None and why == "" and splitter.ids == {"<s>": 6}
+
+
+@pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
+def test_splitter_refuses_tokens_that_move_the_cut(flag):
+    tok = _word_level()
+    tok.add_special_tokens([AddedToken("<s>", normalized=False, **{flag: True})])
+    splitter, why = _special_splitter(tok)
+    assert splitter is None and "strips whitespace" in why
+
+
+def test_splitter_refuses_position_dependent_pre_tokenizers():
+    tok = _word_level(pre_tokenizers.Metaspace(prepend_scheme="first"))
+    tok.add_special_tokens([AddedToken("<s>", normalized=False)])
+    assert tok.encode("a<s>a").ids != tok.encode("a").ids + [6] + tok.encode("a").ids  # the hazard is real
+    splitter, why = _special_splitter(tok)
+    assert splitter is None and "first piece" in why
+
+
+def test_splitter_refuses_tokenizers_with_nothing_to_cut_at_or_special_tokens_as_text():
+    assert _special_splitter(_word_level())[0] is None
+    tok = _word_level(normalizer=normalizers.NFC())
+    tok.add_special_tokens([AddedToken("<s>", normalized=False)])
+    tok.encode_special_tokens = True
+    assert "as text" in _special_splitter(tok)[1]
+    assert _special_splitter(None)[0] is None
+
+
+def test_incremental_off_is_logged(builtin_tokenizer, caplog):
+    with caplog.at_level(logging.INFO, logger="gateway_workers.render"):
+        Renderer(builtin_tokenizer, cache_bytes=0)
+    assert "incremental prompt encoding is off" in caplog.text
