@@ -157,7 +157,11 @@ class BrokerServer:
             # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter. Echo the
             # whole envelope so either kind of peer gets its reply.
             envelope, payload = frames[:-1], frames[-1]
-            reply = handle(envelope, payload)
+            try:
+                reply = handle(envelope, payload)
+            except Exception:  # the handlers answer their own failures; this guards the loop itself
+                logger.exception("unhandled failure on a %d-byte frame", len(payload))
+                reply = protocol.Refused(-1, "internal", "the broker failed on this frame; see its log")
             if reply is not None:
                 replies.append((envelope, reply))
         # Replies leave as one burst after the batch: libzmq wakes its I/O thread once per
@@ -374,6 +378,9 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
         stream = out if out is not None else sys.stdout
         print(READY_LINE.format(worker=worker, control=control), file=stream, flush=True)
         server.run()
+    except Exception:
+        logger.exception("the broker loop failed")
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

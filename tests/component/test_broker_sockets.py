@@ -7,9 +7,11 @@ real `TrainerClient` (or a raw DEALER where a test needs to send bytes by hand).
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
+import typing
 
 import msgpack
 import pytest
@@ -325,3 +327,29 @@ def _wait_for(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+def test_fuzzed_frames_each_get_one_answer_and_never_stop_the_broker(client, worker, raw_trainer):
+    rng = random.Random(1234)
+    tags = [cls.TAG for union in (protocol.WorkerToBroker, protocol.TrainerToBroker) for cls in typing.get_args(union)]
+    atoms = [None, True, 0, -1, 2**40, 1.5, "", "s", b"", b"\x00\x01\x02", [], {}, {"role": "user"}, [{"a": 1}]]
+
+    def frame() -> bytes:
+        kind = rng.random()
+        if kind < 0.2:
+            return rng.randbytes(rng.randrange(0, 40))
+        fields = [rng.choice(atoms) for _ in range(rng.randrange(0, 12))]
+        version = protocol.PROTOCOL_VERSION if kind < 0.9 else rng.choice([0, 2, "1"])
+        return msgpack.packb([version, rng.choice(tags), rng.randrange(1, 10**6), *fields], use_bin_type=True)
+
+    for _ in range(300):
+        peer = rng.choice([worker, raw_trainer])
+        peer.send_raw(frame())
+        reply = peer.recv()  # exactly one answer, well-formed, for anything
+        assert isinstance(reply, protocol.Message)
+        if isinstance(reply, protocol.Refused):
+            assert reply.code in typing.get_args(protocol.ErrorCode)
+    turns = conversation(13, 2)
+    sid = client.open_session()
+    run_turns(worker, sid, turns)
+    assert_linear_rows(client.finish_session(sid), turns)
