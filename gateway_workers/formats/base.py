@@ -1,0 +1,349 @@
+"""What every response format shares: the parsed record, the parser seam, and the two parsing engines.
+
+A `ResponseFormat` describes one family's reply grammar twice, once per transformers parsing
+engine: a declarative `response_template` (transformers >= 5.13, parsed with `prefix=` and, on
+>= 5.15, `tools=` to type string arguments) and a legacy `response_schema` (regex + jmespath,
+transformers 5.0-5.14). `FormatParser` runs whichever engine this transformers has, after our own
+structural check (balanced tags, call count) and before our canonicalization, so a reply is either
+parsed completely or handed back raw with `ill_formed=True`: never a partial call list, never a raise.
+Must not import the app, adapters, engines, render or the backplane.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import transformers
+from packaging.version import Version
+from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+Engine = Literal["template", "schema"]
+DECLARATIVE_SINCE = Version("5.13")  # response_template + parse_response(prefix=)
+TYPED_TOOLS_SINCE = Version("5.15")  # parse_response(tools=) casts string arguments by the tool schema
+LEGACY_UNTIL = Version("5.15")  # response_schema (recursive_parse) was removed here
+
+
+class ParserUnavailable(Exception):
+    """No response parser fits this tokenizer/template or this transformers: the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedResponse:
+    """One assistant reply, split. `tool_calls` are canonical: [{"name": str, "arguments": dict}]."""
+
+    content: str
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    ill_formed: bool = False
+    error: str | None = None
+
+    def canonical_message(self) -> dict[str, Any]:
+        """The reply as a canonical assistant message (the shape `CommitTurn` stores)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            message["reasoning"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [dict(call) for call in self.tool_calls]
+        return message
+
+
+class ResponseParser(Protocol):
+    """Splits one reply's output ids; `prefix` is the rendered prompt (text or ids) the engine continued.
+
+    `supports_tools` False means tool calls cannot be parsed: the app refuses requests that declare tools.
+    """
+
+    format_name: str
+    supports_tools: bool
+
+    def parse(
+        self,
+        output_ids: Sequence[int],
+        prefix: str | Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> ParsedResponse: ...
+
+
+# A structural verdict on a reply body: the reason it is malformed, or the number of tool calls it holds.
+StructureCheck = Callable[[str], "str | int"]
+# Turns the engine's content/reasoning into what the template re-renders: (content, reasoning).
+Finisher = Callable[[str, "str | None"], "tuple[str, str | None]"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """One family's reply grammar.
+
+    Args:
+        name: the registry name (`--response-format NAME`).
+        anchor: the assistant header the generation prompt ends with; the reply (and any prefill) follows it.
+        end_markers: stop tokens the engine may include at the end of the output; stripped before parsing.
+        template: the declarative response_template (transformers >= 5.13).
+        schema: the legacy response_schema (transformers 5.0-5.14).
+        check: our own structural check of the reply body (prefill included).
+        finish: trims content/reasoning the way the family's template re-renders them.
+        string_arguments: argument values are untyped text (XML formats): cast by the tool's JSON schema.
+        supports_tools / reasoning / parallel_calls: what the family can express (README coverage table).
+    """
+
+    name: str
+    anchor: str
+    end_markers: tuple[str, ...]
+    template: Mapping[str, Any]
+    schema: Mapping[str, Any]
+    check: StructureCheck
+    finish: Finisher
+    string_arguments: bool = False
+    supports_tools: bool = True
+    reasoning: bool = True
+    parallel_calls: bool = True
+
+
+def transformers_version() -> Version:
+    return Version(transformers.__version__)
+
+
+def parsing_engine() -> Engine:
+    """The engine this transformers offers: declarative templates when present, else legacy schemas."""
+    version = transformers_version()
+    if version >= DECLARATIVE_SINCE:
+        return "template"
+    if version >= Version("5.0"):
+        return "schema"
+    raise ParserUnavailable(
+        f"response parsing needs transformers >= 5.0; found {transformers.__version__}: "
+        "pip install -U 'transformers>=5.0,<6'"
+    )
+
+
+def _typed_tools_supported() -> bool:
+    if transformers_version() < TYPED_TOOLS_SINCE:
+        return False
+    return "tools" in inspect.signature(PreTrainedTokenizerBase.parse_response).parameters
+
+
+class FormatParser:
+    """Parses replies of one `ResponseFormat` with this tokenizer, on whichever engine transformers offers."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, fmt: ResponseFormat, engine: Engine | None = None) -> None:
+        self.format = fmt
+        self.format_name = fmt.name
+        self.supports_tools = fmt.supports_tools
+        self.engine: Engine = engine or parsing_engine()
+        self._typed_by_transformers = self.engine == "template" and _typed_tools_supported()
+        self._tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        anchor_ids = self._encode(fmt.anchor)
+        if not anchor_ids:
+            raise ParserUnavailable(f"format {fmt.name!r}: the tokenizer encodes its anchor {fmt.anchor!r} to nothing")
+        self._anchor_first_id = anchor_ids[0]
+
+    def parse(
+        self,
+        output_ids: Sequence[int],
+        prefix: str | Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> ParsedResponse:
+        text = strip_end(self._decode(output_ids), self.format.end_markers)
+        head = self._prefix_head(prefix)
+        body = head + text
+        verdict = self.format.check(body)
+        if isinstance(verdict, str):
+            return ill_formed(text, verdict)
+        try:
+            parsed = self._run_engine(text, head, tools)
+        except Exception as e:  # any engine failure is a verdict on the output, never a 500
+            return ill_formed(text, f"unparseable reply: {type(e).__name__}: {str(e)[:300]}")
+        raw_calls = parsed.get("tool_calls") or []
+        if not isinstance(raw_calls, list):
+            raw_calls = [raw_calls]
+        if len(raw_calls) != verdict:
+            return ill_formed(text, f"{verdict} tool call(s) in the reply but {len(raw_calls)} parsed")
+        calls = []
+        for raw in raw_calls:
+            call = canonical_call(raw, json_strings=not self.format.string_arguments)
+            if isinstance(call, str):
+                return ill_formed(text, call)
+            if self.format.string_arguments and not self._typed_by_transformers:
+                call["arguments"] = cast_arguments(call["name"], call["arguments"], tools)
+            calls.append(call)
+        content, reasoning = self.format.finish(_joined(parsed.get("content")) or "", _joined(parsed.get("reasoning")))
+        return ParsedResponse(content=content, reasoning=reasoning, tool_calls=calls)
+
+    def _run_engine(self, text: str, head: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+        if self.engine == "template":
+            kwargs: dict[str, Any] = {"prefix": self.format.anchor + head}
+            if self._typed_by_transformers and tools:
+                kwargs["tools"] = [dict(tool) for tool in tools]
+            parsed = self._tokenizer.parse_response(text, schema=dict(self.format.template), **kwargs)
+        else:
+            # The legacy engine sees no prompt: hand it the prefill (e.g. an opened <think>) inline.
+            parsed = self._tokenizer.parse_response(head + text, schema=dict(self.format.schema))
+        if not isinstance(parsed, dict):
+            raise ValueError(f"the parser returned {type(parsed).__name__}, not a message")
+        return parsed
+
+    def _encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
+        text = self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text if isinstance(text, str) else "".join(text)
+
+    def _prefix_head(self, prefix: str | Sequence[int]) -> str:
+        """What the prompt already wrote of the reply after its last assistant anchor (e.g. '<think>\\n').
+
+        Only the prompt's tail is decoded, not 24k tokens. A prompt that does not end inside an
+        assistant header (its last anchor belongs to an earlier, finished message) prefills nothing.
+        """
+        anchor = self.format.anchor
+        if isinstance(prefix, str):
+            at = prefix.rfind(anchor)
+            tail = prefix[at:] if at >= 0 else ""
+        else:
+            ids = list(prefix)
+            tail = ""
+            for at in range(len(ids) - 1, -1, -1):
+                if ids[at] == self._anchor_first_id:
+                    tail = self._decode(ids[at:])
+                    break
+        if not tail.startswith(anchor):
+            return ""
+        head = tail[len(anchor) :]
+        if any(marker in head for marker in self.format.end_markers):
+            return ""
+        return head
+
+
+def _joined(value: object) -> str | None:
+    """A text field's value: repeated regions (a list) are concatenated, as the legacy schemas' substitutions do."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        parts = [str(v) for v in value if v is not None]
+        return "".join(parts) if parts else None
+    return str(value)
+
+
+def strip_end(text: str, markers: Sequence[str]) -> str:
+    """Drop the end-of-turn marker(s) the engine stopped on (Qwen3.5 emits '<|im_end|>\\n<|endoftext|>')."""
+    while True:
+        trimmed = text.rstrip()
+        for marker in markers:
+            if trimmed.endswith(marker):
+                text = trimmed[: -len(marker)]
+                break
+        else:
+            return text
+
+
+def canonical_call(call: object, json_strings: bool = True) -> dict[str, Any] | str:
+    """A parsed call as {"name", "arguments": dict}, or the reason it is not one.
+
+    Accepts {"name", "arguments"|"parameters"} and the OpenAI-style {"type": "function", "function": {...}}.
+    """
+    if isinstance(call, dict) and isinstance(call.get("function"), dict):
+        call = call["function"]
+    if not isinstance(call, dict):
+        return "tool call is not a JSON object"
+    name = call.get("name")
+    arguments = call["arguments"] if "arguments" in call else call.get("parameters", {})
+    if not isinstance(name, str) or not name.strip():
+        return "tool call without a function name"
+    if arguments is None:
+        arguments = {}
+    if isinstance(arguments, str) and json_strings:
+        # Some models double-encode the arguments; accept it when the string is itself a JSON object.
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return f"tool call {name!r} has non-JSON arguments"
+    if not isinstance(arguments, dict):
+        return f"tool call {name!r} arguments are not a JSON object"
+    return {"name": name.strip(), "arguments": arguments}
+
+
+def ill_formed(text: str, reason: str) -> ParsedResponse:
+    logger.debug("ill-formed reply (%s): %.200r", reason, text)
+    return ParsedResponse(content=text, reasoning=None, tool_calls=[], ill_formed=True, error=reason)
+
+
+# --- typing string arguments by the tool's JSON schema (transformers < 5.15 does not) ---------------
+
+
+def cast_arguments(name: str, arguments: dict[str, Any], tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    """Cast the string values of one call's arguments to the types its tool's JSON schema declares.
+
+    Unknown tools and parameters, `string` parameters and values that do not cast stay as written.
+    """
+    properties = _tool_properties(name, tools)
+    if not properties:
+        return arguments
+    out = {}
+    for key, value in arguments.items():
+        types = _schema_types(properties.get(key))
+        out[key] = _cast(value, types) if isinstance(value, str) and types else value
+    return out
+
+
+def _tool_properties(name: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if isinstance(fn, Mapping) and fn.get("name") == name:
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            return dict(props) if isinstance(props, Mapping) else {}
+    return {}
+
+
+def _schema_types(schema: object) -> list[str]:
+    if not isinstance(schema, Mapping):
+        return []
+    declared = schema.get("type")
+    types = [declared] if isinstance(declared, str) else [t for t in declared or () if isinstance(t, str)]
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or ():
+            types.extend(_schema_types(option))
+    if schema.get("nullable"):
+        types.append("null")
+    return types
+
+
+def _cast(raw: str, types: list[str]) -> Any:
+    text = raw.strip()
+    for kind in types:
+        if kind == "string":
+            return raw  # a string parameter is never reinterpreted, even if it looks like a number
+        try:
+            if kind == "integer":
+                number = float(text)
+                if number.is_integer() and math.isfinite(number):
+                    return int(text) if text.lstrip("-").isdigit() else int(number)
+            elif kind == "number":
+                number = float(text)
+                if math.isfinite(number):
+                    return int(text) if text.lstrip("-").isdigit() else number
+            elif kind == "boolean" and text.lower() in ("true", "false", "1", "0"):
+                return text.lower() in ("true", "1")
+            elif kind == "null" and text in ("null", "None"):
+                return None
+            elif kind in ("object", "array"):
+                decoded = json.loads(text)
+                if isinstance(decoded, dict if kind == "object" else list):
+                    return decoded
+        except ValueError:
+            continue
+    return raw

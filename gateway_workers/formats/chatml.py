@@ -1,0 +1,175 @@
+"""ChatML families (`<|im_start|>assistant\\n` ... `<|im_end|>`): Qwen2.5/Qwen3 JSON calls, Qwen3.5/Nemotron XML calls.
+
+- `qwen3`: `<think>` reasoning + `<tool_call>{json}</tool_call>` (Qwen3, the built-in template).
+- `qwen2_5`: the same JSON calls, no reasoning (Qwen2.5, Qwen3-Instruct-2507, Qwen3-VL).
+- `qwen3_5` / `nemotron3`: `<think>` + `<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`
+  with untyped text values (Qwen3.5/3.6/3.8, Nemotron-3); they differ only in how the template trims.
+Each format is written twice: a declarative response_template and a legacy response_schema.
+Facts about the grammars only; no code is shared with the engines. Imports only `formats.base`/`checks`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.checks import THINK, check_tagged, fullmatch_check
+
+ANCHOR = "<|im_start|>assistant\n"
+END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+_TEXT = {"content": "text", "content_args": {"strip": False}}
+
+# --- JSON calls -------------------------------------------------------------------------------
+
+# The leading \s* on the call opener swallows the newline the templates put between text and calls.
+_JSON_CALLS_TEMPLATE: dict[str, Any] = {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
+                                        "content": "json"}
+_JSON_CALLS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "x-regex-iterator": r"<tool_call>(.*?)</tool_call>",
+    "items": {"type": "object", "x-parser": "json"},
+}
+_REASONING_TEMPLATE: dict[str, Any] = {"open": "<think>", "close": "</think>", **_TEXT}
+_REASONING_SCHEMA: dict[str, Any] = {"type": "string", "x-regex": r"<think>(.*?)</think>"}
+
+
+def _content_schema(*removed: str) -> dict[str, Any]:
+    """Legacy: the text outside the removed regions (the declarative implicit `content` region)."""
+    return {"type": "string", "x-regex-substitutions": [[pattern, ""] for pattern in removed]}
+
+
+QWEN3_TEMPLATE: dict[str, Any] = {
+    "version": 1,
+    "start_anchor": ANCHOR,
+    "fields": {
+        "reasoning": _REASONING_TEMPLATE,
+        "tool_calls": _JSON_CALLS_TEMPLATE,
+        # Text after a tool call (rare) is appended, not allowed to overwrite the text before it.
+        "content": {**_TEXT, "repeats": True},
+    },
+}
+QWEN3_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "reasoning": _REASONING_SCHEMA,
+        "tool_calls": _JSON_CALLS_SCHEMA,
+        "content": _content_schema(r"<think>.*?</think>", r"\s*<tool_call>.*?</tool_call>"),
+    },
+}
+QWEN2_5_TEMPLATE: dict[str, Any] = {
+    "version": 1,
+    "start_anchor": ANCHOR,
+    "fields": {"tool_calls": _JSON_CALLS_TEMPLATE, "content": {**_TEXT, "repeats": True}},
+}
+QWEN2_5_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "tool_calls": _JSON_CALLS_SCHEMA,
+        "content": _content_schema(r"\s*<tool_call>.*?</tool_call>"),
+    },
+}
+
+
+def _qwen3_finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
+    # Exactly what the Qwen3 templates trim on re-render, so the echo renders the same tokens.
+    return content.lstrip("\n"), reasoning.strip("\n") if reasoning is not None else None
+
+
+def _verbatim(content: str, reasoning: str | None) -> tuple[str, str | None]:
+    return content, reasoning
+
+
+QWEN3 = ResponseFormat(
+    name="qwen3",
+    anchor=ANCHOR,
+    end_markers=END_MARKERS,
+    template=QWEN3_TEMPLATE,
+    schema=QWEN3_SCHEMA,
+    check=lambda body: check_tagged(body, think=THINK),
+    finish=_qwen3_finish,
+)
+QWEN2_5 = ResponseFormat(
+    name="qwen2_5",
+    anchor=ANCHOR,
+    end_markers=END_MARKERS,
+    template=QWEN2_5_TEMPLATE,
+    schema=QWEN2_5_SCHEMA,
+    check=lambda body: check_tagged(body, think=None),
+    finish=_verbatim,
+    reasoning=False,
+)
+
+# --- XML calls (Qwen3.5 / Nemotron-3) ---------------------------------------------------------------
+
+_PARAMETER = r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"
+_XML_CALL = re.compile(r"\s*<function=[^>\n]+>\s*(?:<parameter=[^>\n]+>.*?</parameter>\s*)*</function>\s*", re.DOTALL)
+_XML_CALLS_TEMPLATE: dict[str, Any] = {
+    "open_pattern": r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+    "close_pattern": r"</function>\s*</tool_call>",
+    "repeats": True,
+    "content": "xml-inline",
+    "content_args": {"tag_pattern": _PARAMETER},
+    # The OpenAI-style shape is what transformers >= 5.15 casts by the tool schema.
+    "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+}
+_XML_CALLS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "x-regex-iterator": r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<arguments>.*?)</function>\s*</tool_call>",
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "arguments": {"type": "object", "x-regex-key-value": _PARAMETER},
+        },
+    },
+}
+XML_TEMPLATE: dict[str, Any] = {
+    "version": 1,
+    "start_anchor": ANCHOR,
+    "fields": {"reasoning": _REASONING_TEMPLATE, "tool_calls": _XML_CALLS_TEMPLATE, "content": {**_TEXT, "repeats": True}},
+}
+XML_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "reasoning": _REASONING_SCHEMA,
+        "tool_calls": _XML_CALLS_SCHEMA,
+        "content": _content_schema(r"<think>.*?</think>", r"\s*<tool_call>.*?</tool_call>"),
+    },
+}
+
+
+def _xml_check(body: str) -> str | int:
+    return check_tagged(body, think=THINK, call_body=fullmatch_check(_XML_CALL, "<function=...> block"))
+
+
+def _qwen3_5_finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
+    # Qwen3.5/3.6/3.8 re-render `reasoning_content|trim` and `content|trim`.
+    return content.strip(), reasoning.strip() if reasoning is not None else None
+
+
+def _nemotron_finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
+    # Nemotron-3 writes "<think>\n" + reasoning + ("\n" on Nano/Super) + "</think>" and trims the rest.
+    return content.strip(), reasoning.strip("\n") if reasoning is not None else None
+
+
+QWEN3_5 = ResponseFormat(
+    name="qwen3_5",
+    anchor=ANCHOR,
+    end_markers=END_MARKERS,
+    template=XML_TEMPLATE,
+    schema=XML_SCHEMA,
+    check=_xml_check,
+    finish=_qwen3_5_finish,
+    string_arguments=True,
+)
+NEMOTRON3 = ResponseFormat(
+    name="nemotron3",
+    anchor=ANCHOR,
+    end_markers=END_MARKERS,
+    template=XML_TEMPLATE,
+    schema=XML_SCHEMA,
+    check=_xml_check,
+    finish=_nemotron_finish,
+    string_arguments=True,
+)

@@ -1,0 +1,53 @@
+"""DeepSeek-R1 distills: reasoning only. The prompt pre-opens `<think>\\n`; the model closes it and answers.
+
+Its template renders no tools and re-renders earlier replies without their reasoning (it keeps
+what follows `</think>`), so the builder REALIGNs or FORKs those turns. Tool calls cannot be
+parsed (`supports_tools=False`): requests that declare tools are refused with a 400.
+Imports only `formats.base`/`checks`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.checks import THINK, check_tagged
+
+ANCHOR = "<｜Assistant｜>"
+END_MARKERS = ("<｜end▁of▁sentence｜>",)
+_TEXT = {"content": "text", "content_args": {"strip": False}}
+
+DEEPSEEK_R1_TEMPLATE: dict[str, Any] = {
+    "version": 1,
+    "start_anchor": ANCHOR,
+    "fields": {"reasoning": {"open": "<think>", "close": "</think>", **_TEXT}, "content": {**_TEXT, "repeats": True}},
+}
+DEEPSEEK_R1_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "reasoning": {"type": "string", "x-regex": r"<think>(.*?)</think>"},
+        "content": {"type": "string", "x-regex-substitutions": [[r"<think>.*?</think>", ""]]},
+    },
+}
+
+
+def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
+    return content.lstrip("\n"), reasoning.strip("\n") if reasoning is not None else None
+
+
+def _check(body: str) -> str | int:
+    # No call tags exist in this family: a reserved pair that never occurs keeps the count at 0.
+    return check_tagged(body, think=THINK, call=("\x00call\x00", "\x00/call\x00"))
+
+
+DEEPSEEK_R1 = ResponseFormat(
+    name="deepseek_r1",
+    anchor=ANCHOR,
+    end_markers=END_MARKERS,
+    template=DEEPSEEK_R1_TEMPLATE,
+    schema=DEEPSEEK_R1_SCHEMA,
+    check=_check,
+    finish=_finish,
+    supports_tools=False,
+    parallel_calls=False,
+)

@@ -1,0 +1,77 @@
+"""GLM-4-MoE (GLM-4.5/4.6): `<think>` reasoning and `<tool_call>NAME <arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`.
+
+The reply follows `<|assistant|>` and ends where the model starts the next role: it stops on
+`<|observation|>` (tool results follow) or `<|user|>`, and that stop token is also the first
+token the template writes for the next message, so the sampled ids extend cleanly. Values are
+text: strings verbatim, everything else JSON (the template's `tojson`); both are cast by the
+tool's JSON schema. Imports only `formats.base`/`checks`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.checks import THINK, check_tagged, fullmatch_check
+
+ANCHOR = "<|assistant|>"
+END_MARKERS = ("<|observation|>", "<|user|>", "<|endoftext|>")
+_TEXT = {"content": "text", "content_args": {"strip": False}}
+_ARG = r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
+_CALL_BODY = re.compile(r"[^\n<]+\s*(?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*", re.DOTALL)
+
+GLM4_MOE_TEMPLATE: dict[str, Any] = {
+    "version": 1,
+    "start_anchor": ANCHOR,
+    "fields": {
+        "reasoning": {"open": "<think>", "close": "</think>", **_TEXT},
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>(?P<name>[^\n<]+)",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {"tag_pattern": _ARG},
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {**_TEXT, "repeats": True},
+    },
+}
+GLM4_MOE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "reasoning": {"type": "string", "x-regex": r"<think>(.*?)</think>"},
+        "tool_calls": {
+            "type": "array",
+            "x-regex-iterator": r"<tool_call>(?P<name>[^\n<]+)(?P<arguments>.*?)</tool_call>",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "arguments": {"type": "object", "x-regex-key-value": _ARG},
+                },
+            },
+        },
+        "content": {
+            "type": "string",
+            "x-regex-substitutions": [[r"<think>.*?</think>", ""], [r"\s*<tool_call>.*?</tool_call>", ""]],
+        },
+    },
+}
+
+
+def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
+    # The template writes '\n<think>' + reasoning.strip() + '</think>' and '\n' + content.strip().
+    return content.strip(), reasoning.strip() if reasoning is not None else None
+
+
+GLM4_MOE = ResponseFormat(
+    name="glm4_moe",
+    anchor=ANCHOR,
+    end_markers=END_MARKERS,
+    template=GLM4_MOE_TEMPLATE,
+    schema=GLM4_MOE_SCHEMA,
+    check=lambda body: check_tagged(body, think=THINK, call_body=fullmatch_check(_CALL_BODY, "<arg_key>/<arg_value>")),
+    finish=_finish,
+    string_arguments=True,
+)

@@ -1,0 +1,84 @@
+"""Llama 3.1 / 3.2 JSON tool calls: the whole reply is `{"name": ..., "parameters": {...}}` (or plain text).
+
+The reply follows `<|start_header_id|>assistant<|end_header_id|>\\n\\n` and ends on `<|eot_id|>`
+(`<|eom_id|>` in ipython mode). A reply is a tool call when it starts with a JSON object whose
+first key is "name" (optionally after `<|python_tag|>`); several calls separated by ';' are all
+returned, but the Llama templates render one call per assistant message and refuse more, so
+parallel calls cannot be echoed back. Imports only `formats.base`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from gateway_workers.formats.base import ResponseFormat
+
+ANCHOR = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+_CALL_START = re.compile(r'\s*(?:<\|python_tag\|>)?\s*(?=\{\s*"name"\s*:)')
+_DECODER = json.JSONDecoder()
+
+LLAMA3_TEMPLATE: dict[str, Any] = {
+    "version": 1,
+    "start_anchor": ANCHOR,
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r'\A\s*(?:<\|python_tag\|>)?\s*(?=\{\s*"name"\s*:)|\s*;\s*(?=\{\s*"name"\s*:)',
+            "close_pattern": r'(?=\s*;\s*\{\s*"name"\s*:)',
+            "repeats": True,
+            "content": "json",
+        },
+        "content": {"content": "text", "content_args": {"strip": False}},
+    },
+}
+LLAMA3_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "tool_calls": {
+            "type": "array",
+            "x-regex-iterator": r'(?:\A\s*(?:<\|python_tag\|>)?|;)\s*(\{\s*"name"\s*:.*?)\s*(?=;\s*\{\s*"name"\s*:|\Z)',
+            "items": {"type": "object", "x-parser": "json"},
+        },
+        "content": {"type": "string", "x-regex": r'\A(?!\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:)(.*)\Z'},
+    },
+}
+
+
+def _check(body: str) -> str | int:
+    """A call reply must be nothing but ';'-separated JSON objects; plain text holds no call."""
+    start = _CALL_START.match(body)
+    if start is None:
+        return 0
+    at, count = start.end(), 0
+    while True:
+        try:
+            _, at = _DECODER.raw_decode(body, at)
+        except ValueError as e:
+            return f"invalid JSON in a tool call (reply truncated?): {e}"
+        count += 1
+        rest = body[at:].lstrip()
+        if not rest:
+            return count
+        if not rest.startswith(";"):
+            return "text after a JSON tool call"
+        at = len(body) - len(rest) + 1
+        at += len(body[at:]) - len(body[at:].lstrip())
+
+
+def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
+    return content.strip(), None  # the template writes `content | trim`
+
+
+LLAMA3_JSON = ResponseFormat(
+    name="llama3_json",
+    anchor=ANCHOR,
+    end_markers=END_MARKERS,
+    template=LLAMA3_TEMPLATE,
+    schema=LLAMA3_SCHEMA,
+    check=_check,
+    finish=_finish,
+    reasoning=False,
+    parallel_calls=False,
+)

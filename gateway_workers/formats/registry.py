@@ -1,0 +1,221 @@
+"""The format registry: chat template (by sha256) -> response format -> parser, plus operator overrides.
+
+`detect_parser` recognises a tokenizer's chat template by the sha256 of its text (the real
+templates as the model repos ship them; the trl wheel carries byte-identical copies that the
+tests hash). `--response-format NAME` overrides detection; NAME may also be `pkg.module:factory`,
+a callable taking the tokenizer and returning a `ResponseParser`. An unknown template with no
+format raises `ParserUnavailable` unless plain-text serving is allowed, which parses content only
+and refuses tools. `resolve_format` runs the same decision without a tokenizer (the CLI's check
+before it spawns workers). Must not import the app, adapters, engines or the backplane.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from gateway_workers.formats.base import (
+    FormatParser,
+    ParsedResponse,
+    ParserUnavailable,
+    ResponseFormat,
+    ResponseParser,
+    parsing_engine,
+)
+from gateway_workers.formats.chatml import NEMOTRON3, QWEN2_5, QWEN3, QWEN3_5
+from gateway_workers.formats.deepseek import DEEPSEEK_R1
+from gateway_workers.formats.glm import GLM4_MOE
+from gateway_workers.formats.harmony import GPT_OSS
+from gateway_workers.formats.llama import LLAMA3_JSON
+from gateway_workers.tokenizer import builtin_template_text
+
+logger = logging.getLogger(__name__)
+
+PLAIN_TEXT = "plain"
+FORMATS: dict[str, ResponseFormat] = {
+    fmt.name: fmt for fmt in (QWEN3, QWEN2_5, QWEN3_5, NEMOTRON3, GLM4_MOE, GPT_OSS, LLAMA3_JSON, DEEPSEEK_R1)
+}
+
+# sha256 of a chat template's text -> format name. Each entry is a model family's own template
+# (trl ships byte-identical copies as chat_templates/<file>; `tests/unit/test_formats_registry.py`
+# hashes every one), plus trl's training variants of them, which parse the same.
+TEMPLATE_FORMATS: dict[str, str] = {
+    # qwen3.jinja, qwen3_training.jinja
+    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": "qwen3",
+    "1d944ff8f268b611abb296cdd24d0f51981eef1c8647ac321c3a0258f61eb6c9": "qwen3",
+    # qwen2_5.jinja, qwen2_5_training.jinja
+    "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f": "qwen2_5",
+    "0cd86fb80f520885e35040a8df321540e729d3358da41f27cf74d33103d94f62": "qwen2_5",
+    # qwen3_instruct_2507.jinja, qwen3_instruct_2507_training.jinja
+    "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326": "qwen2_5",
+    "48e17aa3caf5bf20075b6e7366864ee943e00b6f0752aadfe8b670c2ab0291a5": "qwen2_5",
+    # qwen3_vl.jinja, qwen3_vl_training.jinja
+    "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4": "qwen2_5",
+    "66bd81986bf7f8abe6d7fb4a50341c8d8ae14b16637e8fb876bca7e7ef0b9c6f": "qwen2_5",
+    # qwen3_5_think.jinja, qwen3_5_nothink.jinja and their training variants
+    "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715": "qwen3_5",
+    "273d8e0e683b885071fb17e08d71e5f2a5ddfb5309756181681de4f5a1822d80": "qwen3_5",
+    "ccf356d8f238e287c047b1ef589850fd6b2b44e6cb29079e26c635fb9b8111ef": "qwen3_5",
+    "f32fe3e21c20f59d193244181c8b4c324c73a8cd313ddf825633a9ecfd2afad2": "qwen3_5",
+    # qwen3_6.jinja, qwen3_6_training.jinja
+    "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259": "qwen3_5",
+    "c5a26eaf3aab77fdc4ec696540ff896713ff0764f552ce9f597ede99fc673034": "qwen3_5",
+    # qwen3_8.jinja, qwen3_8_training.jinja
+    "c3cf9e34abf4f9e36c2d72165aa9c132d3e2a725b6c2586aaa3a8af9d7a81041": "qwen3_5",
+    "320c2f734288f91c341c1c3c9690e4e6aba07a27852bf88d7c8481c880168288": "qwen3_5",
+    # nemotron_3_nano / _super / _ultra / _5_lightning .jinja and their training variants
+    "ab7813c3abdd9cb655905a410728b26c7884eca45ddfab8d9f931553485a7862": "nemotron3",
+    "f52a4a70292b98db4d1b9f69a59546a43fc5e8603a6794781973a3e5821bd475": "nemotron3",
+    "575fb74f54ed264df9047d0ecce3c98938aae953fb4f50356675706264cbb68a": "nemotron3",
+    "d3859585444574090259d403ca65f71a496b77b0b50f31106aa99a25f5caa692": "nemotron3",
+    "82753bef5cedc4932c1ed509b5c9a12be680fd86d1adb65bc3f7398d11c8eebc": "nemotron3",
+    "d61cca230ac4f8137e74e88d73d8a649e4c3a71bb79b82925a19cf6dc52a6c7e": "nemotron3",
+    "58933db77d3099b4f78c55a38347a72e1ea05b97d6bd8f38775303dc0194e0a9": "nemotron3",
+    "a44efc49cf02e3dee4421bd34925ba7e2081f1652b16648efbec4a6e8a203ea8": "nemotron3",
+    # glm4moe.jinja, glm4moe_training.jinja
+    "44f815868bf02fa458dd2f741a338046f4bf45f398eb6d067766726b9d96cce3": "glm4_moe",
+    "79c2386fbe44c9881be09b2dd086e0799b15447f8d530c45041152b6da9f3704": "glm4_moe",
+    # gptoss.jinja, gptoss_training.jinja
+    "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146": "gpt_oss",
+    "6adda7cea0f63ef14918be7f26100b324525b6185a8f06932914388ffaa52e32": "gpt_oss",
+    # llama3_1.jinja, llama3_2.jinja
+    "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65": "llama3_json",
+    "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4": "llama3_json",
+    # deepseek_r1_distill.jinja, deepseek_r1_distill_training.jinja
+    "56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f": "deepseek_r1",
+    "439ca50e037bdf26b9e654e3eaa559fdd19d41e602307bcb133451070eb2ee3e": "deepseek_r1",
+}
+
+ParserFactory = Callable[[PreTrainedTokenizerBase], ResponseParser]
+PARSER_FACTORIES: dict[str, ParserFactory] = {
+    name: partial(FormatParser, fmt=fmt) for name, fmt in FORMATS.items()
+}
+
+
+def template_sha256(template: str) -> str:
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()
+
+
+def known_templates() -> dict[str, str]:
+    """TEMPLATE_FORMATS plus our built-in template (a Qwen3-style one, hashed from package data)."""
+    return {template_sha256(builtin_template_text()): "qwen3", **TEMPLATE_FORMATS}
+
+
+class PlainTextParser:
+    """`--allow-plain-text` for an unknown template: the whole reply is content; tools are refused upstream.
+
+    The engine's stop token is whatever the unknown template uses, so trailing special tokens are dropped.
+    """
+
+    format_name = PLAIN_TEXT
+    supports_tools = False
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._special = set(tokenizer.all_special_ids)
+
+    def parse(
+        self,
+        output_ids: Sequence[int],
+        prefix: str | Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> ParsedResponse:
+        ids = list(output_ids)
+        while ids and ids[-1] in self._special:
+            ids.pop()
+        text = self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return ParsedResponse(content=text if isinstance(text, str) else "".join(text))
+
+
+def _load_custom(path: str) -> ParserFactory:
+    """`pkg.module:factory` -> the factory; the message says what is wrong with the path."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ParserUnavailable(f"custom parser {path!r} must be 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ParserUnavailable(f"cannot import the custom parser module {module_name!r}: {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ParserUnavailable(f"{module_name!r} has no callable {attr!r} (the custom parser factory)")
+    return factory  # type: ignore[no-any-return]
+
+
+def resolve_format(template: str | None, format_name: str | None = None, allow_plain_text: bool = False) -> str:
+    """The format a worker with this chat template will parse with, or ParserUnavailable saying why none.
+
+    Needs no tokenizer: the CLI calls it before it spawns workers, so `serve` refuses to start.
+    """
+    if format_name:
+        if ":" in format_name:
+            _load_custom(format_name)
+        elif format_name != PLAIN_TEXT and format_name not in FORMATS:
+            raise ParserUnavailable(
+                f"unknown response format {format_name!r}; known: {sorted(FORMATS)} or 'package.module:factory'"
+            )
+        parsing_engine()  # fail now on a transformers without any parsing engine
+        return format_name
+    if not template:
+        if allow_plain_text:
+            return PLAIN_TEXT
+        raise ParserUnavailable(
+            "the tokenizer has no chat template, so its reply format is unknown; pass --response-format NAME "
+            "(or --allow-plain-text to serve text without tool calls)"
+        )
+    digest = template_sha256(template)
+    found = known_templates().get(digest)
+    if found is not None:
+        parsing_engine()
+        return found
+    if allow_plain_text:
+        logger.warning("unknown chat template (sha256 %s): serving plain text only; requests with tools get a 400",
+                       digest)
+        return PLAIN_TEXT
+    raise ParserUnavailable(
+        f"unknown chat template (sha256 {digest}); no response parser is registered for it, and guessing "
+        f"would mis-parse tool calls. Pass --response-format NAME (known: {sorted(FORMATS)}, or "
+        "'package.module:factory' for your own parser), or --allow-plain-text to serve text without tool calls."
+    )
+
+
+def detect_parser(
+    tokenizer: PreTrainedTokenizerBase, format_name: str | None = None, allow_plain_text: bool = False
+) -> ResponseParser:
+    """The parser for this tokenizer's chat template (recognised by sha256), or for `format_name` if given."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    name = resolve_format(template, format_name, allow_plain_text)
+    if name == PLAIN_TEXT:
+        return PlainTextParser(tokenizer)
+    factory = _load_custom(name) if ":" in name else PARSER_FACTORIES[name]
+    parser = factory(tokenizer)
+    if not callable(getattr(parser, "parse", None)):
+        raise ParserUnavailable(f"the parser from {name!r} has no parse(output_ids, prefix, tools) method")
+    return parser
+
+
+def template_from_dir(directory: str, chat_template_path: str | None = None) -> str | None:
+    """The chat template a tokenizer directory carries (as transformers loads it), without loading the tokenizer."""
+    if chat_template_path:
+        return Path(chat_template_path).read_text("utf-8")
+    root = Path(directory)
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text("utf-8")
+    for name, key in (("chat_template.json", "chat_template"), ("tokenizer_config.json", "chat_template")):
+        path = root / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text("utf-8")).get(key)
+        if isinstance(value, list):  # named templates: transformers uses "default"
+            value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+        if isinstance(value, str):
+            return value
+    return None
