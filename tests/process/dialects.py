@@ -7,6 +7,7 @@ with the shared fidelity checker. Imports only test helpers and the broker's rec
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -30,10 +31,17 @@ RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"], "descript
 Policy = Callable[[list[int], int], tuple[list[int], list[float], str]]
 
 
-def fake_policy(tokenizer_dir: str) -> Policy:
-    """The fake engine's own reply function (tool_rounds=2), to recompute what it sampled for a prompt."""
+@functools.lru_cache(maxsize=None)
+def tokenizer(tokenizer_dir: str) -> Any:
+    """The `tokenizers` BPE of a tokenizer dir (loading it takes seconds: once per process)."""
     from tokenizers import Tokenizer
 
+    return Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def fake_policy(tokenizer_dir: str) -> Policy:
+    """The fake engine's own reply function (tool_rounds=2), to recompute what it sampled for a prompt."""
     spec = importlib.util.spec_from_file_location("fake_engine_policy", FAKE_ENGINE)
     assert spec is not None and spec.loader is not None
     module = sys.modules.get(spec.name)
@@ -41,7 +49,7 @@ def fake_policy(tokenizer_dir: str) -> Policy:
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
         spec.loader.exec_module(module)
-    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    tok = tokenizer(tokenizer_dir)
     state = module.State(tokenizer=tok, eos_id=tok.token_to_id("<|im_end|>"), tool_rounds=2)
     return lambda prompt, max_tokens: module.reply(state, prompt, max_tokens)
 
