@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0  # bound on closing an engine stream (an SGLang abort call included)
 
 
-async def start_live_turn(pipeline: TurnPipeline, session_id: str, request: Any,
-                          disconnected: asyncio.Event) -> LiveTurn:
+async def start_live_turn(
+    pipeline: TurnPipeline, session_id: str, request: Any, disconnected: asyncio.Event
+) -> LiveTurn:
     """OPEN, render and start generating; raises ApiError. The caller must commit() or abort(), then close()."""
     prepared = await pipeline.prepare(session_id, request)
     live = LiveTurn(pipeline, prepared)
@@ -136,8 +137,9 @@ class LiveTurn:
         if not consistent:
             # Only for replies the final parse finds ill-formed (or a format's splitter got wrong): the
             # agent saw text the stored message lacks; its tokens are still exactly what was sampled.
-            logger.warning("turn %s (session %s): the live stream diverged from the final parse",
-                           self.turn_id, self.session_id)
+            logger.warning(
+                "turn %s (session %s): the live stream diverged from the final parse", self.turn_id, self.session_id
+            )
             turn.flags["stream_diverged"] = True
         self.turn = turn
         for delta in tail:

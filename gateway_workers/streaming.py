@@ -192,11 +192,11 @@ class TagSplitter:
             at = buf.find(tags.call_close)
             if at < 0:
                 return False
-            call = tags.parse_call(buf[:at].strip())
-            if call is None:
+            parsed = tags.parse_call(buf[:at].strip())
+            if parsed is None:
                 self._enter("done", "")  # the final parse will call the reply ill-formed
                 return False
-            out.append(LiveDelta("tool_call", call=call))
+            out.append(LiveDelta("tool_call", call=parsed))
             self._enter("after_call", buf[at + len(tags.call_close) :])
             return True
         if self._state == "after_call":

@@ -199,8 +199,9 @@ class TurnPipeline:
         except BaseException as e:
             self.backplane.abort_in_background(session_id, turn_id, type(e).__name__)
             raise
-        return PreparedTurn(session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0,
-                            time.perf_counter())
+        return PreparedTurn(
+            session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0, time.perf_counter()
+        )
 
     async def run(self, session_id: str, request: TurnRequest, disconnected: asyncio.Event) -> CapturedTurn:
         """Generate one whole turn; raises ApiError. The caller must commit() or abort() the result."""
@@ -218,8 +219,9 @@ class TurnPipeline:
             self.backplane.abort_in_background(session_id, prepared.turn_id, type(e).__name__)
             raise
 
-    def captured(self, prepared: PreparedTurn, result: EngineResult, parsed: ParsedResponse,
-                 t_engine: float) -> CapturedTurn:
+    def captured(
+        self, prepared: PreparedTurn, result: EngineResult, parsed: ParsedResponse, t_engine: float
+    ) -> CapturedTurn:
         """The generated turn, waiting for its reply to be sent."""
         return CapturedTurn(
             session_id=prepared.session_id,

@@ -35,8 +35,18 @@ from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call
 
 # Accepted and without effect on a token-in/token-out turn (thinking is the chat template's business).
 _IGNORED = {"model", "metadata", "service_tier", "thinking", "context_management", "output_config"}
-_HANDLED = {"messages", "system", "tools", "tool_choice", "max_tokens", "stop_sequences", "temperature", "top_p",
-            "top_k", "stream"}
+_HANDLED = {
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "max_tokens",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+}
 SIGNATURE = "rollout-gateway"  # thinking blocks carry a signature; ours only says where they came from
 
 _ERROR_TYPES = {
@@ -124,15 +134,18 @@ def _user(content: Any, where: str, call_names: dict[str, str]) -> list[dict[str
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             result = block.get("content", "")
-            tool: dict[str, Any] = {"role": "tool",
-                                    "content": _text_blocks(result, f"{where}.content[{j}].content", "\n")}
+            tool: dict[str, Any] = {
+                "role": "tool",
+                "content": _text_blocks(result, f"{where}.content[{j}].content", "\n"),
+            }
             name = call_names.get(block.get("tool_use_id") or "")
             if name:
                 tool["name"] = name
             out.append(tool)
         else:
-            raise bad(f"{where}.content[{j}]: block type {kind!r} is not supported (text and tool_result only)",
-                      "messages")
+            raise bad(
+                f"{where}.content[{j}]: block type {kind!r} is not supported (text and tool_result only)", "messages"
+            )
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -169,8 +182,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(raw):
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
             raise bad(f"tools[{i}]: only custom (client) tools are supported", "tools")
-        tools.append(canonical_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
-                                    f"tools[{i}]"))
+        tools.append(canonical_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), f"tools[{i}]"))
     return tools
 
 
@@ -210,16 +222,32 @@ def _block(event: BlockEvent, turn_id: str) -> dict[str, Any]:
     if event.kind == "content":
         return {"type": "text", "text": ""}
     assert event.call is not None
-    return {"type": "tool_use", "id": tool_call_id("toolu_", turn_id, event.call_index), "name": event.call["name"],
-            "input": {}}
+    return {
+        "type": "tool_use",
+        "id": tool_call_id("toolu_", turn_id, event.call_index),
+        "name": event.call["name"],
+        "input": {},
+    }
 
 
-def _message(turn_id: str, model: str, content: list[dict[str, Any]], stop_reason: str | None, prompt: int,
-             output: int) -> dict[str, Any]:
-    return {"id": f"msg_{turn_id}", "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": None,
-            "usage": {"input_tokens": prompt, "output_tokens": output, "cache_creation_input_tokens": 0,
-                      "cache_read_input_tokens": 0}}
+def _message(
+    turn_id: str, model: str, content: list[dict[str, Any]], stop_reason: str | None, prompt: int, output: int
+) -> dict[str, Any]:
+    return {
+        "id": f"msg_{turn_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": prompt,
+            "output_tokens": output,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
+    }
 
 
 def response_body(turn: CapturedTurn, request: MessagesRequest, model: str) -> bytes:
@@ -232,11 +260,25 @@ def response_body(turn: CapturedTurn, request: MessagesRequest, model: str) -> b
             content.append({"type": "text", "text": delta.text})
         else:
             assert delta.call is not None
-            content.append({"type": "tool_use", "id": tool_call_id("toolu_", turn.turn_id, calls),
-                            "name": delta.call["name"], "input": delta.call["arguments"]})
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": tool_call_id("toolu_", turn.turn_id, calls),
+                    "name": delta.call["name"],
+                    "input": delta.call["arguments"],
+                }
+            )
             calls += 1
-    return orjson.dumps(_message(turn.turn_id, model, content, _stop_reason(turn.finish_reason),
-                                 len(turn.prompt_ids), len(turn.result.output_ids)))
+    return orjson.dumps(
+        _message(
+            turn.turn_id,
+            model,
+            content,
+            _stop_reason(turn.finish_reason),
+            len(turn.prompt_ids),
+            len(turn.result.output_ids),
+        )
+    )
 
 
 async def stream_events(live: LiveTurn, request: MessagesRequest, model: str) -> AsyncIterator[bytes]:
@@ -249,15 +291,19 @@ async def stream_events(live: LiveTurn, request: MessagesRequest, model: str) ->
             index = event.index
             if event.action == "open":
                 block = _block(event, live.turn_id)
-                yield sse({"type": "content_block_start", "index": index, "content_block": block},
-                          "content_block_start")
+                yield sse(
+                    {"type": "content_block_start", "index": index, "content_block": block}, "content_block_start"
+                )
                 if event.kind == "tool_call":
                     assert event.call is not None
                     delta = {"type": "input_json_delta", "partial_json": orjson.dumps(event.call["arguments"]).decode()}
                     yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
             elif event.action == "delta":
-                delta = ({"type": "thinking_delta", "thinking": event.text} if event.kind == "reasoning"
-                         else {"type": "text_delta", "text": event.text})
+                delta = (
+                    {"type": "thinking_delta", "thinking": event.text}
+                    if event.kind == "reasoning"
+                    else {"type": "text_delta", "text": event.text}
+                )
                 yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
             else:
                 if event.kind == "reasoning":
@@ -269,7 +315,7 @@ async def stream_events(live: LiveTurn, request: MessagesRequest, model: str) ->
         raise
     turn = live.turn
     assert turn is not None
-    delta = {"stop_reason": _stop_reason(turn.finish_reason), "stop_sequence": None}
+    stop = {"stop_reason": _stop_reason(turn.finish_reason), "stop_sequence": None}
     usage = {"input_tokens": len(turn.prompt_ids), "output_tokens": len(turn.result.output_ids)}
-    yield sse({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta")
+    yield sse({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")

@@ -22,8 +22,20 @@ from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call
 # Accepted and without effect on a token-in/token-out turn.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 _HANDLED = {
-    "messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens", "max_completion_tokens",
-    "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "n",
+    "stream",
+    "stream_options",
 }
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -77,8 +89,10 @@ def _message(raw: Any, index: int, call_names: dict[str, str]) -> dict[str, Any]
     role = raw.get("role")
     if role not in _ROLES:
         raise bad(f"{where}: unknown role {role!r}", "messages")
-    message: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _text(raw.get("content"), where)}
+    message: dict[str, Any] = {
+        "role": "system" if role == "developer" else role,
+        "content": _text(raw.get("content"), where),
+    }
     if role == "assistant":
         reasoning = raw.get("reasoning_content", raw.get("reasoning"))
         if reasoning:
@@ -195,20 +209,26 @@ def response_body(turn: CapturedTurn, chat: ChatRequest, model: str) -> bytes:
     if turn.parsed.tool_calls:
         message["tool_calls"] = [_wire_call(turn.turn_id, i, c) for i, c in enumerate(turn.parsed.tool_calls)]
         message["content"] = turn.parsed.content or None
-    return orjson.dumps({
-        "id": f"chatcmpl-{turn.turn_id}",
-        "object": "chat.completion",
-        "created": turn.created,
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": turn.finish_reason, "logprobs": None}],
-        "usage": _usage(len(turn.prompt_ids), len(turn.result.output_ids)),
-    })
+    return orjson.dumps(
+        {
+            "id": f"chatcmpl-{turn.turn_id}",
+            "object": "chat.completion",
+            "created": turn.created,
+            "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": turn.finish_reason, "logprobs": None}],
+            "usage": _usage(len(turn.prompt_ids), len(turn.result.output_ids)),
+        }
+    )
 
 
 async def stream_events(live: LiveTurn, chat: ChatRequest, model: str) -> AsyncIterator[bytes]:
     """The SSE chunks of a live turn as it is generated, ending with `data: [DONE]`."""
-    head = {"id": f"chatcmpl-{live.turn_id}", "object": "chat.completion.chunk", "created": live.created,
-            "model": model}
+    head = {
+        "id": f"chatcmpl-{live.turn_id}",
+        "object": "chat.completion.chunk",
+        "created": live.created,
+        "model": model,
+    }
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
         body = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}

@@ -42,10 +42,34 @@ from gateway_workers.live import LiveTurn
 from gateway_workers.parsing import ParsedResponse
 from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
 
-_IGNORED = {"model", "metadata", "store", "user", "service_tier", "prompt_cache_key", "safety_identifier",
-            "prompt_cache_retention", "include", "reasoning", "truncation", "stream_options", "parallel_tool_calls"}
-_HANDLED = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
-            "previous_response_id", "text", "background"}
+_IGNORED = {
+    "model",
+    "metadata",
+    "store",
+    "user",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "prompt_cache_retention",
+    "include",
+    "reasoning",
+    "truncation",
+    "stream_options",
+    "parallel_tool_calls",
+}
+_HANDLED = {
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "previous_response_id",
+    "text",
+    "background",
+}
 _RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -60,8 +84,14 @@ _ERROR_TYPES = {
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
-    return {"error": {"message": error.message, "type": _ERROR_TYPES.get(error.kind, "api_error"),
-                      "param": error.param, "code": error.code}}
+    return {
+        "error": {
+            "message": error.message,
+            "type": _ERROR_TYPES.get(error.kind, "api_error"),
+            "param": error.param,
+            "code": error.code,
+        }
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +175,9 @@ def canonical_messages(items: Any, call_names: dict[str, str]) -> list[dict[str,
                 raise bad(f"{where}: a function_call needs a name and a call_id", "input")
             call_names[item["call_id"]] = name
             turn = turn or {"role": "assistant", "content": ""}
-            turn.setdefault("tool_calls", []).append({"name": name, "arguments": parse_arguments(item.get("arguments"))})
+            turn.setdefault("tool_calls", []).append(
+                {"name": name, "arguments": parse_arguments(item.get("arguments"))}
+            )
         elif kind == "function_call_output":
             flush()
             call_id = item.get("call_id")
@@ -156,8 +188,11 @@ def canonical_messages(items: Any, call_names: dict[str, str]) -> list[dict[str,
                 message["name"] = call_names[call_id]
             out.append(message)
         else:
-            raise bad(f"{where}: item type {kind!r} is not supported (message, reasoning, function_call, "
-                      "function_call_output)", "input")
+            raise bad(
+                f"{where}: item type {kind!r} is not supported (message, reasoning, function_call, "
+                "function_call_output)",
+                "input",
+            )
     flush()
     return out
 
@@ -208,8 +243,15 @@ def parse_request(body: Any) -> ResponsesRequest:
         temperature=number(body, "temperature", 0.0, 2.0),
         top_p=number(body, "top_p", 0.0, 1.0),
     )
-    return ResponsesRequest(turn, flag(body, "stream"), instructions, items if isinstance(items, list) else [items],
-                            body.get("tools") or [], previous, previous_turn)
+    return ResponsesRequest(
+        turn,
+        flag(body, "stream"),
+        instructions,
+        items if isinstance(items, list) else [items],
+        body.get("tools") or [],
+        previous,
+        previous_turn,
+    )
 
 
 def with_history(request: ResponsesRequest, found: TurnFound) -> ResponsesRequest:
@@ -233,41 +275,84 @@ def _item(event: BlockEvent, turn_id: str, text: str, done: bool) -> dict[str, A
     status = "completed" if done else "in_progress"
     if event.kind == "reasoning":
         content = [{"type": "reasoning_text", "text": text}] if done else []
-        return {"id": f"rs_{turn_id}_{event.index}", "type": "reasoning", "summary": [], "content": content,
-                "status": status}
+        return {
+            "id": f"rs_{turn_id}_{event.index}",
+            "type": "reasoning",
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
     if event.kind == "content":
         content = [_output_text(text)] if done else []
-        return {"id": f"msg_{turn_id}_{event.index}", "type": "message", "role": "assistant", "status": status,
-                "content": content}
+        return {
+            "id": f"msg_{turn_id}_{event.index}",
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
     assert event.call is not None
-    return {"id": f"fc_{turn_id}_{event.index}", "type": "function_call",
-            "call_id": tool_call_id("call_", turn_id, event.call_index), "name": event.call["name"],
-            "arguments": arguments_json(event.call["arguments"]) if done else "", "status": status}
+    return {
+        "id": f"fc_{turn_id}_{event.index}",
+        "type": "function_call",
+        "call_id": tool_call_id("call_", turn_id, event.call_index),
+        "name": event.call["name"],
+        "arguments": arguments_json(event.call["arguments"]) if done else "",
+        "status": status,
+    }
 
 
 def _output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _response(request: ResponsesRequest, turn_id: str, model: str, created: int, output: list[dict[str, Any]],
-              status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+def _response(
+    request: ResponsesRequest,
+    turn_id: str,
+    model: str,
+    created: int,
+    output: list[dict[str, Any]],
+    status: str,
+    usage: dict[str, Any] | None,
+) -> dict[str, Any]:
     turn = request.turn
     return {
-        "id": f"resp_{turn_id}", "object": "response", "created_at": created, "status": status,
-        "completed_at": int(time.time()) if status != "in_progress" else None, "model": model, "output": output,
-        "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": request.instructions, "previous_response_id": request.previous_response_id,
-        "tools": request.wire_tools, "tool_choice": "auto", "parallel_tool_calls": True,
-        "temperature": turn.temperature, "top_p": turn.top_p, "max_output_tokens": turn.max_tokens,
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
-        "metadata": {}, "store": False, "background": False, "usage": usage,
+        "id": f"resp_{turn_id}",
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "completed_at": int(time.time()) if status != "in_progress" else None,
+        "model": model,
+        "output": output,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": request.instructions,
+        "previous_response_id": request.previous_response_id,
+        "tools": request.wire_tools,
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "temperature": turn.temperature,
+        "top_p": turn.top_p,
+        "max_output_tokens": turn.max_tokens,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "reasoning": {"effort": None, "summary": None},
+        "metadata": {},
+        "store": False,
+        "background": False,
+        "usage": usage,
     }
 
 
 def _usage(turn: CapturedTurn) -> dict[str, Any]:
     prompt, output = len(turn.prompt_ids), len(turn.result.output_ids)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
 
 
 def _status(turn: CapturedTurn) -> str:
@@ -284,8 +369,11 @@ def _output(parsed: ParsedResponse, turn_id: str) -> list[dict[str, Any]]:
 
 
 def response_body(turn: CapturedTurn, request: ResponsesRequest, model: str) -> bytes:
-    return orjson.dumps(_response(request, turn.turn_id, model, turn.created, _output(turn.parsed, turn.turn_id),
-                                  _status(turn), _usage(turn)))
+    return orjson.dumps(
+        _response(
+            request, turn.turn_id, model, turn.created, _output(turn.parsed, turn.turn_id), _status(turn), _usage(turn)
+        )
+    )
 
 
 async def stream_events(live: LiveTurn, request: ResponsesRequest, model: str) -> AsyncIterator[bytes]:
@@ -308,29 +396,37 @@ async def stream_events(live: LiveTurn, request: ResponsesRequest, model: str) -
             ids = {"item_id": _item(block, turn_id, "", False)["id"], "output_index": block.index}
             if block.action == "open":
                 text = ""
-                yield event("response.output_item.added", output_index=block.index,
-                            item=_item(block, turn_id, "", False))
+                yield event(
+                    "response.output_item.added", output_index=block.index, item=_item(block, turn_id, "", False)
+                )
                 if block.kind == "reasoning":
-                    yield event("response.content_part.added", **ids, content_index=0,
-                                part={"type": "reasoning_text", "text": ""})
+                    yield event(
+                        "response.content_part.added",
+                        **ids,
+                        content_index=0,
+                        part={"type": "reasoning_text", "text": ""},
+                    )
                 elif block.kind == "content":
                     yield event("response.content_part.added", **ids, content_index=0, part=_output_text(""))
                 else:
                     assert block.call is not None
                     args = arguments_json(block.call["arguments"])
                     yield event("response.function_call_arguments.delta", **ids, delta=args)
-                    yield event("response.function_call_arguments.done", **ids, arguments=args,
-                                name=block.call["name"])
+                    yield event("response.function_call_arguments.done", **ids, arguments=args, name=block.call["name"])
             elif block.action == "delta":
                 text += block.text
                 kind = "response.reasoning_text.delta" if block.kind == "reasoning" else "response.output_text.delta"
-                extra = {} if block.kind == "reasoning" else {"logprobs": []}
+                extra: dict[str, Any] = {} if block.kind == "reasoning" else {"logprobs": []}
                 yield event(kind, **ids, content_index=0, delta=block.text, **extra)
             else:
                 if block.kind == "reasoning":
                     yield event("response.reasoning_text.done", **ids, content_index=0, text=text)
-                    yield event("response.content_part.done", **ids, content_index=0,
-                                part={"type": "reasoning_text", "text": text})
+                    yield event(
+                        "response.content_part.done",
+                        **ids,
+                        content_index=0,
+                        part={"type": "reasoning_text", "text": text},
+                    )
                 elif block.kind == "content":
                     yield event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
                     yield event("response.content_part.done", **ids, content_index=0, part=_output_text(text))

@@ -5,8 +5,9 @@ Replies are Qwen3-format assistant messages (optional `<think>` block, text or J
 they parse, render back and train like a real model's. Everything is a pure function of
 (config seed, prompt ids, request seed): the same prompt always gets the same reply and
 the same logprobs, which are multiples of 1/1024 and so exact in float32. Delays are a
-fixed time plus a per-token time; `stream` yields one token per step after the same delays. Stop strings are not simulated. Tools are read from the
-`<tools>` block of the rendered prompt (our template and Qwen3's put one JSON per line).
+fixed time plus a per-token time; `stream` yields one token per step after the same delays.
+Stop strings are not simulated. Tools are read from the `<tools>` block of the rendered
+prompt (our template and Qwen3's put one JSON per line).
 Must not import the app, adapters or the backplane; the tokenizer is passed in.
 """
 
@@ -82,7 +83,7 @@ class MockEngine:
         if self._config.mock_delay_s > 0:
             await asyncio.sleep(self._config.mock_delay_s)
         last = len(result.output_ids) - 1
-        for i, (token, logprob) in enumerate(zip(result.output_ids, result.logprobs)):
+        for i, (token, logprob) in enumerate(zip(result.output_ids, result.logprobs, strict=True)):
             if self._config.mock_per_token_s > 0:
                 await asyncio.sleep(self._config.mock_per_token_s)
             yield EngineChunk([token], [logprob], result.finish_reason if i == last else None)

@@ -116,8 +116,13 @@ def test_sglang_cumulative_and_incremental_events_parse_alike():
     finish = {"type": "stop", "matched": 13}
 
     def event(items, total, done=False):
-        return {"meta_info": {"output_token_logprobs": items, "completion_tokens": total,
-                              "finish_reason": finish if done else None}}
+        return {
+            "meta_info": {
+                "output_token_logprobs": items,
+                "completion_tokens": total,
+                "finish_reason": finish if done else None,
+            }
+        }
 
     cumulative = [event(entries[:1], 1), event(entries[:2], 2), event(entries, 3, True)]
     incremental = [event(entries[:1], 1), event(entries[1:2], 2), event(entries[2:], 3, True)]
@@ -148,7 +153,7 @@ def test_vllm_stream_choices_are_validated():
 
 def test_sse_reader_handles_split_events_crlf_and_big_events():
     big = b'{"x": "' + b"y" * 200_000 + b'"}'
-    raw = b"data: {\"a\": 1}\r\n\r\n: a comment\n\ndata: " + big + b"\n\ndata: [DONE]\n\n"
+    raw = b'data: {"a": 1}\r\n\r\n: a comment\n\ndata: ' + big + b"\n\ndata: [DONE]\n\n"
 
     class Content:
         async def iter_any(self):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from broker import protocol
 from component.peers import conversation
+
+from broker import protocol
 
 
 def _get(worker, sid: str, turn_id: str) -> protocol.Message:

@@ -27,6 +27,7 @@ def dialect_engine(qwen3_tokenizer_dir: str) -> Iterator[FakeEngine]:
 def dialect_gateway(dialect_engine: FakeEngine, qwen3_tokenizer_dir: str) -> Iterator[Any]:
     """`serve` with 2 workers on the fake vLLM engine, the real Qwen BPE and trl's qwen3.jinja."""
     extra = ["--engine-timeout", str(DIALECT_ENGINE_TIMEOUT_S), "--log-level", "warning"]
-    with launch_gateway(workers=2, engine_kind="vllm", engine_urls=[dialect_engine.url],
-                        tokenizer=qwen3_tokenizer_dir, extra_args=extra) as gw:
+    with launch_gateway(
+        workers=2, engine_kind="vllm", engine_urls=[dialect_engine.url], tokenizer=qwen3_tokenizer_dir, extra_args=extra
+    ) as gw:
         yield gw

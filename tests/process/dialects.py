@@ -23,15 +23,29 @@ from gateway_workers.engines.routing import routing_key
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "fake_engine.py"
 SYSTEM = "You are a careful weather agent."
 
-ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
-                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
-RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
-                    "parameters": t["function"]["parameters"], "strict": False} for t in TOOLS]
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "parameters": t["function"]["parameters"],
+        "strict": False,
+    }
+    for t in TOOLS
+]
 
 Policy = Callable[[list[int], int], tuple[list[int], list[float], str]]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer(tokenizer_dir: str) -> Any:
     """The `tokenizers` BPE of a tokenizer dir (loading it takes seconds: once per process)."""
     from tokenizers import Tokenizer
@@ -39,7 +53,7 @@ def tokenizer(tokenizer_dir: str) -> Any:
     return Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fake_policy(tokenizer_dir: str) -> Policy:
     """The fake engine's own reply function (tool_rounds=2), to recompute what it sampled for a prompt."""
     spec = importlib.util.spec_from_file_location("fake_engine_policy", FAKE_ENGINE)
@@ -62,9 +76,18 @@ def engine_turns(fake_engine: FakeEngine, sid: str, policy: Policy) -> list[Turn
         prompt = body.get("token_ids") or body.get("input_ids")
         params = body["sampling_params"]
         ids, lps, finish = policy(prompt, int(params.get("max_tokens", params.get("max_new_tokens", 16))))
-        turns.append(TurnRecord(turn_id=f"t{i}", seq=i, prompt_ids=ids_array(prompt), output_ids=ids_array(ids),
-                                logprobs=logprobs_array(lps), finish_reason=finish, prompt_messages=[],
-                                response_message={}))
+        turns.append(
+            TurnRecord(
+                turn_id=f"t{i}",
+                seq=i,
+                prompt_ids=ids_array(prompt),
+                output_ids=ids_array(ids),
+                logprobs=logprobs_array(lps),
+                finish_reason=finish,
+                prompt_messages=[],
+                response_message={},
+            )
+        )
     return turns
 
 

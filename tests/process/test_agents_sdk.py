@@ -20,10 +20,12 @@ from openai import AsyncOpenAI
 MAX_TURNS = 6
 
 
-@pytest.mark.parametrize("streamed, chained", [(False, False), (True, True)],
-                         ids=["run-full_input", "streamed-previous_response_id"])
-def test_an_agent_with_a_function_tool_runs_through_the_gateway(dialect_gateway, dialect_engine, qwen3_tokenizer_dir,
-                                                                streamed, chained):
+@pytest.mark.parametrize(
+    "streamed, chained", [(False, False), (True, True)], ids=["run-full_input", "streamed-previous_response_id"]
+)
+def test_an_agent_with_a_function_tool_runs_through_the_gateway(
+    dialect_gateway, dialect_engine, qwen3_tokenizer_dir, streamed, chained
+):
     set_tracing_disabled(True)  # no network: nothing may try to export traces
     cities: list[str] = []
 
@@ -37,17 +39,23 @@ def test_an_agent_with_a_function_tool_runs_through_the_gateway(dialect_gateway,
 
     async def run() -> Any:
         client = AsyncOpenAI(base_url=dialect_gateway.base_url, api_key=sid, max_retries=0, timeout=30)
-        agent = Agent(name="weather", instructions=SYSTEM, tools=[get_weather],
-                      model=OpenAIResponsesModel(model="qwen3", openai_client=client))
+        agent = Agent(
+            name="weather",
+            instructions=SYSTEM,
+            tools=[get_weather],
+            model=OpenAIResponsesModel(model="qwen3", openai_client=client),
+        )
         try:
             if streamed:
-                result = Runner.run_streamed(agent, "What is the weather in Bern?", max_turns=MAX_TURNS,
-                                             auto_previous_response_id=chained)
+                result = Runner.run_streamed(
+                    agent, "What is the weather in Bern?", max_turns=MAX_TURNS, auto_previous_response_id=chained
+                )
                 kinds = {event.type async for event in result.stream_events()}
                 assert "raw_response_event" in kinds
             else:
-                result = await Runner.run(agent, "What is the weather in Bern?", max_turns=MAX_TURNS,
-                                          auto_previous_response_id=chained)
+                result = await Runner.run(
+                    agent, "What is the weather in Bern?", max_turns=MAX_TURNS, auto_previous_response_id=chained
+                )
         finally:
             await client.close()
         return result

@@ -31,8 +31,7 @@ def _agent(client: anthropic.Anthropic, stream: bool) -> list[Any]:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Oslo?"}]
     received = []
     for _ in range(MAX_TURNS):
-        kwargs = {"model": "qwen3", "max_tokens": 512, "system": SYSTEM, "tools": ANTHROPIC_TOOLS,
-                  "messages": messages}
+        kwargs = {"model": "qwen3", "max_tokens": 512, "system": SYSTEM, "tools": ANTHROPIC_TOOLS, "messages": messages}
         if stream:
             with client.messages.stream(**kwargs) as s:
                 texts = list(s.text_stream)
@@ -45,14 +44,21 @@ def _agent(client: anthropic.Anthropic, stream: bool) -> list[Any]:
         uses = [b for b in message.content if b.type == "tool_use"]
         if not uses:
             break
-        messages.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": u.id, "content": tool_output(u.name, u.input)} for u in uses]})
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": u.id, "content": tool_output(u.name, u.input)} for u in uses
+                ],
+            }
+        )
     return received
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
-def test_tool_loop_captures_exactly_what_the_engine_sampled(dialect_gateway, dialect_engine, qwen3_tokenizer_dir,
-                                                            stream):
+def test_tool_loop_captures_exactly_what_the_engine_sampled(
+    dialect_gateway, dialect_engine, qwen3_tokenizer_dir, stream
+):
     sid = dialect_gateway.client.open_session()
     received = _agent(_client(dialect_gateway, sid), stream)
     assert 2 <= len(received) <= 3
@@ -81,17 +87,21 @@ def _post(gateway: Any, path: str, sid: str | None, body: Any) -> httpx.Response
 GOOD = {"model": "qwen3", "max_tokens": 64, "messages": [{"role": "user", "content": "hello"}]}
 
 
-@pytest.mark.parametrize("body", [
-    b"{not json",
-    {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
-    {**GOOD, "messages": []},
-    {**GOOD, "messages": [{"role": "system", "content": "x"}]},
-    {**GOOD, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-    {**GOOD, "tool_choice": {"type": "any"}},
-    {**GOOD, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
-    {**GOOD, "temperature": 1.5},
-    {**GOOD, "output_format": {"type": "json_schema"}},
-], ids=["json", "max_tokens", "empty", "role", "image", "tool_choice", "server_tool", "temperature", "unknown"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
+        {**GOOD, "messages": []},
+        {**GOOD, "messages": [{"role": "system", "content": "x"}]},
+        {**GOOD, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {**GOOD, "tool_choice": {"type": "any"}},
+        {**GOOD, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        {**GOOD, "temperature": 1.5},
+        {**GOOD, "output_format": {"type": "json_schema"}},
+    ],
+    ids=["json", "max_tokens", "empty", "role", "image", "tool_choice", "server_tool", "temperature", "unknown"],
+)
 def test_bad_input_is_a_400_in_anthropic_shape_and_records_nothing(dialect_gateway, body):
     sid = dialect_gateway.client.open_session()
     reply = _post(dialect_gateway, "/messages", sid, body)
@@ -117,8 +127,12 @@ def test_keys_and_finished_sessions_are_final_in_anthropic_shape(dialect_gateway
 def test_count_tokens_counts_the_prompt_the_engine_sees(dialect_gateway, dialect_engine):
     sid = dialect_gateway.client.open_session()
     client = _client(dialect_gateway, sid)
-    kwargs = {"model": "qwen3", "system": [{"type": "text", "text": SYSTEM}], "tools": ANTHROPIC_TOOLS,
-              "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Rome?"}]}]}
+    kwargs = {
+        "model": "qwen3",
+        "system": [{"type": "text", "text": SYSTEM}],
+        "tools": ANTHROPIC_TOOLS,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Rome?"}]}],
+    }
     counted = client.messages.count_tokens(**kwargs).input_tokens
     assert dialect_engine.log(routing_key(sid))["requests"] == []  # counting runs no turn
     message = client.messages.create(max_tokens=256, **kwargs)

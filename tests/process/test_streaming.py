@@ -29,10 +29,24 @@ LOG_WAIT_S = 10.0
 QUESTION = "What is the capital of Peru?"
 
 REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "chat": ("/chat/completions", {"model": "q", "stream": True, "messages": [
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]}),
-    "anthropic": ("/messages", {"model": "q", "stream": True, "max_tokens": 256, "system": SYSTEM,
-                                "messages": [{"role": "user", "content": QUESTION}]}),
+    "chat": (
+        "/chat/completions",
+        {
+            "model": "q",
+            "stream": True,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        },
+    ),
+    "anthropic": (
+        "/messages",
+        {
+            "model": "q",
+            "stream": True,
+            "max_tokens": 256,
+            "system": SYSTEM,
+            "messages": [{"role": "user", "content": QUESTION}],
+        },
+    ),
     "responses": ("/responses", {"model": "q", "stream": True, "instructions": SYSTEM, "input": QUESTION}),
 }
 
@@ -77,7 +91,8 @@ def _text_delta(dialect: str, data: Any) -> tuple[str, str] | None:
 
 @pytest.mark.parametrize("dialect", sorted(REQUESTS))
 def test_deltas_arrive_while_the_engine_generates_and_the_commit_is_the_streamed_text(
-        dialect_gateway, dialect_engine, qwen3_tokenizer_dir, dialect):
+    dialect_gateway, dialect_engine, qwen3_tokenizer_dir, dialect
+):
     sid = dialect_gateway.client.open_session()
     key = routing_key(sid)
     dialect_engine.configure(fault={"token_delay": TOKEN_DELAY_S, "key": key})
@@ -98,13 +113,16 @@ def test_deltas_arrive_while_the_engine_generates_and_the_commit_is_the_streamed
     records = dialect_gateway.client.finish_session(sid, wait_timeout=10.0)
     assert_fidelity([turn], records)  # committed: exactly the sampled ids and logprobs
     (record,) = records
-    committed = tokenizer(qwen3_tokenizer_dir).decode(record.token_ids[-record.response_length:], skip_special_tokens=False)
+    committed = tokenizer(qwen3_tokenizer_dir).decode(
+        record.token_ids[-record.response_length :], skip_special_tokens=False
+    )
     assert committed == f"<think>\n{texts['reasoning']}\n</think>\n\n{texts['content']}<|im_end|>"
 
 
 @pytest.mark.parametrize("dialect", sorted(REQUESTS))
-def test_a_client_leaving_mid_stream_aborts_the_engine_request_and_records_nothing(dialect_gateway, dialect_engine,
-                                                                                   dialect):
+def test_a_client_leaving_mid_stream_aborts_the_engine_request_and_records_nothing(
+    dialect_gateway, dialect_engine, dialect
+):
     sid = dialect_gateway.client.open_session()
     key = routing_key(sid)
     dialect_engine.configure(fault={"token_delay": TOKEN_DELAY_S, "key": key})
@@ -118,8 +136,9 @@ def test_a_client_leaving_mid_stream_aborts_the_engine_request_and_records_nothi
 
 
 @pytest.mark.parametrize("dialect", sorted(REQUESTS))
-def test_an_engine_failing_mid_stream_ends_with_the_dialects_error_and_records_nothing(dialect_gateway,
-                                                                                      dialect_engine, dialect):
+def test_an_engine_failing_mid_stream_ends_with_the_dialects_error_and_records_nothing(
+    dialect_gateway, dialect_engine, dialect
+):
     sid = dialect_gateway.client.open_session()
     dialect_engine.configure(fault={"error_after": 5, "key": routing_key(sid)})
     with _stream(dialect_gateway, sid, dialect) as events:
@@ -140,8 +159,9 @@ def test_the_openai_sdk_raises_on_a_mid_stream_failure_and_the_worker_stays_heal
     dialect_engine.configure(fault={"error_after": 5, "times": None, "key": routing_key(sid)})
     client = openai.OpenAI(base_url=dialect_gateway.base_url, api_key=sid, max_retries=0)
     with pytest.raises(openai.APIError, match="mid-stream"):
-        for _ in client.chat.completions.create(model="q", stream=True,
-                                                messages=[{"role": "user", "content": QUESTION}]):
+        for _ in client.chat.completions.create(
+            model="q", stream=True, messages=[{"role": "user", "content": QUESTION}]
+        ):
             pass
     dialect_engine.configure(fault={"key": routing_key(sid)})
     reply = client.chat.completions.create(model="q", messages=[{"role": "user", "content": QUESTION}])

@@ -1,4 +1,4 @@
-"""Live splitting with the real Qwen BPE and the real Qwen3 parser: streamed deltas + the reconciled tail == the final parse.
+"""Live splitting with the real Qwen BPE and Qwen3 parser: streamed deltas + the reconciled tail == the final parse.
 
 Replies are tokenized with the real tokenizer and fed back in every chunking (one token at
 a time, random chunks); for well-formed replies the live part must already carry the
@@ -66,7 +66,7 @@ def _stream(setup, text: str, cuts: list[int] | None = None):
     tracker = StreamTracker()
     bounds = sorted({0, len(ids), *(c for c in (cuts or range(len(ids))) if 0 < c < len(ids))})
     live: list[LiveDelta] = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         for delta in splitter.feed(decoder.feed(ids[a:b])):
             tracker.record(delta)
             live.append(delta)
@@ -127,7 +127,8 @@ def test_ill_formed_replies_are_reported_as_diverged(setup):
 
 
 def test_text_after_tool_calls_comes_from_the_final_parse(setup):
-    live, tail, consistent, final = _stream(setup, f"<think>\nx\n</think>\n\n{_call(CALL)}\nAnd one more thing.<|im_end|>")
+    reply = f"<think>\nx\n</think>\n\n{_call(CALL)}\nAnd one more thing.<|im_end|>"
+    live, tail, consistent, final = _stream(setup, reply)
     _assert_equals_final(live, tail, consistent, final)
     assert [d.kind for d in live] == ["reasoning", "tool_call"]
 
@@ -135,8 +136,10 @@ def test_text_after_tool_calls_comes_from_the_final_parse(setup):
 def test_a_prompt_that_opens_the_think_block_starts_in_reasoning(setup):
     tokenizer, parser, rendered = setup
     splitter = live_splitter(parser.format_name, rendered.text + "<think>\n")
-    assert splitter.feed("pondering\n</think>\n\nDone.") == [LiveDelta("reasoning", "pondering"),
-                                                             LiveDelta("content", "Done.")]
+    assert splitter.feed("pondering\n</think>\n\nDone.") == [
+        LiveDelta("reasoning", "pondering"),
+        LiveDelta("content", "Done."),
+    ]
     closed = live_splitter(parser.format_name, rendered.text + "<think>\n\n</think>\n\n")
     assert closed.feed("Straight to the answer") == [LiveDelta("content", "Straight to the answer")]
 
@@ -150,16 +153,31 @@ def test_unknown_formats_stream_at_the_end():
 
 
 def test_block_events_group_text_and_isolate_calls():
-    deltas = [LiveDelta("reasoning", "a"), LiveDelta("reasoning", "b"), LiveDelta("content", "c"),
-              LiveDelta("tool_call", call=CALL), LiveDelta("tool_call", call=CALL2), LiveDelta("content", "d")]
+    deltas = [
+        LiveDelta("reasoning", "a"),
+        LiveDelta("reasoning", "b"),
+        LiveDelta("content", "c"),
+        LiveDelta("tool_call", call=CALL),
+        LiveDelta("tool_call", call=CALL2),
+        LiveDelta("content", "d"),
+    ]
 
     async def collect():
         return [(e.action, e.index, e.kind, e.text, e.call_index) async for e in block_events(from_list(deltas))]
 
     assert asyncio.run(collect()) == [
-        ("open", 0, "reasoning", "", 0), ("delta", 0, "reasoning", "a", 0), ("delta", 0, "reasoning", "b", 0),
-        ("close", 0, "reasoning", "", 0), ("open", 1, "content", "", 0), ("delta", 1, "content", "c", 0),
-        ("close", 1, "content", "", 0), ("open", 2, "tool_call", "", 0), ("close", 2, "tool_call", "", 0),
-        ("open", 3, "tool_call", "", 1), ("close", 3, "tool_call", "", 1), ("open", 4, "content", "", 0),
-        ("delta", 4, "content", "d", 0), ("close", 4, "content", "", 0),
+        ("open", 0, "reasoning", "", 0),
+        ("delta", 0, "reasoning", "a", 0),
+        ("delta", 0, "reasoning", "b", 0),
+        ("close", 0, "reasoning", "", 0),
+        ("open", 1, "content", "", 0),
+        ("delta", 1, "content", "c", 0),
+        ("close", 1, "content", "", 0),
+        ("open", 2, "tool_call", "", 0),
+        ("close", 2, "tool_call", "", 0),
+        ("open", 3, "tool_call", "", 1),
+        ("close", 3, "tool_call", "", 1),
+        ("open", 4, "content", "", 0),
+        ("delta", 4, "content", "d", 0),
+        ("close", 4, "content", "", 0),
     ]
