@@ -28,7 +28,7 @@ _JSON_CALLS_TEMPLATE: dict[str, Any] = {"open_pattern": r"\s*<tool_call>", "clos
 _JSON_CALLS_SCHEMA: dict[str, Any] = {
     "type": "array",
     "x-regex-iterator": r"<tool_call>(.*?)</tool_call>",
-    "items": {"type": "object", "x-parser": "json"},
+    "items": {"x-parser": "json"},  # untyped: a non-object is our verdict, not an engine error
 }
 _REASONING_TEMPLATE: dict[str, Any] = {"open": "<think>", "close": "</think>", **_TEXT}
 _REASONING_SCHEMA: dict[str, Any] = {"type": "string", "x-regex": r"<think>(.*?)</think>"}
@@ -41,6 +41,7 @@ def _content_schema(*removed: str) -> dict[str, Any]:
 
 QWEN3_TEMPLATE: dict[str, Any] = {
     "version": 1,
+    "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
     "start_anchor": ANCHOR,
     "fields": {
         "reasoning": _REASONING_TEMPLATE,
@@ -126,6 +127,7 @@ _XML_CALLS_SCHEMA: dict[str, Any] = {
 }
 XML_TEMPLATE: dict[str, Any] = {
     "version": 1,
+    "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
     "start_anchor": ANCHOR,
     "fields": {"reasoning": _REASONING_TEMPLATE, "tool_calls": _XML_CALLS_TEMPLATE, "content": {**_TEXT, "repeats": True}},
 }

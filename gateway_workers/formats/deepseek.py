@@ -19,6 +19,7 @@ _TEXT = {"content": "text", "content_args": {"strip": False}}
 
 DEEPSEEK_R1_TEMPLATE: dict[str, Any] = {
     "version": 1,
+    "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
     "start_anchor": ANCHOR,
     "fields": {"reasoning": {"open": "<think>", "close": "</think>", **_TEXT}, "content": {**_TEXT, "repeats": True}},
 }

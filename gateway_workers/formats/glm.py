@@ -23,6 +23,7 @@ _CALL_BODY = re.compile(r"[^\n<]+\s*(?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</
 
 GLM4_MOE_TEMPLATE: dict[str, Any] = {
     "version": 1,
+    "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
     "start_anchor": ANCHOR,
     "fields": {
         "reasoning": {"open": "<think>", "close": "</think>", **_TEXT},

@@ -44,7 +44,8 @@ FORMATS: dict[str, ResponseFormat] = {
     fmt.name: fmt for fmt in (QWEN3, QWEN2_5, QWEN3_5, NEMOTRON3, GLM4_MOE, GPT_OSS, LLAMA3_JSON, DEEPSEEK_R1)
 }
 
-# sha256 of a chat template's text -> format name. Each entry is a model family's own template
+# sha256 of a chat template's text (as transformers reads it: text mode, so '\r\n' becomes '\n')
+# -> format name. Each entry is a model family's own template
 # (trl ships byte-identical copies as chat_templates/<file>; `tests/unit/test_formats_registry.py`
 # hashes every one), plus trl's training variants of them, which parse the same.
 TEMPLATE_FORMATS: dict[str, str] = {
@@ -80,9 +81,9 @@ TEMPLATE_FORMATS: dict[str, str] = {
     "d61cca230ac4f8137e74e88d73d8a649e4c3a71bb79b82925a19cf6dc52a6c7e": "nemotron3",
     "58933db77d3099b4f78c55a38347a72e1ea05b97d6bd8f38775303dc0194e0a9": "nemotron3",
     "a44efc49cf02e3dee4421bd34925ba7e2081f1652b16648efbec4a6e8a203ea8": "nemotron3",
-    # glm4moe.jinja, glm4moe_training.jinja
+    # glm4moe.jinja, glm4moe_training.jinja (that file has CRLF line ends; hashed as read: with '\n')
     "44f815868bf02fa458dd2f741a338046f4bf45f398eb6d067766726b9d96cce3": "glm4_moe",
-    "79c2386fbe44c9881be09b2dd086e0799b15447f8d530c45041152b6da9f3704": "glm4_moe",
+    "18cbc5123073ee4a3253b729dcb00fef6665cba76ec86f3e6803db23ce85ca2f": "glm4_moe",
     # gptoss.jinja, gptoss_training.jinja
     "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146": "gpt_oss",
     "6adda7cea0f63ef14918be7f26100b324525b6185a8f06932914388ffaa52e32": "gpt_oss",

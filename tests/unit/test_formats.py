@@ -1,0 +1,337 @@
+"""Every family's response format against its real chat template (trl's copy, read as data) and a real BPE.
+
+Per family: the registered sha256 is the real template's, detection picks the family's format,
+an assistant message with reasoning, text and (where the template allows) two parallel tool calls
+rendered by the real template and tokenized parses back to the same structure, the parsed echo
+re-renders to exactly the sampled text (or the documented exception), and malformed output
+degrades to raw text with `ill_formed`. Runs on whichever transformers engine is installed
+(declarative >= 5.13, legacy response_schema 5.0-5.12); CI runs both.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Any
+
+import pytest
+from assets import TOOLS
+from fake_formats import FAMILIES, WRITERS, family_tokenizer_dir, template_path, trl_templates_dir
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway_workers.parsing import (
+    FORMATS,
+    TEMPLATE_FORMATS,
+    ParsedResponse,
+    detect_parser,
+    known_templates,
+    template_sha256,
+)
+from gateway_workers.render import template_messages
+
+QUESTION = [
+    {"role": "system", "content": "You are a careful assistant."},
+    {"role": "user", "content": "Weather in Paris and Lyon?"},
+]
+CONFIGURE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "configure",
+        "description": "Typed parameters.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "units": {"type": "object"},
+                "flags": {"type": "array"},
+                "dry_run": {"type": "boolean"},
+                "ratio": {"type": "number"},
+                "count": {"type": "integer"},
+                "label": {"type": "string"},
+            },
+        },
+    },
+}
+ALL_TOOLS = [*TOOLS, CONFIGURE_TOOL]
+_BASES: dict[tuple[str, tuple[str, ...], str | None, str], Any] = {}
+# Newer transformers pass a message's reasoning_content to templates as `thinking` too (GPT-OSS reads that).
+_ALIASES_THINKING = hasattr(importlib.import_module("transformers.utils.chat_template_utils"), "_alias_reasoning_fields")
+
+
+def family_tokenizer(key: str) -> Any:
+    """The family's test tokenizer; families sharing a vocabulary share one loaded backend."""
+    from transformers import AutoTokenizer
+
+    family = FAMILIES[key]
+    base_key = (family.vocab, family.added, family.bos, family.stop)
+    if base_key not in _BASES:
+        _BASES[base_key] = AutoTokenizer.from_pretrained(family_tokenizer_dir(key))
+    tokenizer = copy.copy(_BASES[base_key])
+    tokenizer.chat_template = template_path(family.template).read_text("utf-8")
+    return tokenizer
+
+
+def reply_for(key: str, typed: bool = False) -> dict[str, Any]:
+    """The richest assistant message this family's template can render."""
+    family, fmt = FAMILIES[key], FORMATS[FAMILIES[key].format_name]
+    reply: dict[str, Any] = {"role": "assistant", "content": "I will check both cities.",
+                             "reasoning": "Two cities: call get_weather twice.\nThen summarise."}
+    calls = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+             {"name": "get_weather", "arguments": {"city": "Lyon ü \"q\"", "days": 3}}]
+    if typed:
+        calls[1] = {"name": "configure", "arguments": {"units": {"temp": "C"}, "flags": [1, 2.5, None],
+                                                       "dry_run": False, "ratio": 0.5, "count": 7, "label": "7"}}
+    if family.tools:
+        reply["tool_calls"] = calls if family.parallel else calls[:1]
+    if not fmt.reasoning:
+        del reply["reasoning"]
+    if fmt.name in ("llama3_json", "gpt_oss") and family.tools:
+        reply["content"] = ""  # a call message carries no text in these templates
+    return reply
+
+
+def render(tokenizer: Any, key: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    chat = template_messages(messages)
+    if FAMILIES[key].format_name == "gpt_oss":
+        for item in chat:  # the harmony template reads reasoning from `thinking`
+            if "reasoning_content" in item:
+                item["thinking"] = item["reasoning_content"]
+    tools = ALL_TOOLS if FAMILIES[key].tools else None
+    return tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, **kwargs)
+
+
+def sampled(tokenizer: Any, key: str, reply: dict[str, Any]) -> tuple[str, str]:
+    """(prompt text, reply text) as the model would have produced the reply: the template's own rendering."""
+    prefix = render(tokenizer, key, QUESTION, add_generation_prompt=True)
+    if FAMILIES[key].format_name == "deepseek_r1":
+        # Its template never renders an assistant's reasoning: the model writes it after the prefilled <think>.
+        return prefix, f"{reply['reasoning']}\n</think>\n\n{reply['content']}{FAMILIES[key].stop}"
+    full = render(tokenizer, key, [*QUESTION, reply])
+    assert full.startswith(prefix), (full[len(prefix) - 60:len(prefix) + 60], prefix[-60:])
+    return prefix, full[len(prefix):]
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# --- the registry -----------------------------------------------------------------------------------
+
+
+def test_every_registered_hash_is_a_real_template_file():
+    # Hashed as transformers reads a template file: text mode (glm4moe_training.jinja has CRLF line ends).
+    on_disk = {template_sha256(p.read_text("utf-8")): p.name for p in trl_templates_dir().glob("*.jinja")}
+    missing = {digest: fmt for digest, fmt in TEMPLATE_FORMATS.items() if digest not in on_disk}
+    assert not missing, f"registered hashes with no template in the trl wheel: {missing}"
+    assert set(TEMPLATE_FORMATS.values()) == set(FORMATS)  # every format is reachable by detection
+    assert len(known_templates()) == len(TEMPLATE_FORMATS) + 1  # + the built-in template
+
+
+@pytest.mark.parametrize("key", sorted(FAMILIES))
+def test_family_template_is_detected(key):
+    family = FAMILIES[key]
+    text = template_path(family.template).read_text("utf-8")
+    assert TEMPLATE_FORMATS[template_sha256(text)] == family.format_name
+    training = template_path(family.template).with_name(f"{family.template}_training.jinja")
+    if training.is_file():  # trl's training variants parse the same
+        assert TEMPLATE_FORMATS[template_sha256(training.read_text("utf-8"))] == family.format_name
+    assert detect_parser(family_tokenizer(key)).format_name == family.format_name
+
+
+# --- round trips ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", sorted(FAMILIES))
+def test_round_trip_reasoning_text_and_parallel_calls(key):
+    tokenizer = family_tokenizer(key)
+    parser = detect_parser(tokenizer)
+    for typed in (False, True):
+        reply = reply_for(key, typed)
+        prefix, out = sampled(tokenizer, key, reply)
+        ids = encode(tokenizer, out)
+        parsed = parser.parse(ids, prefix, ALL_TOOLS)
+        assert not parsed.ill_formed, (parsed.error, out)
+        assert parsed.canonical_message() == reply, out
+        # The prompt may be given as ids too (only its tail is decoded).
+        assert parser.parse(ids, encode(tokenizer, prefix), ALL_TOOLS) == parsed
+
+
+@pytest.mark.parametrize("key", sorted(FAMILIES))
+def test_echo_rerenders_the_sampled_text(key):
+    """The parsed reply, echoed back as the next prompt's assistant message, renders to the sampled text.
+
+    Exceptions (documented in the README): DeepSeek-R1's template drops earlier reasoning; the GPT-OSS
+    template reads it from `thinking`, which transformers fills from `reasoning_content` only in newer
+    releases (5.24 does, 5.12 does not): there the echo loses its reasoning.
+    """
+    tokenizer = family_tokenizer(key)
+    family = FAMILIES[key]
+    reply = reply_for(key)
+    prefix, out = sampled(tokenizer, key, reply)
+    parsed = detect_parser(tokenizer).parse(encode(tokenizer, out), prefix, ALL_TOOLS)
+    echo = parsed.canonical_message()
+    follow = ([{"role": "tool", "content": f"result {i}"} for i, _ in enumerate(echo.get("tool_calls", []))]
+              or [{"role": "user", "content": "And tomorrow?"}])
+    chat = template_messages([*QUESTION, echo, *follow])
+    tools = ALL_TOOLS if family.tools else None
+    text = tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
+    if family.format_name == "deepseek_r1":
+        assert f"<｜Assistant｜>{echo['content']}<｜end▁of▁sentence｜>" in text and reply["reasoning"] not in text
+    elif family.format_name == "gpt_oss" and not _ALIASES_THINKING:
+        assert text.startswith(prefix) and reply["reasoning"] not in text[len(prefix):]
+    else:
+        assert text.startswith(prefix + out.rstrip("\n")), (text[len(prefix):len(prefix) + len(out) + 40], out)
+
+
+@pytest.mark.parametrize("key", ["qwen3_5_think", "nemotron_3_nano", "glm4moe", "deepseek_r1_distill"])
+def test_generation_prompt_without_thinking(key):
+    """enable_thinking=False makes the template write an empty think block: the reply is plain text."""
+    tokenizer = family_tokenizer(key)
+    prefix = render(tokenizer, key, QUESTION, add_generation_prompt=True, enable_thinking=False)
+    parsed = detect_parser(tokenizer).parse(encode(tokenizer, "Hello there." + FAMILIES[key].stop), prefix)
+    if key == "deepseek_r1_distill":  # its template has no such switch: the prompt still opens <think>
+        assert parsed.ill_formed and "unterminated <think>" in parsed.error
+    else:
+        assert (parsed.content, parsed.reasoning, parsed.ill_formed) == ("Hello there.", "", False)
+
+
+@pytest.mark.parametrize("key", ["qwen3_5_think", "nemotron_3_nano", "glm4moe"])
+def test_string_arguments_are_typed_by_the_tool_schema(key):
+    """XML-style values are text: cast by the tool's JSON schema, kept as text without one."""
+    tokenizer = family_tokenizer(key)
+    parser = detect_parser(tokenizer)
+    reply = reply_for(key, typed=True)
+    prefix, out = sampled(tokenizer, key, reply)
+    typed = parser.parse(encode(tokenizer, out), prefix, ALL_TOOLS).tool_calls[1]["arguments"]
+    assert typed == {"units": {"temp": "C"}, "flags": [1, 2.5, None], "dry_run": False, "ratio": 0.5, "count": 7,
+                     "label": "7"}
+    untyped = parser.parse(encode(tokenizer, out), prefix, None).tool_calls[1]["arguments"]
+    assert all(isinstance(v, str) for v in untyped.values()) and untyped["label"] == "7"
+
+
+def test_json_arguments_keep_the_model_types():
+    """JSON formats hand the model's own types through: a string where the schema wants an integer stays one."""
+    tokenizer = family_tokenizer("qwen3")
+    prefix = render(tokenizer, "qwen3", QUESTION, add_generation_prompt=True)
+    out = '<tool_call>\n{"name": "configure", "arguments": {"count": "7"}}\n</tool_call><|im_end|>'
+    parsed = detect_parser(tokenizer).parse(encode(tokenizer, out), prefix, ALL_TOOLS)
+    assert parsed.tool_calls == [{"name": "configure", "arguments": {"count": "7"}}]
+
+
+# --- degradation -------------------------------------------------------------------------------------
+
+# Per format: (output after the generation prompt, expected error fragment). The prompt's prefill
+# counts: Qwen3.5, Nemotron and DeepSeek prompts already opened <think>.
+_BAD: dict[str, list[tuple[str, str]]] = {
+    "qwen3": [
+        ('<tool_call>\n{"name": "search", "arguments": {"query": "x"}', "unterminated <tool_call>"),
+        ('<tool_call>\n{"name": "search", "arguments": {"query": }}\n</tool_call>', "unparseable"),
+        ('<think>\n<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>\n</think>\n\nok', "inside <think>"),
+        ("<think>\nI was cut off", "unterminated <think>"),
+    ],
+    "qwen2_5": [
+        ('<tool_call>\n{"name": "search", "arguments": {"query": "x"}', "unterminated <tool_call>"),
+        ('<tool_call>\n{"name": "search", "arguments": "not json"}\n</tool_call>', "non-JSON arguments"),
+        ("</tool_call>", "without <tool_call>"),
+    ],
+    "qwen3_5": [
+        ("r\n</think>\n\n<tool_call>\n<function=search>\n<parameter=query>\nx\n", "unterminated <tool_call>"),
+        ("r\n</think>\n\n<tool_call>\n<function=search>\n<parameter=query>\nx\n</function>\n</tool_call>",
+         "malformed <function=...> block"),
+        ("<tool_call>\n<function=search>\n</function>\n</tool_call>\n</think>\n\nok", "inside <think>"),
+        ("I was cut off while thinking", "unterminated <think>"),
+    ],
+    "nemotron3": [
+        ("r\n</think>\n<tool_call>\n<function=search>\n", "unterminated <tool_call>"),
+        ("r\n</think>\n<tool_call>\nsearch(query='x')\n</tool_call>\n", "malformed <function=...> block"),
+        ("<tool_call>\n<function=search>\n</function>\n</tool_call>\n</think>\nok", "inside <think>"),
+    ],
+    "glm4_moe": [
+        ("\n<think>r</think>\n<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>x", "unterminated <tool_call>"),
+        ("\n<think>r</think>\n<tool_call>search\n<arg_key>query</arg_key>\n</tool_call>", "<arg_key>/<arg_value>"),
+        ("\n<think><tool_call>search\n</tool_call></think>\nok", "inside <think>"),
+    ],
+    "gpt_oss": [
+        ("<|channel|>analysis<|message|>r<|end|><|start|>assistant to=functions.search<|channel|>commentary json"
+         '<|message|>{"query": "x', "unparseable"),
+        ("<|channel|>analysis<|message|>r<|end|><|start|>assistant to=browser.search<|channel|>commentary json"
+         '<|message|>{"query": "x"}', "not a function call"),
+        ("Plain text without any channel.", "malformed harmony message"),
+        ("<|channel|>analysis<|message|>r<|end|><|channel|>final<|message|>x", "without <|start|>assistant"),
+    ],
+    "llama3_json": [
+        ('{"name": "search", "parameters": {"query": "x"', "invalid JSON"),
+        ('{"name": "search", "parameters": {"query": "x"}} and some text', "text after a JSON tool call"),
+        ('{"name": "search", "parameters": ["x"]}', "not a JSON object"),
+    ],
+    "deepseek_r1": [
+        ("I was cut off while thinking", "unterminated <think>"),
+        ("r\n</think>\n\nok\n<think>\nagain\n</think>", "malformed <think>"),
+    ],
+}
+_ONE_FAMILY_PER_FORMAT = {fmt: next(k for k, f in sorted(FAMILIES.items()) if f.format_name == fmt) for fmt in FORMATS}
+
+
+@pytest.mark.parametrize(("fmt", "output", "error"), [(f, o, e) for f, cases in _BAD.items() for o, e in cases])
+def test_malformed_output_degrades_to_raw_text(fmt, output, error):
+    key = _ONE_FAMILY_PER_FORMAT[fmt]
+    tokenizer = family_tokenizer(key)
+    prefix = render(tokenizer, key, QUESTION, add_generation_prompt=True)
+    parsed = detect_parser(tokenizer).parse(encode(tokenizer, output + FAMILIES[key].stop), prefix, ALL_TOOLS)
+    assert parsed == ParsedResponse(content=output, reasoning=None, tool_calls=[], ill_formed=True, error=parsed.error)
+    assert error in parsed.error
+
+
+@pytest.mark.parametrize("writer", sorted(w for w in WRITERS if w not in ("deepseek_r1",)))
+def test_hallucinated_tool_names_pass_through(writer):
+    """A call to a tool nobody declared is still a call: the agent framework rejects it, not us."""
+    key = next(k for k, f in sorted(FAMILIES.items()) if f.writer == writer)
+    tokenizer = family_tokenizer(key)
+    prefix = render(tokenizer, key, QUESTION, add_generation_prompt=True)
+    plan = {"reasoning": "r", "text": "", "calls": [{"name": "launch_rockets", "arguments": {"count": "3"}}]}
+    out = WRITERS[writer].write(plan) + FAMILIES[key].stop
+    parsed = detect_parser(tokenizer).parse(encode(tokenizer, out), prefix, ALL_TOOLS)
+    assert not parsed.ill_formed, parsed.error
+    assert parsed.tool_calls == [{"name": "launch_rockets", "arguments": {"count": "3"}}]
+
+
+@pytest.mark.parametrize("key", ["qwen3_6", "glm4moe", "gptoss", "llama3_1", "nemotron_3_ultra"])
+def test_cut_by_max_tokens_mid_call_is_ill_formed_never_a_partial_list(key):
+    """Two calls, the second cut anywhere: never one call out of two."""
+    tokenizer = family_tokenizer(key)
+    parser = detect_parser(tokenizer)
+    family = FAMILIES[key]
+    prefix = render(tokenizer, key, QUESTION, add_generation_prompt=True)
+    calls = [{"name": "search", "arguments": {"query": "first"}}, {"name": "search", "arguments": {"query": "second"}}]
+    out = WRITERS[family.writer].write({"reasoning": "r", "text": "", "calls": calls})
+    if not family.parallel:  # one call per reply: cut that one
+        calls = calls[:1]
+    ids = encode(tokenizer, out)
+    full = parser.parse(ids, prefix, ALL_TOOLS)
+    assert full.tool_calls == calls and not full.ill_formed
+    cut_at = out.rfind("second") if family.parallel else out.rfind("first")
+    for cut in range(len(encode(tokenizer, out[:cut_at])), len(ids) - 1):
+        parsed = parser.parse(ids[:cut], prefix, ALL_TOOLS)
+        assert parsed.ill_formed and parsed.tool_calls == [], (cut, parsed)
+
+
+# Property: whatever the model emits, every format returns a verdict and never raises; a well-formed
+# verdict holds only canonical calls, an ill-formed one hands back the raw text.
+_PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "{", "}", '"name"', '"arguments"', ":",
+           ",", '"search"', "hello", "<function=search>", "</function>", "<parameter=query>", "</parameter>",
+           "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<|channel|>", "analysis", "final", "<|message|>",
+           "<|end|>", "<|start|>assistant", " to=functions.search", "commentary", '"parameters"', ";"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(sorted(_ONE_FAMILY_PER_FORMAT.values())), st.lists(st.sampled_from(_PIECES), max_size=16))
+def test_no_output_makes_any_parser_raise(key, pieces):
+    tokenizer = family_tokenizer(key)
+    text = "".join(pieces)
+    parsed = detect_parser(tokenizer).parse(encode(tokenizer, text), render(
+        tokenizer, key, QUESTION, add_generation_prompt=True), ALL_TOOLS)
+    if parsed.ill_formed:
+        assert parsed.tool_calls == [] and parsed.reasoning is None and parsed.error
+    else:
+        for call in parsed.tool_calls:
+            assert isinstance(call["name"], str) and call["name"] and isinstance(call["arguments"], dict)
