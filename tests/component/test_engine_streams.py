@@ -88,7 +88,9 @@ def test_closing_a_stream_early_stops_the_engine(kind, fake_engine, prompt):
     else:  # SGLang is told explicitly
         assert wait_until(lambda: fake_engine.log(key)["aborts"], LOG_WAIT_S), fake_engine.log(key)
         assert fake_engine.log(key)["aborts"][0]["rid"] == rid
-    assert fake_engine.log(key)["streamed"] == []
+    log = fake_engine.log(key)
+    # The engine stopped early: an abort ends the SGLang stream with a finish of its own, a closed connection ends it.
+    assert all(entry["sent"] < 5 for entry in log["streamed"] + log["disconnects"]), log
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
