@@ -37,6 +37,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, default=None, help="open sessions at most (default 100000)")
     p.add_argument("--max-turns-cap", type=int, default=None, help="hard cap on turns per session (default none)")
     p.add_argument("--max-wait-timeout", type=float, default=None, help="ceiling on finish wait_timeout, s (600)")
+    p.add_argument(
+        "--outbox-max-episodes",
+        type=int,
+        default=None,
+        help="finished episodes held for subscribers at most; further request_finish / agent finishes are "
+        "refused as busy until subscribers acknowledge some (default 10000)",
+    )
+    p.add_argument(
+        "--outbox-max-bytes", type=int, default=None, help="approximate row bytes held for subscribers (default 2 GiB)"
+    )
     return p
 
 
@@ -52,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             max_sessions=args.max_sessions,
             max_turns_cap=args.max_turns_cap,
             max_wait_timeout=args.max_wait_timeout,
+            outbox_max_episodes=args.outbox_max_episodes,
+            outbox_max_bytes=args.outbox_max_bytes,
         )
     except ValueError as e:
         print(f"broker: {e}", file=sys.stderr)

@@ -32,6 +32,15 @@ SHUTDOWN_LINGER_MS = 1_000
 # Inbound frames larger than this make libzmq drop the connection (a 128k-token commit
 # with its messages is ~1.5 MiB; this leaves two orders of magnitude of room).
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+# The episode outbox (request_finish / agent finishes) holds at most this many episodes and
+# about this many bytes of rows; past either, new finishes are refused with "busy".
+OUTBOX_MAX_EPISODES = 10_000
+OUTBOX_MAX_BYTES = 2 * 1024**3
+# Ceilings on what a subscriber may ask: how long its long poll may be parked, how long its
+# lease may run between polls, and how many episodes one reply may carry.
+MAX_POLL_WAIT_S = 60.0
+MAX_LEASE_S = 3_600.0
+MAX_CREDIT = 1_024
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +60,11 @@ class BrokerConfig:
         shutdown_linger_ms: bounded flush of pending replies at shutdown.
         max_frame_bytes: inbound frame size limit (libzmq MAXMSGSIZE).
         hwm: send/receive high-water mark per socket.
+        outbox_max_episodes: episodes held for subscribers at most (finishes past it: "busy").
+        outbox_max_bytes: approximate row bytes held for subscribers at most (finishes past it: "busy").
+        max_poll_wait: ceiling on a subscriber's long-poll wait, seconds.
+        max_lease: ceiling on a subscriber's lease, seconds.
+        max_credit: episodes one FetchEpisodes reply carries at most.
     """
 
     worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -64,9 +78,24 @@ class BrokerConfig:
     shutdown_linger_ms: int = SHUTDOWN_LINGER_MS
     max_frame_bytes: int = MAX_FRAME_BYTES
     hwm: int = 100_000
+    outbox_max_episodes: int = OUTBOX_MAX_EPISODES
+    outbox_max_bytes: int = OUTBOX_MAX_BYTES
+    max_poll_wait: float = MAX_POLL_WAIT_S
+    max_lease: float = MAX_LEASE_S
+    max_credit: int = MAX_CREDIT
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "finished_memory", "max_frame_bytes", "hwm"):
+        for name in (
+            "max_sessions",
+            "finished_memory",
+            "max_frame_bytes",
+            "hwm",
+            "outbox_max_episodes",
+            "outbox_max_bytes",
+            "max_poll_wait",
+            "max_lease",
+            "max_credit",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_turns_cap is not None and self.max_turns_cap <= 0:
@@ -109,6 +138,11 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "shutdown_linger_ms": int,
     "max_frame_bytes": int,
     "hwm": int,
+    "outbox_max_episodes": int,
+    "outbox_max_bytes": int,
+    "max_poll_wait": float,
+    "max_lease": float,
+    "max_credit": int,
 }
 
 

@@ -225,7 +225,11 @@ class TurnFound(Message):
 
 @dataclass(frozen=True, slots=True)
 class OpenSession(Message):
-    """Open a session; `session_id=None` lets the broker mint an unguessable key."""
+    """Open a session; `session_id=None` lets the broker mint an unguessable key.
+
+    `client_id` names the opening `TrainerClient` and `group` a batch of sessions: the two
+    filters a subscriber may put on the episode stream (`FetchEpisodes`).
+    """
 
     TAG: ClassVar[str] = "open_session"
     session_id: str | None
@@ -233,6 +237,8 @@ class OpenSession(Message):
     max_context_tokens: int | None
     max_turns: int | None
     metadata: dict[str, Any] = field(default_factory=dict)
+    client_id: str = ""
+    group: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +266,50 @@ class GetStats(Message):
     """Ask for the broker's counters."""
 
     TAG: ClassVar[str] = "get_stats"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinish(Message):
+    """Finish a session without waiting for its rows: they go to the episode outbox (see `FetchEpisodes`).
+
+    Sent by a trainer (`request_finish`), or by a worker for an agent's `POST /rollout/v1/sessions/finish`
+    (then on the worker socket). Answered at once with `FinishAccepted`; in-flight turns still get up to
+    `wait_timeout` s to land. A session finishes exactly once, whichever request comes first: the others
+    are refused with session_closed. A full outbox refuses it with busy and leaves the session open.
+    """
+
+    TAG: ClassVar[str] = "request_finish"
+    session_id: str
+    reward: float | None
+    rollout_id: str | None
+    metadata: dict[str, Any]
+    wait_timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class FetchEpisodes(Message):
+    """A subscriber's one request: acknowledge, renew its lease, hand back, and ask for more episodes.
+
+    Delivery ids belong to the broker's `epoch`; ids of another epoch (a restarted broker) are ignored.
+    `credit`: new episodes it can take now. `acks`: ids it is done with. `held`: ids it still holds
+    unacknowledged (yielded or buffered); anything else leased to it goes back to the queue marked
+    redelivered. `release`: ids it returns unseen (not marked). `wait`: seconds the broker may park the
+    request when nothing matches (long poll). `lease`: the subscriber polls again within this many
+    seconds, or its episodes are requeued. Filters: `client_id` (sessions that client opened) and
+    `group` (sessions opened with that group); None matches all.
+    """
+
+    TAG: ClassVar[str] = "fetch_episodes"
+    subscriber_id: str
+    epoch: str
+    credit: int
+    acks: list[int]
+    held: list[int]
+    release: list[int]
+    wait: float
+    lease: float
+    client_id: str | None
+    group: str | None
 
 
 # Broker -> trainer
@@ -315,6 +365,49 @@ class Stats(Message):
     stats: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class FinishAccepted(Message):
+    """A `RequestFinish` was accepted: the session is closed and its episode will reach the outbox."""
+
+    TAG: ClassVar[str] = "finish_accepted"
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveredEpisode:
+    """One finished episode handed to a subscriber; `trainer_client.Episode` is its public face.
+
+    `status`: complete, drain_timeout (in-flight turns were cut off) or failed (rows could not be
+    built; the broker log has the cause). `redelivered`: it was handed out before and not
+    acknowledged, so it may have been (partly) processed. `finished_by`: trainer or agent.
+    """
+
+    delivery_id: int
+    session_id: str
+    rows: list[TraceRow]
+    reward: float | None
+    rollout_id: str | None
+    metadata: dict[str, Any]
+    status: str
+    redelivered: bool
+    group: str | None
+    finished_by: str
+    turns_committed: int
+    turns_abandoned: int
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodesDelivered(Message):
+    """The answer to `FetchEpisodes`: new episodes (up to its credit), the held ids no longer leased to
+    the subscriber (`revoked`: drop them unprocessed), and how many of its acks were applied."""
+
+    TAG: ClassVar[str] = "episodes_delivered"
+    epoch: str
+    episodes: list[DeliveredEpisode]
+    revoked: list[int]
+    acked: int
+
+
 # Either direction from the broker
 
 
@@ -327,10 +420,12 @@ class Refused(Message):
     message: str
 
 
-WorkerToBroker = Union[OpenTurn, CommitTurn, AbortTurn, GetTurn]
-BrokerToWorker = Union[TurnOpened, TurnCommitted, TurnAborted, TurnFound, Refused]
-TrainerToBroker = Union[OpenSession, FinishSession, DropSession, GetStats]
-BrokerToTrainer = Union[SessionOpened, SessionFinished, SessionDropped, Stats, Refused]
+WorkerToBroker = Union[OpenTurn, CommitTurn, AbortTurn, GetTurn, RequestFinish]
+BrokerToWorker = Union[TurnOpened, TurnCommitted, TurnAborted, TurnFound, FinishAccepted, Refused]
+TrainerToBroker = Union[OpenSession, FinishSession, DropSession, GetStats, RequestFinish, FetchEpisodes]
+BrokerToTrainer = Union[
+    SessionOpened, SessionFinished, SessionDropped, Stats, FinishAccepted, EpisodesDelivered, Refused
+]
 
 
 # --- codec ----------------------------------------------------------------------------------
@@ -376,6 +471,8 @@ def _converter(hint: Any) -> Callable[[object], object]:
         (item,) = typing.get_args(hint)
         if dataclasses.is_dataclass(item):
             return _list_of(_struct_decoder(item))
+        if item in (int, str):  # e.g. delivery ids: each element is checked too
+            return _list_of(_converter(item))
         return _check(list, "list")
     if hint is float:
         return _as_float

@@ -2,9 +2,10 @@
 
 Owns the ZeroMQ side of the broker: binds the worker and control endpoints (port 0
 works; the bound addresses are reported), decodes each frame with `broker.protocol`,
-dispatches it to `sessions.SessionRegistry`, and answers every request exactly once
-with the same request id (`Refused` on any error). Finishes that must wait for
-in-flight turns are parked, never blocking the loop. Plain blocking pyzmq: no asyncio.
+dispatches it to `sessions.SessionRegistry` and `outbox.Outbox`, and answers every request
+exactly once with the same request id (`Refused` on any error). Finishes that must wait
+for in-flight turns, and subscribers' long polls, are parked, never blocking the loop.
+Plain blocking pyzmq: no asyncio.
 Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
 """
 
@@ -27,8 +28,9 @@ import zmq
 
 from broker import protocol
 from broker.config import BrokerConfig
+from broker.outbox import Outbox, Reply
 from broker.rows import RowBuilder
-from broker.sessions import Refusal, SessionRegistry
+from broker.sessions import FinishedSession, FinishOrigin, Refusal, SessionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,8 @@ PROTOCOL_LOG_INTERVAL_S = 5.0
 
 @dataclass(slots=True)
 class _ParkedFinish:
-    envelope: list[bytes]
-    msg: protocol.FinishSession
+    envelope: list[bytes] | None  # None: a RequestFinish, already answered; its episode goes to the outbox
+    msg: protocol.FinishSession | protocol.RequestFinish
     deadline: float
     token: int
 
@@ -73,6 +75,13 @@ class BrokerServer:
         self._deadlines: list[tuple[float, int, str]] = []
         self._tokens = itertools.count()
         self._rows = RowBuilder(config.tokenizer)
+        self.outbox = Outbox(
+            max_episodes=config.outbox_max_episodes,
+            max_bytes=config.outbox_max_bytes,
+            max_wait=config.max_poll_wait,
+            max_lease=config.max_lease,
+            max_credit=config.max_credit,
+        )
         self._refusals: Counter[str] = Counter()
         self._counters: Counter[str] = Counter()
         self._last_protocol_log = 0.0
@@ -136,15 +145,20 @@ class BrokerServer:
                     self._drain(self._workers, self._handle_worker_frame)
                 if self._control in events:
                     self._drain(self._control, self._handle_trainer_frame)
+                now = time.monotonic()
                 if self._deadlines:
-                    self._expire_parked(time.monotonic())
+                    self._expire_parked(now)
+                outbox_due = self.outbox.next_deadline()
+                if outbox_due is not None and outbox_due <= now:
+                    self._send_all(self.outbox.expire(now))
         finally:
             self._shutdown()
 
     def _poll_timeout_ms(self) -> int:
-        if not self._deadlines:
+        due = [d for d in (self._deadlines[0][0] if self._deadlines else None, self.outbox.next_deadline()) if d]
+        if not due:
             return MAX_POLL_MS
-        wait = self._deadlines[0][0] - time.monotonic()
+        wait = min(due) - time.monotonic()
         return max(0, min(MAX_POLL_MS, math.ceil(wait * 1000)))
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes], bytes], protocol.Message | None]) -> None:
@@ -168,6 +182,12 @@ class BrokerServer:
         # burst instead of once per reply (measured: that wake-up dominated the send cost).
         for envelope, reply in replies:
             self._send(sock, envelope, reply)
+
+    def _send_all(self, replies: list[Reply]) -> None:
+        """Answers the outbox produced for parked long polls: they all go to trainer peers."""
+        assert self._control is not None
+        for envelope, reply in replies:
+            self._send(self._control, envelope, reply)
 
     def _send(self, sock: zmq.Socket, envelope: list[bytes], reply: protocol.Message) -> None:
         try:
@@ -228,6 +248,8 @@ class BrokerServer:
                     return protocol.TurnAborted(msg.request_id, msg.turn_id)
                 case protocol.GetTurn():
                     return self.handle_get_turn(msg)
+                case protocol.RequestFinish():
+                    return self.handle_request_finish(msg, "agent")
             raise TypeError(f"no handler for {type(msg).__name__}")
         except Refusal as r:
             return protocol.Refused(msg.request_id, r.code, r.message)
@@ -243,9 +265,21 @@ class BrokerServer:
             match msg:
                 case protocol.OpenSession():
                     session = self.registry.open_session(
-                        msg.session_id, msg.sampling_defaults, msg.max_context_tokens, msg.max_turns, msg.metadata
+                        msg.session_id,
+                        msg.sampling_defaults,
+                        msg.max_context_tokens,
+                        msg.max_turns,
+                        msg.metadata,
+                        msg.client_id,
+                        msg.group,
                     )
                     return protocol.SessionOpened(msg.request_id, session.sid)
+                case protocol.FetchEpisodes():
+                    reply, others = self.outbox.fetch(envelope, msg, time.monotonic())
+                    self._send_all(others)
+                    return reply
+                case protocol.RequestFinish():
+                    return self.handle_request_finish(msg, "trainer")
                 case protocol.FinishSession():
                     return self.handle_finish(envelope, msg)
                 case protocol.DropSession():
@@ -268,22 +302,41 @@ class BrokerServer:
 
     def handle_finish(self, envelope: list[bytes], msg: protocol.FinishSession) -> protocol.Message | None:
         """Close the session; answer now if nothing is in flight, else park until drained or the deadline."""
-        wait = msg.wait_timeout
-        if not math.isfinite(wait) or wait < 0:
-            raise Refusal("bad_request", f"wait_timeout must be a finite number >= 0, got {wait!r}")
-        session = self.registry.close(msg.session_id)
-        if not session.in_flight or wait == 0:
+        _check_wait(msg.wait_timeout)
+        session = self.registry.close(msg.session_id, "trainer")
+        if not session.in_flight or msg.wait_timeout == 0:
             return self._complete_finish(msg)
+        self._park(envelope, msg)
+        return None
+
+    def handle_request_finish(self, msg: protocol.RequestFinish, origin: FinishOrigin) -> protocol.Message:
+        """Close the session and answer at once; its episode reaches the outbox when its turns have landed.
+
+        Room in the outbox is reserved before the session closes: a full outbox refuses (busy) and
+        leaves the session open, so a refused finish loses nothing and can be retried.
+        """
+        _check_wait(msg.wait_timeout)
+        self.registry.closable(msg.session_id)  # "already finished" before "busy": the precise answer
+        self.outbox.reserve()
+        session = self.registry.close(msg.session_id, origin)
+        if not session.in_flight or msg.wait_timeout == 0:
+            self._complete_request_finish(msg)
+        else:
+            self._park(None, msg)
+        return protocol.FinishAccepted(msg.request_id, msg.session_id)
+
+    def _park(self, envelope: list[bytes] | None, msg: protocol.FinishSession | protocol.RequestFinish) -> None:
         token = next(self._tokens)
-        deadline = time.monotonic() + min(wait, self.config.max_wait_timeout)
+        deadline = time.monotonic() + min(msg.wait_timeout, self.config.max_wait_timeout)
         self._parked[msg.session_id] = _ParkedFinish(envelope, msg, deadline, token)
         heapq.heappush(self._deadlines, (deadline, token, msg.session_id))
-        return None
 
     def handle_drop(self, msg: protocol.DropSession) -> protocol.Message:
         existed = self.registry.drop(msg.session_id)
         parked = self._parked.pop(msg.session_id, None)
-        if parked is not None:  # its finisher is still waiting: tell it, rather than let it time out
+        if parked is not None and parked.envelope is None:  # an accepted request_finish: no episode will come
+            self.outbox.unreserve()
+        elif parked is not None and parked.envelope is not None:  # its finisher waits: tell it, rather than time out
             assert self._control is not None
             self._send(
                 self._control,
@@ -310,6 +363,10 @@ class BrokerServer:
 
     def _reply_parked(self, parked: _ParkedFinish) -> None:
         assert self._control is not None
+        if isinstance(parked.msg, protocol.RequestFinish):
+            self._complete_request_finish(parked.msg)
+            return
+        assert parked.envelope is not None
         try:
             reply = self._complete_finish(parked.msg)
         except Exception:  # _complete_finish already answers its own failures; this is a last guard
@@ -333,12 +390,50 @@ class BrokerServer:
             msg.request_id, finished.sid, trace_rows, status, len(finished.turns), finished.turns_abandoned
         )
 
+    def _complete_request_finish(self, msg: protocol.RequestFinish) -> None:
+        """Build the rows of a session finished by request (once) and put the episode in the outbox."""
+        finished = self.registry.finish(msg.session_id)
+        episode = self._episode(finished, msg)
+        self._send_all(self.outbox.add(episode, finished.client_id, time.monotonic()))
+
+    def _episode(self, finished: FinishedSession, msg: protocol.RequestFinish) -> protocol.DeliveredEpisode:
+        # The same row builder and inputs as finish_session, so both paths give identical rows.
+        as_finish = protocol.FinishSession(
+            msg.request_id, msg.session_id, msg.reward, msg.rollout_id, msg.metadata, msg.wait_timeout
+        )
+        metadata = {**finished.metadata, **msg.metadata}
+        try:
+            trace_rows, status = self._rows.build(finished, as_finish)
+        except Exception:
+            # No caller is waiting to be told: the episode carries the failure, never silently lost.
+            self._counters["finish_failures"] += 1
+            logger.exception("building rows of session %s failed (%d turns)", finished.sid, len(finished.turns))
+            trace_rows, status = [], "failed"
+            metadata["error"] = "building rows failed; see the broker log"
+        if finished.turns_abandoned:
+            self._counters["drain_timeouts"] += 1
+        return protocol.DeliveredEpisode(
+            0,
+            finished.sid,
+            trace_rows,
+            msg.reward,
+            msg.rollout_id,
+            metadata,
+            status,
+            False,
+            finished.group,
+            finished.finished_by,
+            len(finished.turns),
+            finished.turns_abandoned,
+        )
+
     # --- stats / shutdown --------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Registry gauges and counters plus the loop's own: refusals by code, protocol errors, drops."""
         return {
             **self.registry.stats(),
+            **self.outbox.stats(),
             "finishes_parked": len(self._parked),
             "refusals": dict(self._refusals),
             "protocol_errors": self._counters["protocol_errors"],
@@ -354,10 +449,17 @@ class BrokerServer:
         for sid in list(self._parked):
             self._reply_parked(self._parked.pop(sid))
         self._deadlines.clear()
+        # Long polls are answered empty; unacknowledged episodes die with this process (documented).
+        self._send_all(self.outbox.close())
         if self._ctx is not None:
             self._ctx.destroy(linger=self.config.shutdown_linger_ms)
             self._ctx = None
         logger.info("broker stopped")
+
+
+def _check_wait(wait: float) -> None:
+    if not math.isfinite(wait) or wait < 0:
+        raise Refusal("bad_request", f"wait_timeout must be a finite number >= 0, got {wait!r}")
 
 
 def run_broker(config: BrokerConfig, *, out: Any = None) -> int:

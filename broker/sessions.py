@@ -28,6 +28,8 @@ _MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
 _MINTED_KEY_PREFIX = "rg-"
 
 State = Literal["open", "closing"]
+# Who finished a session: named in the refusal the later finishers get.
+FinishOrigin = Literal["trainer", "agent", "dropped"]
 
 
 class Refusal(Exception):
@@ -48,7 +50,10 @@ class Session:
     max_context_tokens: int | None
     max_turns: int | None
     metadata: dict[str, Any]
+    client_id: str = ""  # the opening TrainerClient: the episode stream's only_mine filter
+    group: str | None = None  # the episode stream's group filter
     state: State = "open"
+    finished_by: FinishOrigin | None = None  # set when a finish closes it
     next_seq: int = 0
     in_flight: dict[str, int] = field(default_factory=dict)  # turn_id -> seq
     aborted: set[str] = field(default_factory=set)
@@ -64,6 +69,9 @@ class FinishedSession:
     max_context_tokens: int | None
     metadata: dict[str, Any]
     turns_abandoned: int
+    client_id: str = ""
+    group: str | None = None
+    finished_by: FinishOrigin = "trainer"
 
 
 class SessionRegistry:
@@ -71,7 +79,7 @@ class SessionRegistry:
 
     def __init__(self, *, max_sessions: int, max_turns_cap: int | None = None, finished_memory: int = 65_536) -> None:
         self._sessions: dict[str, Session] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._finished: OrderedDict[str, FinishOrigin] = OrderedDict()
         self._max_sessions = max_sessions
         self._max_turns_cap = max_turns_cap
         self._finished_memory = finished_memory
@@ -96,8 +104,11 @@ class SessionRegistry:
         """The live session `sid`, or a Refusal that says whether it never existed or is over."""
         session = self._sessions.get(sid)
         if session is None:
-            if sid in self._finished:
-                raise Refusal("session_closed", f"session {sid!r} has finished")
+            origin = self._finished.get(sid)
+            if origin == "dropped":
+                raise Refusal("session_closed", f"session {sid!r} was dropped")
+            if origin is not None:
+                raise Refusal("session_closed", f"session {sid!r} has already finished (finished by the {origin})")
             raise Refusal("unknown_session", f"no session {sid!r}")
         return session
 
@@ -116,6 +127,8 @@ class SessionRegistry:
         max_context_tokens: int | None,
         max_turns: int | None,
         metadata: dict[str, Any],
+        client_id: str = "",
+        group: str | None = None,
     ) -> Session:
         """Register a session; mint an unguessable key unless the caller gave one."""
         if session_id is not None and not _SESSION_ID_RE.fullmatch(session_id):
@@ -132,40 +145,61 @@ class SessionRegistry:
         if self._max_turns_cap is not None:
             max_turns = self._max_turns_cap if max_turns is None else min(max_turns, self._max_turns_cap)
         self._finished.pop(session_id, None)  # a reused id starts afresh
-        session = Session(session_id, sampling_defaults, max_context_tokens, max_turns, metadata)
+        session = Session(session_id, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group)
         self._sessions[session_id] = session
         self.counters["sessions_opened"] += 1
         return session
 
-    def close(self, sid: str) -> Session:
-        """Stop new turns (the first step of finish); in-flight turns may still commit or abort."""
+    def closable(self, sid: str) -> Session:
+        """The session, if a finish may still close it; else the Refusal that later finishers get."""
         session = self.get(sid)
         if session.state != "open":
-            raise Refusal("session_closed", f"finish of session {sid!r} is already in progress")
+            raise Refusal(
+                "session_closed", f"session {sid!r} is already finishing (finished by the {session.finished_by})"
+            )
+        return session
+
+    def close(self, sid: str, origin: FinishOrigin = "trainer") -> Session:
+        """Stop new turns (the first step of finish); in-flight turns may still commit or abort.
+
+        Exactly one finish closes a session, whichever way it came (`origin`).
+        """
+        session = self.closable(sid)
         session.state = "closing"
+        session.finished_by = origin
         return session
 
     def finish(self, sid: str) -> FinishedSession:
         """Free a (closed) session and materialize its committed turns in OPEN sequence order."""
         session = self._sessions.pop(sid)
-        self._remember_finished(sid)
+        origin = session.finished_by or "trainer"
+        self._remember_finished(sid, origin)
         abandoned = len(session.in_flight)
         self.counters["sessions_finished"] += 1
         self.counters["turns_abandoned"] += abandoned
         turns = session.committed.records()
-        return FinishedSession(sid, turns, session.max_context_tokens, session.metadata, abandoned)
+        return FinishedSession(
+            sid,
+            turns,
+            session.max_context_tokens,
+            session.metadata,
+            abandoned,
+            session.client_id,
+            session.group,
+            origin,
+        )
 
     def drop(self, sid: str) -> bool:
         """Free a session and all it holds, building nothing; False if there was none."""
         session = self._sessions.pop(sid, None)
         if session is None:
             return False
-        self._remember_finished(sid)
+        self._remember_finished(sid, "dropped")
         self.counters["sessions_dropped"] += 1
         return True
 
-    def _remember_finished(self, sid: str) -> None:
-        self._finished[sid] = None
+    def _remember_finished(self, sid: str, origin: FinishOrigin) -> None:
+        self._finished[sid] = origin
         if len(self._finished) > self._finished_memory:
             self._finished.popitem(last=False)
 

@@ -1,4 +1,4 @@
-"""Trainer-facing package: `TrainerClient` (synchronous, plain pyzmq), `TraceRecord`, `launch_gateway`.
+"""Trainer-facing package: `TrainerClient` (synchronous, plain pyzmq), `TraceRecord`, `Episode`, `launch_gateway`.
 
 Importing it loads only plain `zmq`, the stdlib and `broker.protocol`: never zmq.asyncio,
 asyncio-based code, uvloop, starlette, transformers or `gateway_workers` (a subprocess
@@ -13,6 +13,7 @@ from trainer_client.errors import (
     BrokerError,
     BrokerTimeout,
     DuplicateSession,
+    EpisodeTimeout,
     GatewayError,
     InvalidRequest,
     ProtocolMismatch,
@@ -20,13 +21,17 @@ from trainer_client.errors import (
     UnknownSession,
 )
 from trainer_client.launcher import launch_gateway
-from trainer_client.records import TraceRecord
+from trainer_client.records import Episode, TraceRecord
+from trainer_client.subscriber import EpisodeStream
 
 __all__ = [
     "BrokerBusy",
     "BrokerError",
     "BrokerTimeout",
     "DuplicateSession",
+    "Episode",
+    "EpisodeStream",
+    "EpisodeTimeout",
     "GatewayError",
     "InvalidRequest",
     "ProtocolMismatch",

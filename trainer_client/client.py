@@ -3,8 +3,9 @@
 Owns the control-plane socket wrapper: request ids, poll deadlines that raise named
 errors, socket reset after a timeout, and a socket pool so many trainer threads can
 call at once (a pyzmq socket is not thread-safe, so each call borrows one for its
-whole send..reply). Imports plain `zmq` and `broker.protocol` only: never zmq.asyncio,
-asyncio, uvloop, starlette, transformers or `gateway_workers`.
+whole send..reply). `episodes()` hands out an `EpisodeStream` (subscriber.py) that
+keeps its own socket. Imports plain `zmq` and `broker.protocol` only: never
+zmq.asyncio, asyncio, uvloop, starlette, transformers or `gateway_workers`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from trainer_client.errors import (
     error_for_refusal,
 )
 from trainer_client.records import TraceRecord
+from trainer_client.subscriber import DEFAULT_LEASE_S, DEFAULT_MAX_PENDING, EpisodeStream
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ DEFAULT_WAIT_TIMEOUT_S = 5.0
 # restarted broker is found again without any action from the caller.
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1_000
+_MAX_ID_LEN = 256
 
 _Reply = TypeVar("_Reply", bound=protocol.Message)
 
@@ -50,13 +54,24 @@ class TrainerClient:
         endpoint: the broker's control endpoint, e.g. "tcp://127.0.0.1:5557".
         timeout: seconds each call may wait for the broker's reply (finish_session adds its
             `wait_timeout`); past it the call raises `BrokerTimeout`.
+        client_id: names this client's sessions for `episodes(only_mine=True)`; minted (random)
+            unless given. Give the same id to several clients (e.g. one trainer's processes) to
+            let each subscribe to all of their sessions.
     """
 
-    def __init__(self, endpoint: str = protocol.DEFAULT_CONTROL_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        endpoint: str = protocol.DEFAULT_CONTROL_ENDPOINT,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        client_id: str | None = None,
+    ) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if client_id is not None and not (isinstance(client_id, str) and 0 < len(client_id) <= _MAX_ID_LEN - 16):
+            raise ValueError(f"client_id must be a non-empty string of at most {_MAX_ID_LEN - 16} characters")
         self.endpoint = endpoint
         self.timeout = float(timeout)
+        self.client_id = client_id or f"tc-{secrets.token_hex(8)}"
         self._lock = threading.Lock()
         self._idle: list[zmq.Socket] = []
         self._sockets: set[zmq.Socket] = set()
@@ -74,11 +89,23 @@ class TrainerClient:
         max_turns: int | None = None,
         session_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        group: str | None = None,
     ) -> str:
-        """Open a session and return its key (the agent's API key); minted by the broker unless given."""
+        """Open a session and return its key (the agent's API key); minted by the broker unless given.
+
+        `group` names a batch of sessions (e.g. one training step's): `episodes(group=...)` yields
+        only the episodes of that group.
+        """
         reply = self._call(
             lambda rid: protocol.OpenSession(
-                rid, session_id, dict(sampling_defaults or {}), max_context_tokens, max_turns, dict(metadata or {})
+                rid,
+                session_id,
+                dict(sampling_defaults or {}),
+                max_context_tokens,
+                max_turns,
+                dict(metadata or {}),
+                self.client_id,
+                group,
             ),
             protocol.SessionOpened,
             self.timeout,
@@ -116,6 +143,56 @@ class TrainerClient:
             )
         return [TraceRecord.from_wire(row) for row in reply.rows]
 
+    def request_finish(
+        self,
+        sid: str,
+        reward: float | None = None,
+        rollout_id: str | int | None = None,
+        metadata: dict[str, Any] | None = None,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S,
+    ) -> None:
+        """Finish the session without waiting for its rows: returns once the broker accepted the finish.
+
+        The episode (rows built exactly as `finish_session` builds them, after in-flight turns had up
+        to `wait_timeout` s to land) arrives on `episodes()`. Raises `SessionClosed` if the session
+        already finished (by any path), `UnknownSession`, or `BrokerBusy` when the episode outbox is
+        full (the session stays open: consume episodes, then retry).
+        """
+        if not (isinstance(wait_timeout, (int, float)) and wait_timeout >= 0 and math.isfinite(wait_timeout)):
+            raise InvalidRequest(f"wait_timeout must be a finite number >= 0, got {wait_timeout!r}")
+        rid_text = None if rollout_id is None else str(rollout_id)
+        self._call(
+            lambda rid: protocol.RequestFinish(
+                rid, sid, None if reward is None else float(reward), rid_text, dict(metadata or {}), float(wait_timeout)
+            ),
+            protocol.FinishAccepted,
+            self.timeout,
+        )
+
+    def episodes(
+        self,
+        timeout: float | None = None,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        only_mine: bool = False,
+        group: str | None = None,
+        lease: float = DEFAULT_LEASE_S,
+        auto_ack: bool = True,
+    ) -> EpisodeStream:
+        """Subscribe to finished episodes (`request_finish` and agent finishes): a blocking iterator.
+
+        Several streams (threads, processes, hosts) share the broker's outbox; each episode goes to
+        one of them and stays leased to it until acknowledged. See `EpisodeStream` for the arguments.
+        """
+        return EpisodeStream(
+            self,
+            timeout=timeout,
+            max_pending=max_pending,
+            client_id=self.client_id if only_mine else None,
+            group=group,
+            lease=lease,
+            auto_ack=auto_ack,
+        )
+
     def drop_session(self, sid: str) -> bool:
         """Free a session without building rows; False if the broker had no such session."""
         reply = self._call(lambda rid: protocol.DropSession(rid, sid), protocol.SessionDropped, self.timeout)
@@ -149,13 +226,18 @@ class TrainerClient:
 
     def _borrow(self) -> zmq.Socket:
         with self._lock:
+            if self._idle and self._pid == os.getpid() and not self._closed:
+                return self._idle.pop()
+        return self._new_socket()
+
+    def _new_socket(self) -> zmq.Socket:
+        """A fresh DEALER to the broker, closed by `close()` (a pooled one, or an episode stream's)."""
+        with self._lock:
             if self._closed:
                 raise GatewayError("the TrainerClient is closed")
             if self._pid != os.getpid():
                 # A forked child must not touch the parent's context or sockets: start afresh.
                 self._pid, self._ctx, self._idle, self._sockets = os.getpid(), zmq.Context(), [], set()
-            if self._idle:
-                return self._idle.pop()
             sock = self._ctx.socket(zmq.DEALER)
             self._sockets.add(sock)
         sock.setsockopt(zmq.LINGER, 0)
@@ -180,24 +262,38 @@ class TrainerClient:
     # --- one request / reply -------------------------------------------------------------
 
     def _call(self, build: Callable[[int], protocol.Message], expect: type[_Reply], timeout: float) -> _Reply:
-        rid = next(self._ids)
-        msg = build(rid)
-        try:
-            frame = protocol.encode(msg)
-        except Exception as e:  # msgpack rejects e.g. objects in metadata: the caller's argument
-            raise InvalidRequest(f"cannot encode {msg.TAG}: {e}") from e
-        deadline = time.monotonic() + timeout
+        msg = build(self._next_id())
+        frame = self._encode(msg)
         sock = self._borrow()
         try:
-            if not self._send(sock, frame, deadline, msg):
-                raise self._timeout(msg, timeout)
-            reply = self._receive(sock, rid, deadline, msg)
-            if reply is None:
-                raise self._timeout(msg, timeout)
+            reply = self._roundtrip(sock, frame, msg, timeout)
         except BaseException:
             self._discard(sock)
             raise
         self._give_back(sock)
+        return self._expect(msg, reply, expect)
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    def _encode(self, msg: protocol.Message) -> bytes:
+        try:
+            return protocol.encode(msg)
+        except Exception as e:  # msgpack rejects e.g. objects in metadata: the caller's argument
+            raise InvalidRequest(f"cannot encode {msg.TAG}: {e}") from e
+
+    def _roundtrip(self, sock: zmq.Socket, frame: bytes, msg: protocol.Message, timeout: float) -> protocol.Message:
+        """Send one request and wait for its reply; BrokerTimeout past `timeout` (the caller resets the socket)."""
+        deadline = time.monotonic() + timeout
+        if not self._send(sock, frame, deadline, msg):
+            raise self._timeout(msg, timeout)
+        reply = self._receive(sock, msg.request_id, deadline, msg)
+        if reply is None:
+            raise self._timeout(msg, timeout)
+        return reply
+
+    def _expect(self, msg: protocol.Message, reply: protocol.Message, expect: type[_Reply]) -> _Reply:
+        """The reply as `expect`, or the named error for a refusal or a reply of the wrong kind."""
         if isinstance(reply, protocol.Refused):
             raise error_for_refusal(reply.code, reply.message)
         if not isinstance(reply, expect):

@@ -41,9 +41,11 @@ class UnknownSession(GatewayError, KeyError):
 
 
 class SessionClosed(GatewayError):
-    """The session was already finished (or a finish is in progress): its rows went to that call.
+    """The session was already finished (or a finish is in progress): its rows went to that finish.
 
-    Do not retry; this usually means two places finished the same session.
+    A session finishes exactly once, whichever way comes first: `finish_session`, `request_finish`
+    or the agent's `POST /rollout/v1/sessions/finish`; the message says which one it was. Do not
+    retry; with `request_finish` / agent finishes, the episode arrives on `episodes()`.
     """
 
     code = "session_closed"
@@ -62,9 +64,21 @@ class InvalidRequest(GatewayError, ValueError):
 
 
 class BrokerBusy(GatewayError):
-    """The broker is at a capacity limit (e.g. max_sessions). Finish or drop sessions, or retry later."""
+    """The broker is at a capacity limit: max_sessions, or a full episode outbox for `request_finish`.
+
+    Finish or drop sessions, or consume (acknowledge) episodes, then retry: a refused request
+    changed nothing (a session whose finish was refused is still open).
+    """
 
     code = "busy"
+
+
+class EpisodeTimeout(GatewayError, TimeoutError):
+    """No episode arrived within the episode stream's `timeout` (the broker did answer).
+
+    Nothing matching your filters finished in time. The stream is still usable: call `next()`
+    again to keep waiting, or check that sessions are being finished (and with your group).
+    """
 
 
 class ProtocolMismatch(GatewayError):

@@ -1,13 +1,15 @@
-"""`TraceRecord`: the training row a trainer consumes, free of torch and of any framework type.
+"""`TraceRecord` and `Episode`: what a trainer consumes, free of torch and of any framework type.
 
-Its shape follows the reference gateway's trace record: `token_ids` is the full row;
-`loss_mask` and `logprobs` cover the response region only (the row's first prompt is
-stripped), i.e. the last `response_length` ids. It is built from the wire message
-`broker.protocol.TraceRow`; this module imports only the stdlib and that protocol.
+`TraceRecord`'s shape follows the reference gateway's trace record: `token_ids` is the full
+row; `loss_mask` and `logprobs` cover the response region only (the row's first prompt is
+stripped), i.e. the last `response_length` ids. `Episode` is one finished session from the
+episode stream: its rows plus how it finished. Both are built from wire messages
+(`broker.protocol.TraceRow`, `DeliveredEpisode`); this module imports only the stdlib and that protocol.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,4 +67,54 @@ class TraceRecord:
             reward=row.reward,
             status=row.status,
             metadata=dict(row.metadata),
+        )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Episode:
+    """One finished session from `TrainerClient.episodes()`: its rows, reward and how it finished.
+
+    `status`: complete, drain_timeout (in-flight turns were cut off) or failed (the broker could
+    not build rows; its log has the cause). `redelivered`: it was handed to a subscriber before
+    that did not acknowledge it, so it may have been (partly) processed already. `finished_by`:
+    trainer (`request_finish`) or agent (`POST /rollout/v1/sessions/finish`). `metadata` is the
+    caller's (open_session's, then the finisher's); each row's metadata adds the builder's verdicts.
+    """
+
+    session_id: str
+    rows: list[TraceRecord]
+    reward: float | None
+    metadata: dict[str, Any]
+    status: str
+    redelivered: bool = False
+    rollout_id: str | None = None
+    group: str | None = None
+    finished_by: str = "trainer"
+    turns_committed: int = 0
+    turns_abandoned: int = 0
+    delivery_id: int = 0
+    _acker: Callable[[Episode], None] | None = field(default=None, repr=False)
+
+    def ack(self) -> None:
+        """Acknowledge it now: the broker forgets it and never hands it out again (a no-op if already done)."""
+        if self._acker is not None:
+            self._acker(self)
+
+    @classmethod
+    def from_wire(cls, episode: protocol.DeliveredEpisode, acker: Callable[[Episode], None] | None = None) -> Episode:
+        """Convert a decoded `protocol.DeliveredEpisode`; `acker` is the stream that acknowledges it."""
+        return cls(
+            session_id=episode.session_id,
+            rows=[TraceRecord.from_wire(row) for row in episode.rows],
+            reward=episode.reward,
+            metadata=dict(episode.metadata),
+            status=episode.status,
+            redelivered=episode.redelivered,
+            rollout_id=episode.rollout_id,
+            group=episode.group,
+            finished_by=episode.finished_by,
+            turns_committed=episode.turns_committed,
+            turns_abandoned=episode.turns_abandoned,
+            delivery_id=episode.delivery_id,
+            _acker=acker,
         )

@@ -20,7 +20,11 @@ from broker import protocol
 from broker.protocol import (
     AbortTurn,
     CommitTurn,
+    DeliveredEpisode,
     DropSession,
+    EpisodesDelivered,
+    FetchEpisodes,
+    FinishAccepted,
     FinishSession,
     GetStats,
     GetTurn,
@@ -28,6 +32,7 @@ from broker.protocol import (
     OpenTurn,
     ProtocolError,
     Refused,
+    RequestFinish,
     SessionDropped,
     SessionFinished,
     SessionOpened,
@@ -78,6 +83,7 @@ MESSAGES: dict[str, list] = {
         AbortTurn(4, "sess", "turn-2", "client_disconnect"),
         GetTurn(21, "sess", "turn-1"),
         GetTurn(22, "sess", ""),
+        RequestFinish(24, "sess", 0.5, None, {"judge": "harness"}, 5.0),
     ],
     "broker_to_worker": [
         TurnOpened(5, "turn-1", 7, {"temperature": 1.0, "stop": ["x"]}, 32_768),
@@ -91,6 +97,7 @@ MESSAGES: dict[str, list] = {
             [{"role": "user", "content": "héllo"}],
             {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]},
         ),
+        FinishAccepted(25, "sess"),
     ],
     "trainer_to_broker": [
         OpenSession(10, None, {"temperature": 0.5}, None, 8, {"task": "gsm8k"}),
@@ -99,6 +106,10 @@ MESSAGES: dict[str, list] = {
         FinishSession(13, "sess", None, None, {}, 0.0),
         DropSession(14, "sess"),
         GetStats(15),
+        OpenSession(26, None, {}, None, None, {}, "client-1", "step-3"),
+        RequestFinish(27, "sess", None, "ep-8", {}, 0.0),
+        FetchEpisodes(28, "sub-1", "", 4, [], [], [], 1.0, 30.0, None, None),
+        FetchEpisodes(29, "sub-1", "e" * 16, 0, [1, 2], [3, 2**40], [5], 0.0, 0.5, "client-1", "step-3"),
     ],
     "broker_to_trainer": [
         SessionOpened(16, "rg-abc"),
@@ -117,6 +128,31 @@ MESSAGES: dict[str, list] = {
         SessionDropped(19, "sess", True),
         Stats(20, {"sessions_open": 3, "refusals": {"protocol": 1}}),
         Refused(-1, "protocol", "garbage"),
+        FinishAccepted(30, "sess"),
+        EpisodesDelivered(31, "e" * 16, [], [], 0),
+        EpisodesDelivered(
+            32,
+            "e" * 16,
+            [
+                DeliveredEpisode(
+                    7,
+                    "sess",
+                    [TraceRow(IDS, array("B", [1, 0, 1]), LPS[:3], 3, "t", "ep-7", 1.0, "completed", {})],
+                    1.0,
+                    "ep-7",
+                    {"task": "x"},
+                    "complete",
+                    False,
+                    "step-3",
+                    "trainer",
+                    2,
+                    0,
+                ),
+                DeliveredEpisode(8, "s2", [], None, None, {}, "failed", True, None, "agent", 0, 1),
+            ],
+            [4, 5],
+            2,
+        ),
     ],
 }
 DECODERS = {direction: getattr(protocol, f"decode_{direction}") for direction in MESSAGES}
@@ -156,6 +192,21 @@ def test_frame_layout_and_packed_arrays_are_little_endian():
     assert items[:5] == [protocol.PROTOCOL_VERSION, "commit_turn", 2, "sess", "turn-1"]
     assert items[5] == b"".join(v.to_bytes(4, "little", signed=True) for v in IDS)  # bytes, not a list
     assert isinstance(items[7], bytes) and len(items[7]) == 8  # two float32
+
+
+def test_an_older_trainer_without_client_id_and_group_still_opens_sessions():
+    full = msgpack.unpackb(protocol.encode(OpenSession(26, None, {}, None, None, {}, "c", "g")), raw=False)
+    older = protocol.decode_trainer_to_broker(msgpack.packb(full[:-3], use_bin_type=True))  # no metadata either
+    assert older == OpenSession(26, None, {}, None, None)
+    assert (older.metadata, older.client_id, older.group) == ({}, "", None)
+
+
+@pytest.mark.parametrize("bad", [["1"], [1.5], [True], [None], "12"])
+def test_delivery_id_lists_are_checked_element_by_element(bad):
+    items = [protocol.PROTOCOL_VERSION, "fetch_episodes", 6, "sub", "", 1, bad, [], [], 1.0, 5.0, None, None]
+    with pytest.raises(ProtocolError, match="FetchEpisodes.acks") as e:
+        protocol.decode_trainer_to_broker(msgpack.packb(items))
+    assert e.value.request_id == 6
 
 
 def test_an_older_peer_without_trailing_default_fields_still_decodes():
