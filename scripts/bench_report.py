@@ -1,0 +1,389 @@
+"""Benchmark harness: turn bench_gateway.py's results.json into report.md and PNG plots.
+
+Every number is a median over the repetitions of one point. Tables: idle latency (gateway-added
+= gateway - direct) and CPU per turn, the concurrency sweep, the offered-load point, CPU per turn
+at saturation, worker scaling (turns per gateway CPU-second), feature runs with their capture
+check, and issue 6's targets as ours vs the reference. Plots need matplotlib (the `bench` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Run = dict[str, Any]
+
+
+def _median(runs: list[Run], key: Callable[[Run], float | None]) -> float:
+    values = [v for v in (key(r) for r in runs) if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def _group(runs: list[Run], scenario: str, *keys: str) -> dict[tuple[Any, ...], list[Run]]:
+    out: dict[tuple[Any, ...], list[Run]] = defaultdict(list)
+    for r in runs:
+        if r["scenario"] == scenario:
+            out[tuple(r["config"].get(k, r.get(k)) for k in keys)].append(r)
+    return out
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "-" if x != x else f"{x:,.{digits}f}"  # NaN check
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _capture(runs: list[Run]) -> str:
+    caps = [r.get("capture") for r in runs if r.get("capture")]
+    if not caps:
+        return "-"
+    ok = all(c["ok"] for c in caps)
+    return f"{'ok' if ok else 'FAIL'} ({_fmt(statistics.fmean(c['rows_per_session'] or 0 for c in caps), 2)} rows/ep)"
+
+
+def summarize(runs: list[Run]) -> dict[str, Any]:
+    """The headline numbers, keyed for the tables and the targets."""
+    s: dict[str, Any] = {"idle": {}, "sweep": {}, "offered": {}, "saturated": {}, "workers": {}}
+    for (context, system), rs in _group(runs, "idle", "context_tokens", "system").items():
+        s["idle"][(context, system)] = {
+            "mean": _median(rs, lambda r: r["latency_ms"].get("mean")),
+            "last": _median(rs, lambda r: r["per_turn_mean_ms"][-1]),
+            "cpu": _median(rs, lambda r: r["gateway_cpu_ms_per_turn"]),
+            "n": len(rs),
+            "capture": _capture(rs),
+        }
+    for (agents, system), rs in _group(runs, "sweep", "agents", "system").items():
+        s["sweep"][(agents, system)] = {
+            "tput": _median(rs, lambda r: r["turns_per_s"]),
+            "p50": _median(rs, lambda r: r["latency_ms"].get("p50")),
+            "p99": _median(rs, lambda r: r["latency_ms"].get("p99")),
+            "cpu": _median(rs, lambda r: r["gateway_cpu_ms_per_turn"]),
+            "eff": _median(rs, lambda r: r["turns_done"] / max(1e-9, r["cpu"]["gateway"]["cpu_s"])),
+            "rss": _median(rs, lambda r: r["cpu"]["gateway"]["peak_rss_mb"]),
+            "n": len(rs),
+            "capture": _capture(rs),
+        }
+    for (system,), rs in _group(runs, "offered", "system").items():
+        s["offered"][system] = {
+            "rate": rs[0]["config"]["rate"],
+            "p50": _median(rs, lambda r: r["latency_ms"]["p50"]),
+            "p99": _median(rs, lambda r: r["latency_ms"]["p99"]),
+            "n": len(rs),
+        }
+    for (context, system), rs in _group(runs, "saturated", "context_tokens", "system").items():
+        s["saturated"][(context, system)] = {
+            "cpu": _median(rs, lambda r: r["gateway_cpu_ms_per_turn"]),
+            "broker": _median(rs, lambda r: _role_ms(r, "broker")),
+            "workers": _median(rs, lambda r: _role_ms(r, "workers")),
+            "tput": _median(rs, lambda r: r["turns_per_s"]),
+            "n": len(rs),
+        }
+    for (system,), rs in _group(runs, "workers", "system").items():
+        s["workers"][system] = {
+            "tput": _median(rs, lambda r: r["turns_per_s"]),
+            "eff": _median(rs, lambda r: r["turns_done"] / max(1e-9, r["cpu"]["gateway"]["cpu_s"])),
+            "p99": _median(rs, lambda r: r["latency_ms"].get("p99")),
+            "cpu_share": _median(rs, lambda r: r["cpu"]["gateway"]["cpu_s"] / max(1e-9, r["elapsed_s"])),
+            "n": len(rs),
+        }
+    return s
+
+
+def _role_ms(run: Run, role: str) -> float | None:
+    stats = run["cpu"].get(f"gateway.{role}")
+    return None if stats is None else 1000 * stats["cpu_s"] / max(1, run["turns_done"])
+
+
+def targets(s: dict[str, Any]) -> list[list[str]]:
+    """Issue 6's targets: (target, ours, reference, ratio, met?)."""
+    rows = []
+    idle, sat, sweep, offered = s["idle"], s["saturated"], s["sweep"], s["offered"]
+    contexts = sorted({c for c, _ in idle})
+    ours = next((n for _, n in sorted(idle) if n.startswith("ours")), "ours-1w")
+    limits = {4096: 1.5, 24576: 3.0}
+    for c in contexts:
+        direct = idle.get((c, "direct"), {}).get("mean", float("nan"))
+        added = idle.get((c, ours), {}).get("mean", float("nan")) - direct
+        ref_added = idle.get((c, "ref-tree"), {}).get("mean", float("nan")) - direct
+        limit = limits.get(c, float("nan"))
+        rows.append(
+            [
+                f"added latency, concurrency 1, {c // 1024}k (mean) <= {limit} ms",
+                f"{_fmt(added)} ms",
+                f"{_fmt(ref_added)} ms (tree)",
+                _fmt(added / ref_added, 3) if ref_added else "-",
+                _met(added <= limit),
+            ]
+        )
+    for c, bound in ((4096, 1 / 4), (24576, 1 / 8)):
+        cpu = _cpu(sat, idle, c, ours)
+        ref = _cpu(sat, idle, c, "ref-tree")
+        rows.append(
+            [
+                f"CPU per turn {c // 1024}k <= 1/{round(1 / bound)} of ref default (tree)",
+                f"{_fmt(cpu)} ms",
+                f"{_fmt(ref)} ms",
+                _fmt(cpu / ref, 3),
+                _met(cpu / ref <= bound),
+            ]
+        )
+    best_linear = min((_cpu(sat, idle, c, "ref-linear") for c in contexts), default=float("nan"))
+    ours_best = min((_cpu(sat, idle, c, ours) for c in contexts), default=float("nan"))
+    rows.append(
+        [
+            "CPU per turn <= 1/3 of ref linear at its best",
+            f"{_fmt(ours_best)} ms",
+            f"{_fmt(best_linear)} ms",
+            _fmt(ours_best / best_linear, 3),
+            _met(ours_best / best_linear <= 1 / 3),
+        ]
+    )
+    top = max((a for a, _ in sweep), default=None)
+    if top is not None:
+        p99, ref_p99 = (
+            sweep.get((top, ours), {}).get("p99", float("nan")),
+            sweep.get((top, "ref-tree"), {}).get("p99", float("nan")),
+        )
+        rows.append(
+            [
+                f"p99, {top} agents, 4k, engine 0 ms, closed loop <= 1/5 of ref",
+                f"{_fmt(p99)} ms",
+                f"{_fmt(ref_p99)} ms",
+                _fmt(p99 / ref_p99, 3),
+                _met(p99 / ref_p99 <= 0.2),
+            ]
+        )
+    if offered:
+        o, r = offered.get(ours, {}), offered.get("ref-tree", {})
+        rate = o.get("rate", float("nan"))
+        rows.append(
+            [
+                f"p99, {top} agents at {rate} turns/s offered <= 1/5 of ref",
+                f"{_fmt(o.get('p99', float('nan')))} ms",
+                f"{_fmt(r.get('p99', float('nan')))} ms",
+                _fmt(o.get("p99", 0) / r.get("p99", float("nan")), 3),
+                _met(o.get("p99", 0) / r.get("p99", float("nan")) <= 0.2),
+            ]
+        )
+    one, two = s["workers"].get("ours-1w"), s["workers"].get("ours-2w")
+    if one and two:
+        rows.append(
+            [
+                "2 workers vs 1 (64 agents, all cores): throughput; turns per gateway CPU-second",
+                f"{_fmt(two['tput'], 1)} vs {_fmt(one['tput'], 1)} turns/s",
+                f"{_fmt(two['eff'], 1)} vs {_fmt(one['eff'], 1)} turns/CPU-s",
+                f"{_fmt(two['tput'] / one['tput'], 2)}x / {_fmt(two['eff'] / one['eff'], 2)}x",
+                _met(two["tput"] / one["tput"] >= 1.7) + " (cores shared with the load generator)",
+            ]
+        )
+    return rows
+
+
+def _cpu(sat: dict[Any, Any], idle: dict[Any, Any], context: int, system: str) -> float:
+    value = sat.get((context, system), {}).get("cpu")
+    return value if value is not None else idle.get((context, system), {}).get("cpu", float("nan"))
+
+
+def _met(ok: bool) -> str:
+    return "yes" if ok else "no"
+
+
+def write(results: Path, out_dir: Path) -> None:
+    data = json.loads(results.read_text())
+    runs: list[Run] = data["runs"]
+    for r in runs:
+        r["config"]["system"] = r["system"]
+    s = summarize(runs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Gateway benchmark",
+        "",
+        f"`{' '.join(data['meta']['argv'])}` — finished {data['meta']['finished']}, "
+        f"{data['meta']['cpus']} CPUs, gateways on cores {data['meta']['gateway_cores']}, engine + load "
+        f"generator on {data['meta']['client_cores']}; load average during runs "
+        f"{_fmt(statistics.fmean(r['load_avg_1m'] for r in runs), 1)} (median of repetitions everywhere).",
+        "",
+        "## Targets (issue 6)",
+        "",
+        _table(["target", "ours", "reference", "ratio", "met"], targets(s)),
+        "",
+        "## Idle latency and CPU per turn (concurrency 1)",
+        "",
+    ]
+    direct = {c: v["mean"] for (c, n), v in s["idle"].items() if n == "direct"}
+    lines.append(
+        _table(
+            ["context", "system", "mean ms", "added ms", "last turn ms", "CPU ms/turn", "capture", "reps"],
+            [
+                [
+                    f"{c}",
+                    n,
+                    _fmt(v["mean"]),
+                    _fmt(v["mean"] - direct.get(c, float("nan"))),
+                    _fmt(v["last"]),
+                    _fmt(v["cpu"]),
+                    v["capture"],
+                    str(v["n"]),
+                ]
+                for (c, n), v in sorted(s["idle"].items())
+            ],
+        )
+    )
+    lines += ["", "## Concurrency sweep (4k, engine 0 ms, closed loop)", ""]
+    lines.append(
+        _table(
+            [
+                "agents",
+                "system",
+                "turns/s",
+                "p50 ms",
+                "p99 ms",
+                "CPU ms/turn",
+                "turns/CPU-s",
+                "peak RSS MB",
+                "capture",
+                "reps",
+            ],
+            [
+                [
+                    str(a),
+                    n,
+                    _fmt(v["tput"], 1),
+                    _fmt(v["p50"]),
+                    _fmt(v["p99"]),
+                    _fmt(v["cpu"]),
+                    _fmt(v["eff"], 1),
+                    _fmt(v["rss"], 0),
+                    v["capture"],
+                    str(v["n"]),
+                ]
+                for (a, n), v in sorted(s["sweep"].items())
+            ],
+        )
+    )
+    if s["offered"]:
+        lines += ["", "## One offered load (open loop)", ""]
+        lines.append(
+            _table(
+                ["system", "offered turns/s", "p50 ms", "p99 ms", "reps"],
+                [
+                    [n, _fmt(v["rate"], 1), _fmt(v["p50"]), _fmt(v["p99"]), str(v["n"])]
+                    for n, v in sorted(s["offered"].items())
+                ],
+            )
+        )
+    lines += ["", "## CPU per turn at saturation (8 agents)", ""]
+    lines.append(
+        _table(
+            ["context", "system", "CPU ms/turn", "of which workers", "of which broker", "turns/s", "reps"],
+            [
+                [str(c), n, _fmt(v["cpu"]), _fmt(v["workers"]), _fmt(v["broker"]), _fmt(v["tput"], 1), str(v["n"])]
+                for (c, n), v in sorted(s["saturated"].items())
+            ],
+        )
+    )
+    if s["workers"]:
+        lines += ["", "## Worker scaling (64 agents, 4k, our gateway on all cores)", ""]
+        lines.append(
+            _table(
+                ["system", "turns/s", "turns per gateway CPU-s", "gateway cores busy", "p99 ms", "reps"],
+                [
+                    [n, _fmt(v["tput"], 1), _fmt(v["eff"], 1), _fmt(v["cpu_share"], 2), _fmt(v["p99"]), str(v["n"])]
+                    for n, v in sorted(s["workers"].items())
+                ],
+            )
+        )
+    features = [r for r in runs if r["scenario"].startswith(("think", "no-echo"))]
+    if features:
+        lines += ["", "## Features (16 agents, 4k): dialects, streaming, <think>, agents that drop reasoning", ""]
+        lines.append(
+            _table(
+                ["run", "system", "dialect", "stream", "turns/s", "mean ms", "p99 ms", "CPU ms/turn", "capture"],
+                [
+                    [
+                        r["scenario"],
+                        r["system"],
+                        r["config"]["dialect"],
+                        "yes" if r["config"]["stream"] else "no",
+                        _fmt(r["turns_per_s"], 1),
+                        _fmt(r["latency_ms"].get("mean", float("nan"))),
+                        _fmt(r["latency_ms"].get("p99", float("nan"))),
+                        _fmt(r["gateway_cpu_ms_per_turn"]),
+                        _capture([r]),
+                    ]
+                    for r in features
+                ],
+            )
+        )
+    errors = [e for r in runs for e in r.get("errors", [])]
+    if errors:
+        lines += ["", "## Errors", "", *[f"- {e}" for e in errors[:20]]]
+    plots = _plots(s, out_dir)
+    if plots:
+        lines += ["", "## Plots", "", *[f"![{p.stem}]({p.name})" for p in plots]]
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _plots(s: dict[str, Any], out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    sweep = s["sweep"]
+    systems = sorted({n for _, n in sweep})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for n in systems:
+        points = sorted((a, v) for (a, m), v in sweep.items() if m == n)
+        xs = [a for a, _ in points]
+        ax1.plot(xs, [v["tput"] for _, v in points], marker="o", label=n)
+        line = ax2.plot(xs, [v["p50"] for _, v in points], marker="o", label=f"{n} p50")[0]
+        ax2.plot(
+            xs, [v["p99"] for _, v in points], marker="x", linestyle="--", color=line.get_color(), label=f"{n} p99"
+        )
+    for ax, title, ylabel in (
+        (ax1, "throughput vs concurrency (4k)", "turns/s"),
+        (ax2, "latency vs concurrency (4k)", "ms"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent agents")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax2.set_yscale("log")
+    fig.tight_layout()
+    first = out_dir / "concurrency.png"
+    fig.savefig(first, dpi=110)
+    plt.close(fig)
+    workers = sorted({int(n.split("-")[1][:-1]) for n in systems if n.startswith("ours-")})
+    if len(workers) < 2:
+        return [first]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for agents in sorted({a for a, _ in sweep}):
+        vals = [sweep.get((agents, f"ours-{w}w")) for w in workers]
+        if all(vals):
+            ax1.plot(workers, [v["tput"] for v in vals], marker="o", label=f"{agents} agents")
+            ax2.plot(workers, [v["p99"] for v in vals], marker="o", label=f"{agents} agents")
+    for ax, title, ylabel in ((ax1, "throughput vs workers (4k)", "turns/s"), (ax2, "p99 vs workers (4k)", "ms")):
+        ax.set_xticks(workers)
+        ax.set_xlabel("uvicorn workers")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    second = out_dir / "workers.png"
+    fig.savefig(second, dpi=110)
+    plt.close(fig)
+    return [first, second]
