@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 from assets import FakeEngine
+from dialects import ENGINE_TIMEOUT_S
 
 from trainer_client import launch_gateway
-
-DIALECT_ENGINE_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +25,7 @@ def dialect_engine(qwen3_tokenizer_dir: str) -> Iterator[FakeEngine]:
 @pytest.fixture(scope="session")
 def dialect_gateway(dialect_engine: FakeEngine, qwen3_tokenizer_dir: str) -> Iterator[Any]:
     """`serve` with 2 workers on the fake vLLM engine, the real Qwen BPE and trl's qwen3.jinja."""
-    extra = ["--engine-timeout", str(DIALECT_ENGINE_TIMEOUT_S), "--log-level", "warning"]
+    extra = ["--engine-timeout", str(ENGINE_TIMEOUT_S), "--log-level", "warning"]
     with launch_gateway(
         workers=2, engine_kind="vllm", engine_urls=[dialect_engine.url], tokenizer=qwen3_tokenizer_dir, extra_args=extra
     ) as gw:

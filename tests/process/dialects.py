@@ -22,6 +22,7 @@ from gateway_workers.engines.routing import routing_key
 
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "fake_engine.py"
 SYSTEM = "You are a careful weather agent."
+ENGINE_TIMEOUT_S = 6.0  # the dialect gateway's --engine-timeout
 
 ANTHROPIC_TOOLS = [
     {

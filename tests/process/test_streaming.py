@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from assets import wait_until
-from dialects import SYSTEM, engine_turns, fake_policy, tokenizer
+from dialects import ENGINE_TIMEOUT_S, SYSTEM, engine_turns, fake_policy, tokenizer
 from fidelity import assert_fidelity
 
 from gateway_workers.engines.routing import routing_key
@@ -167,3 +167,15 @@ def test_the_openai_sdk_raises_on_a_mid_stream_failure_and_the_worker_stays_heal
     reply = client.chat.completions.create(model="q", messages=[{"role": "user", "content": QUESTION}])
     assert reply.choices[0].message.content.startswith("Final answer")
     assert len(dialect_gateway.client.finish_session(sid)) == 1
+
+
+def test_an_engine_that_never_starts_streaming_is_a_504_in_the_dialects_shape(dialect_gateway, dialect_engine):
+    """The first chunk is awaited before any byte is sent, so a hung engine still gets a proper status."""
+    sid = dialect_gateway.client.open_session()
+    dialect_engine.configure(fault={"hang": True, "key": routing_key(sid)})
+    path, body = REQUESTS["anthropic"]
+    started = time.monotonic()
+    reply = httpx.post(dialect_gateway.base_url + path, json=body, headers={"x-api-key": sid}, timeout=30)
+    assert reply.status_code == 504 and reply.json()["error"]["type"] == "api_error"
+    assert time.monotonic() - started < ENGINE_TIMEOUT_S + 3
+    assert dialect_gateway.client.finish_session(sid, wait_timeout=5.0) == []
