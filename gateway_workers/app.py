@@ -31,7 +31,7 @@ from gateway_workers.backplane import Backplane
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
 from gateway_workers.live import start_live_turn
-from gateway_workers.parsing import detect_parser
+from gateway_workers.parsing import PLAIN_TEXT, detect_parser
 from gateway_workers.render import Renderer
 from gateway_workers.tokenizer import load_tokenizer
 from gateway_workers.turns import ApiError, TurnPipeline
@@ -201,6 +201,20 @@ async def _with_history(pipeline: TurnPipeline, sid: str, parsed: Any) -> Any:
     return openai_responses.with_history(parsed, found)
 
 
+def _check_tools_parseable(parser: Any, tools: Any) -> None:
+    """A request that declares tools needs a parser that can find tool calls: else a 400, never a silent guess."""
+    if not tools or getattr(parser, "supports_tools", True):
+        return
+    name = getattr(parser, "format_name", "?")
+    if name == PLAIN_TEXT:
+        reason = ("this gateway serves plain text only: the model's chat template is not recognized "
+                  "(--allow-plain-text), so tool calls in its replies could not be parsed; restart it with "
+                  "--response-format NAME to use tools")
+    else:
+        reason = f"the model's response format {name!r} has no tool calls; send the request without tools"
+    raise ApiError(400, "invalid_request", reason, code="tools_unsupported", param="tools")
+
+
 async def serve_turn(request: Request, adapter: Any) -> Response:
     """One turn in any dialect: validate, run (live when streaming), reply, commit."""
     state = request.state
@@ -210,6 +224,7 @@ async def serve_turn(request: Request, adapter: Any) -> Response:
         sid = _key(request)
         parsed = adapter.parse_request(await _body(request))
         parsed = await _with_history(state.pipeline, sid, parsed)
+        _check_tools_parseable(state.pipeline.parser, parsed.turn.tools)
     except ApiError as e:
         return _error(adapter, e, counters)
     watcher = DisconnectWatcher(request)
@@ -279,8 +294,9 @@ def create_app(config: WorkerConfig) -> Starlette:
         engine = create_engine(config.engine, tokenizer)
         backplane = Backplane(config.broker_endpoint)
         backplane.start()
-        pipeline = TurnPipeline(backplane, Renderer(tokenizer), detect_parser(tokenizer), engine,
-                                config.default_max_tokens)
+        # The CLI ran the same decision before spawning us; an unknown template fails here only if it did not.
+        parser = detect_parser(tokenizer, config.response_format, config.allow_plain_text)
+        pipeline = TurnPipeline(backplane, Renderer(tokenizer), parser, engine, config.default_max_tokens)
         logger.info("worker %d ready: broker %s, engine %s", os.getpid(), config.broker_endpoint, config.engine.kind)
         try:
             yield {"pipeline": pipeline, "config": config, "counters": Counter()}

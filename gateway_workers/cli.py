@@ -49,6 +49,13 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template")
     p.add_argument("--model-name", default=None, help="model id served on /v1/models")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--response-format", default=None, metavar="NAME",
+                   help="reply format to parse with instead of detecting it from the chat template's sha256: "
+                        "a registered name (qwen3, qwen2_5, qwen3_5, nemotron3, glm4_moe, gpt_oss, llama3_json, "
+                        "deepseek_r1) or 'package.module:factory' for your own parser")
+    p.add_argument("--allow-plain-text", action="store_true",
+                   help="with an unrecognized chat template and no --response-format, serve replies as plain text "
+                        "(requests that declare tools get a 400) instead of refusing to start")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +86,8 @@ def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir
         chat_template=args.chat_template,
         model_name=args.model_name or (os.path.basename(args.tokenizer.rstrip("/")) if args.tokenizer else "qwen3"),
         log_level=args.log_level,
+        response_format=args.response_format,
+        allow_plain_text=args.allow_plain_text,
     )
 
 
@@ -165,6 +174,18 @@ def _run_workers(args: argparse.Namespace, config: WorkerConfig, control: str | 
     Multiprocess(uv_config, sockets=[sock]).run()
 
 
+def _check_response_format(args: argparse.Namespace, tokenizer_dir: str) -> None:
+    """Refuse to start, before any process is spawned, when the workers could not parse the model's replies."""
+    from gateway_workers.parsing import ParserUnavailable, resolve_format, template_from_dir
+
+    try:
+        template = template_from_dir(tokenizer_dir, args.chat_template)
+        name = resolve_format(template, args.response_format, args.allow_plain_text)
+    except (ParserUnavailable, OSError, ValueError) as e:
+        raise SystemExit(f"rollout-gateway: cannot parse this model's replies: {e}") from None
+    logger.info("response format: %s", name)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["broker"]:
@@ -176,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(message)s")
     tokenizer_dir = prepare_tokenizer_dir(args.tokenizer)
+    _check_response_format(args, tokenizer_dir)
     if args.command == "workers":
         _run_workers(args, _worker_config(args, args.broker, tokenizer_dir), None)
         return

@@ -30,6 +30,10 @@ class WorkerConfig:
         model_name: the model id served on /v1/models and echoed in replies.
         default_max_tokens: output cap when neither the request nor the context budget sets one.
         commit_drain_s: how long a stopping worker waits for unacknowledged commits.
+        response_format: parse replies with this format (a registry name or 'package.module:factory')
+            instead of detecting it from the chat template's sha256.
+        allow_plain_text: with an unrecognized template and no format, serve content only (requests
+            that declare tools get a 400) instead of refusing to start.
     """
 
     broker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -40,6 +44,8 @@ class WorkerConfig:
     default_max_tokens: int = 4096
     commit_drain_s: float = 10.0
     log_level: str = "info"
+    response_format: str | None = None
+    allow_plain_text: bool = False
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}

@@ -8,7 +8,9 @@ scoped to a routing key so tests sharing the process do not collide; mid-stream 
 step as SSE: vLLM's new-ids chunks + usage + [DONE], SGLang's cumulative events + [DONE].
 Policy: tools declared and fewer than `tool_rounds` tool responses since the last user turn ->
 `<think>..</think>` + one or two Qwen3 `<tool_call>`s with arguments from the prompt; else a final
-answer; always `<|im_end|>`. Ids and logprobs (k/1024: exact in float32) depend only on the prompt.
+answer; always `<|im_end|>`. `--format NAME` swaps in another family's writer from
+tests/fake_formats.py (GLM, harmony, Llama, Qwen3.5 XML, ...): same policy, that family's syntax
+and stop token. Ids and logprobs (k/1024: exact in float32) depend only on the prompt.
 Depends on starlette, uvicorn and `tokenizers` only, never on the code under test.
 """
 
@@ -67,6 +69,7 @@ class State:
     disconnects: list[dict[str, Any]] = field(default_factory=list)
     streamed: list[dict[str, Any]] = field(default_factory=list)  # streams sent to their end
     running: dict[str, asyncio.Event] = field(default_factory=dict)  # rid -> set on abort
+    format: str | None = None  # a tests/fake_formats.py writer; None: the Qwen3 policy below
 
 
 def _routing_key(request: Request) -> str | None:
@@ -91,6 +94,8 @@ def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[in
     digest = hashlib.sha256(json.dumps(prompt_ids).encode()).digest()
     rng = random.Random(digest)
     text = state.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    if state.format is not None:
+        return _format_reply(state, text, rng, digest, max_tokens)
     tools = _tools(text)
     last_user = _last_user_turn(text)
     tail = text[last_user:] if last_user >= 0 else text
@@ -112,6 +117,22 @@ def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[in
         ids, finish = ids[:max_tokens], "length"
     logprobs = [-rng.randrange(1, 8192) / 1024.0 for _ in ids]
     return ids, logprobs, finish
+
+
+def _format_reply(state: State, text: str, rng: random.Random, digest: bytes,
+                  max_tokens: int) -> tuple[list[int], list[float], str]:
+    import fake_formats  # a sibling module: stdlib only
+
+    assert state.format is not None
+    out, stop = fake_formats.reply_text(state.format, text, rng, digest, state.tool_rounds)
+    stop_id = state.tokenizer.token_to_id(stop)
+    if stop_id is None:
+        raise RuntimeError(f"fake engine: the tokenizer has no {stop} token (format {state.format})")
+    ids = state.tokenizer.encode(out, add_special_tokens=False).ids + [stop_id]
+    finish = "stop"
+    if len(ids) > max_tokens:
+        ids, finish = ids[:max_tokens], "length"
+    return ids, [-rng.randrange(1, 8192) / 1024.0 for _ in ids], finish
 
 
 def _tools(text: str) -> list[dict[str, Any]]:
@@ -404,10 +425,15 @@ def build_app(state: State) -> Starlette:
 
 async def _serve(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
-    eos_id = tokenizer.token_to_id("<|im_end|>")
+    eos = "<|im_end|>"
+    if args.format is not None:
+        import fake_formats
+
+        eos = fake_formats.WRITERS[args.format].stops[0]
+    eos_id = tokenizer.token_to_id(eos)
     if eos_id is None:
-        sys.exit("fake engine: the tokenizer has no <|im_end|> token")
-    state = State(tokenizer=tokenizer, eos_id=eos_id, tool_rounds=args.tool_rounds)
+        sys.exit(f"fake engine: the tokenizer has no {eos} token")
+    state = State(tokenizer=tokenizer, eos_id=eos_id, tool_rounds=args.tool_rounds, format=args.format)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
@@ -430,6 +456,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
     parser.add_argument("--tool-rounds", type=int, default=2, help="tool-call replies before a final answer")
+    parser.add_argument("--format", default=None, help="reply in this tests/fake_formats.py writer's family syntax")
     asyncio.run(_serve(parser.parse_args()))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 from typing import Any
 
 import pytest
@@ -22,10 +23,15 @@ from hypothesis import strategies as st
 
 from gateway_workers.parsing import (
     FORMATS,
+    PLAIN_TEXT,
     TEMPLATE_FORMATS,
     ParsedResponse,
+    ParserUnavailable,
+    PlainTextParser,
     detect_parser,
     known_templates,
+    resolve_format,
+    template_from_dir,
     template_sha256,
 )
 from gateway_workers.render import template_messages
@@ -335,3 +341,56 @@ def test_no_output_makes_any_parser_raise(key, pieces):
     else:
         for call in parsed.tool_calls:
             assert isinstance(call["name"], str) and call["name"] and isinstance(call["arguments"], dict)
+
+
+# --- operator control ---------------------------------------------------------------------------------
+
+
+def test_resolve_format_never_guesses(tmp_path):
+    known = template_path("glm4moe").read_text("utf-8")
+    assert resolve_format(known) == "glm4_moe"
+    assert resolve_format(known + "\n", "qwen3") == "qwen3"  # the operator's word wins over detection
+    with pytest.raises(ParserUnavailable, match=r"unknown chat template \(sha256 [0-9a-f]{64}\)") as info:
+        resolve_format(known + "\n")
+    assert "--response-format" in str(info.value) and "--allow-plain-text" in str(info.value)
+    assert resolve_format(known + "\n", allow_plain_text=True) == PLAIN_TEXT
+    with pytest.raises(ParserUnavailable, match="no chat template"):
+        resolve_format(None)
+    with pytest.raises(ParserUnavailable, match="unknown response format 'no_such_format'"):
+        resolve_format(known, "no_such_format")
+    with pytest.raises(ParserUnavailable, match="cannot import"):
+        resolve_format(known, "no_such_package.parsers:make")
+    with pytest.raises(ParserUnavailable, match="no callable 'nothing'"):
+        resolve_format(known, "gateway_workers.formats.registry:nothing")
+
+
+def test_custom_parser_by_import_path():
+    """`package.module:factory` names any callable that takes the tokenizer and returns a parser."""
+    tokenizer = family_tokenizer("qwen3")
+    parser = detect_parser(tokenizer, "gateway_workers.formats.registry:PlainTextParser")
+    assert isinstance(parser, PlainTextParser) and parser.supports_tools is False
+
+
+def test_plain_text_parser_keeps_text_and_drops_the_stop_token():
+    tokenizer = family_tokenizer("qwen3")
+    unknown = copy.copy(tokenizer)
+    unknown.chat_template = tokenizer.chat_template + "{# house edit #}"
+    with pytest.raises(ParserUnavailable):
+        detect_parser(unknown)
+    parser = detect_parser(unknown, allow_plain_text=True)
+    parsed = parser.parse(encode(tokenizer, "<think>\nr\n</think>\n\nHi <tool_call>{}</tool_call><|im_end|>"), "")
+    assert parsed == ParsedResponse(content="<think>\nr\n</think>\n\nHi <tool_call>{}</tool_call>")
+
+
+def test_template_from_dir_reads_what_transformers_loads(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A"}))
+    assert template_from_dir(str(tmp_path)) == "A"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    assert template_from_dir(str(tmp_path)) == "D"
+    (tmp_path / "chat_template.jinja").write_text("J\r\nK")
+    assert template_from_dir(str(tmp_path)) == "J\nK"  # text mode, as transformers reads it
+    override = tmp_path / "other.jinja"
+    override.write_text("O")
+    assert template_from_dir(str(tmp_path), str(override)) == "O"
+    assert template_from_dir(str(tmp_path / "missing")) is None
