@@ -1,11 +1,38 @@
 #!/usr/bin/env bash
-# The one test command (README, .ci/run): a fresh venv with everything the tests need, then the whole suite.
-# Test assets come from the registry: trl's wheel is installed --no-deps and read as data (its chat templates).
+# The one test command (README, .ci/run): fresh venvs with everything the tests need, then the tests.
+# 1. the newest transformers 5.x (declarative response_template parsing): the whole suite;
+# 2. transformers 5.12.1 (legacy response_schema parsing): the parsing and per-family end-to-end tests.
+# Arguments go to the first run; the second runs when no arguments are given (ROLLOUT_GATEWAY_LEGACY=1 forces
+# it, =0 skips it). Test assets come from the registry: trl's wheel is installed --no-deps and read as data
+# (its chat templates). The exit status fails if either run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${ROLLOUT_GATEWAY_TEST_VENV:-.venv-test}"
-python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e '.[test]'
-"$VENV/bin/python" -m pip install -q --no-deps 'trl==1.16.0'
-exec "$VENV/bin/python" -m pytest -n 2 "$@"
+LEGACY_VENV="${ROLLOUT_GATEWAY_LEGACY_VENV:-.venv-test-tf512}"
+LEGACY_TRANSFORMERS="${ROLLOUT_GATEWAY_LEGACY_TRANSFORMERS:-5.12.1}"
+LEGACY_TESTS=(tests/unit/test_parsing.py tests/unit/test_formats.py tests/process/test_families.py)
+
+make_venv() {  # make_venv DIR [extra requirement...]
+    local dir="$1"
+    shift
+    python3 -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip
+    "$dir/bin/python" -m pip install -q -e '.[test]' "$@"
+    "$dir/bin/python" -m pip install -q --no-deps 'trl==1.16.0'
+}
+
+legacy="${ROLLOUT_GATEWAY_LEGACY:-}"
+if [ -z "$legacy" ]; then
+    legacy=$([ "$#" -eq 0 ] && echo 1 || echo 0)
+fi
+
+make_venv "$VENV"
+status=0
+"$VENV/bin/python" -m pytest -n 2 "$@" || status=$?
+
+if [ "$legacy" = 1 ]; then
+    make_venv "$LEGACY_VENV" "transformers==$LEGACY_TRANSFORMERS"
+    echo "--- transformers $LEGACY_TRANSFORMERS (legacy response_schema engine): ${LEGACY_TESTS[*]}"
+    "$LEGACY_VENV/bin/python" -m pytest -n 2 "${LEGACY_TESTS[@]}" || status=$?
+fi
+exit "$status"
