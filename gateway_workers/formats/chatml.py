@@ -23,8 +23,12 @@ _TEXT = {"content": "text", "content_args": {"strip": False}}
 # --- JSON calls -------------------------------------------------------------------------------
 
 # The leading \s* on the call opener swallows the newline the templates put between text and calls.
-_JSON_CALLS_TEMPLATE: dict[str, Any] = {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
-                                        "content": "json"}
+_JSON_CALLS_TEMPLATE: dict[str, Any] = {
+    "open_pattern": r"\s*<tool_call>",
+    "close": "</tool_call>",
+    "repeats": True,
+    "content": "json",
+}
 _JSON_CALLS_SCHEMA: dict[str, Any] = {
     "type": "array",
     "x-regex-iterator": r"<tool_call>(.*?)</tool_call>",
@@ -129,7 +133,11 @@ XML_TEMPLATE: dict[str, Any] = {
     "version": 1,
     "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
     "start_anchor": ANCHOR,
-    "fields": {"reasoning": _REASONING_TEMPLATE, "tool_calls": _XML_CALLS_TEMPLATE, "content": {**_TEXT, "repeats": True}},
+    "fields": {
+        "reasoning": _REASONING_TEMPLATE,
+        "tool_calls": _XML_CALLS_TEMPLATE,
+        "content": {**_TEXT, "repeats": True},
+    },
 }
 XML_SCHEMA: dict[str, Any] = {
     "type": "object",

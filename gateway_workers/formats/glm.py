@@ -1,4 +1,4 @@
-"""GLM-4-MoE (GLM-4.5/4.6): `<think>` reasoning and `<tool_call>NAME <arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`.
+"""GLM-4-MoE (GLM-4.5/4.6): `<think>` reasoning, `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...`.
 
 The reply follows `<|assistant|>` and ends where the model starts the next role: it stops on
 `<|observation|>` (tool results follow) or `<|user|>`, and that stop token is also the first

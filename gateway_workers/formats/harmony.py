@@ -28,10 +28,18 @@ GPT_OSS_TEMPLATE: dict[str, Any] = {
     "version": 1,
     "start_anchor": ANCHOR,
     "fields": {
-        "reasoning": {"open_pattern": r"<\|channel\|>analysis<\|message\|>", "close_pattern": r"<\|end\|>",
-                      "repeats": True, **_TEXT},
-        "content": {"open_pattern": r"<\|channel\|>(?:final|commentary)<\|message\|>",
-                    "close_pattern": r"<\|end\|>|<\|return\|>", "repeats": True, **_TEXT},
+        "reasoning": {
+            "open_pattern": r"<\|channel\|>analysis<\|message\|>",
+            "close_pattern": r"<\|end\|>",
+            "repeats": True,
+            **_TEXT,
+        },
+        "content": {
+            "open_pattern": r"<\|channel\|>(?:final|commentary)<\|message\|>",
+            "close_pattern": r"<\|end\|>|<\|return\|>",
+            "repeats": True,
+            **_TEXT,
+        },
         "tool_calls": {
             "open_pattern": _CALL_HEADER,
             "close_pattern": r"<\|call\|>",

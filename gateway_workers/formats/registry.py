@@ -96,9 +96,7 @@ TEMPLATE_FORMATS: dict[str, str] = {
 }
 
 ParserFactory = Callable[[PreTrainedTokenizerBase], ResponseParser]
-PARSER_FACTORIES: dict[str, ParserFactory] = {
-    name: partial(FormatParser, fmt=fmt) for name, fmt in FORMATS.items()
-}
+PARSER_FACTORIES: dict[str, ParserFactory] = {name: partial(FormatParser, fmt=fmt) for name, fmt in FORMATS.items()}
 
 
 def template_sha256(template: str) -> str:
@@ -178,8 +176,9 @@ def resolve_format(template: str | None, format_name: str | None = None, allow_p
         parsing_engine()
         return found
     if allow_plain_text:
-        logger.warning("unknown chat template (sha256 %s): serving plain text only; requests with tools get a 400",
-                       digest)
+        logger.warning(
+            "unknown chat template (sha256 %s): serving plain text only; requests with tools get a 400", digest
+        )
         return PLAIN_TEXT
     raise ParserUnavailable(
         f"unknown chat template (sha256 {digest}); no response parser is registered for it, and guessing "

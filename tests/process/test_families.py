@@ -40,18 +40,40 @@ MAX_TURNS = 5
 TOOL_ROUNDS = 2
 REFUSAL_TIMEOUT_S = 60.0
 # One template per response format (qwen3 runs in test_serve_openai.py): the cheapest set that covers all.
-E2E_FAMILIES = ["qwen3_instruct_2507", "qwen3_6", "nemotron_3_nano", "glm4moe", "gptoss", "llama3_2",
-                "deepseek_r1_distill"]
-_ALIASES_THINKING = hasattr(importlib.import_module("transformers.utils.chat_template_utils"), "_alias_reasoning_fields")
+E2E_FAMILIES = [
+    "qwen3_instruct_2507",
+    "qwen3_6",
+    "nemotron_3_nano",
+    "glm4moe",
+    "gptoss",
+    "llama3_2",
+    "deepseek_r1_distill",
+]
+_ALIASES_THINKING = hasattr(
+    importlib.import_module("transformers.utils.chat_template_utils"), "_alias_reasoning_fields"
+)
 
 
 class FamilyEngine(FakeEngine):
     """The fake engine process writing one family's syntax (`tests/fake_engine.py --format`)."""
 
     def __init__(self, tokenizer_dir: str, writer: str) -> None:  # noqa: D107 - same controls as FakeEngine
-        self.process = TestProcess([sys.executable, "-u", str(FAKE_ENGINE), "--port", "0", "--tokenizer",
-                                    tokenizer_dir, "--tool-rounds", str(TOOL_ROUNDS), "--format", writer],
-                                   name=f"fake_engine[{writer}]").start()
+        self.process = TestProcess(
+            [
+                sys.executable,
+                "-u",
+                str(FAKE_ENGINE),
+                "--port",
+                "0",
+                "--tokenizer",
+                tokenizer_dir,
+                "--tool-rounds",
+                str(TOOL_ROUNDS),
+                "--format",
+                writer,
+            ],
+            name=f"fake_engine[{writer}]",
+        ).start()
         try:
             self.url = self.process.expect(r"FAKE ENGINE READY (\S+)", 30.0).group(1)
         except BaseException:
@@ -69,8 +91,9 @@ def _policy(tokenizer_dir: str, writer: str) -> Any:
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-    state = module.State(tokenizer=tok, eos_id=tok.token_to_id(WRITERS[writer].stops[0]), tool_rounds=TOOL_ROUNDS,
-                         format=writer)
+    state = module.State(
+        tokenizer=tok, eos_id=tok.token_to_id(WRITERS[writer].stops[0]), tool_rounds=TOOL_ROUNDS, format=writer
+    )
     return tok, lambda prompt, max_tokens: module.reply(state, prompt, max_tokens)
 
 
@@ -82,9 +105,18 @@ def _engine_turns(engine: FakeEngine, sid: str, policy: Any) -> tuple[list[TurnR
         prompt = body.get("token_ids") or body.get("input_ids")
         ids, lps, finish = policy(prompt, int(body["sampling_params"]["max_tokens"]))
         prompts.append(prompt)
-        turns.append(TurnRecord(turn_id=f"t{i}", seq=i, prompt_ids=ids_array(prompt), output_ids=ids_array(ids),
-                                logprobs=logprobs_array(lps), finish_reason=finish, prompt_messages=[],
-                                response_message={}))
+        turns.append(
+            TurnRecord(
+                turn_id=f"t{i}",
+                seq=i,
+                prompt_ids=ids_array(prompt),
+                output_ids=ids_array(ids),
+                logprobs=logprobs_array(lps),
+                finish_reason=finish,
+                prompt_messages=[],
+                response_message={},
+            )
+        )
     return turns, prompts
 
 
@@ -99,8 +131,10 @@ def _expected_calls(tok: Any, writer: str, prompt: list[int]) -> list[dict[str, 
 def _run_agent(base_url: str, sid: str, tools: list[dict[str, Any]] | None, stream: bool) -> list[Any]:
     """A tool loop as agents write it: echo the reply (with its reasoning), answer every call in order."""
     client = openai.OpenAI(base_url=base_url, api_key=sid, max_retries=0, timeout=60)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful weather agent."},
-                                      {"role": "user", "content": "What is the weather in Paris?"}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful weather agent."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
     received = []
     for turn in range(MAX_TURNS):
         extra: dict[str, Any] = {"tools": tools} if tools else {}
@@ -114,13 +148,23 @@ def _run_agent(base_url: str, sid: str, tools: list[dict[str, Any]] | None, stre
         if getattr(message, "reasoning_content", None):
             echo["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
-            echo["tool_calls"] = [{"id": c.id, "type": "function",
-                                   "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                  for c in message.tool_calls]
+            echo["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in message.tool_calls
+            ]
         messages.append(echo)
         for call in message.tool_calls or []:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": json.dumps({"ok": True, **json.loads(call.function.arguments)})})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": json.dumps({"ok": True, **json.loads(call.function.arguments)}),
+                }
+            )
         if not message.tool_calls:
             if tools or turn:  # a tool episode ends on the answer; a chat runs two user turns
                 break
@@ -133,8 +177,13 @@ def family_gateway(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, F
     key = request.param
     tokenizer_dir = family_tokenizer_dir(key)
     with FamilyEngine(tokenizer_dir, FAMILIES[key].writer) as engine:
-        with launch_gateway(workers=1, engine_kind="vllm", engine_urls=[engine.url], tokenizer=tokenizer_dir,
-                            extra_args=["--log-level", "warning", "--engine-timeout", "20"]) as gw:
+        with launch_gateway(
+            workers=1,
+            engine_kind="vllm",
+            engine_urls=[engine.url],
+            tokenizer=tokenizer_dir,
+            extra_args=["--log-level", "warning", "--engine-timeout", "20"],
+        ) as gw:
             yield key, gw, engine, tokenizer_dir
 
 
@@ -150,10 +199,12 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
         turns, prompts = _engine_turns(engine, sid, policy)
         assert len(turns) == len(received)
         assert_fidelity(turns, records)
-        for message, prompt in zip(received, prompts):
+        for message, prompt in zip(received, prompts, strict=True):
             expected = _expected_calls(tok, family.writer, prompt)
-            got = [{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
-                   for c in message.tool_calls or []]
+            got = [
+                {"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                for c in message.tool_calls or []
+            ]
             assert got == expected, (key, stream, message)  # every call, in order, arguments typed
             assert len({c.id for c in message.tool_calls or []}) == len(got)
             if FORMATS[family.format_name].reasoning:
@@ -169,8 +220,14 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
     _cut_reply_is_raw_and_flagged(gw, tok, policy, prompts[0], family)
 
 
-_CALL_STARTS = {"qwen2_5": "<tool_call>", "qwen3_5": "<tool_call>", "nemotron3": "<tool_call>",
-                "glm4_moe": "<tool_call>", "gpt_oss": "to=functions", "llama3_json": '{"name"'}
+_CALL_STARTS = {
+    "qwen2_5": "<tool_call>",
+    "qwen3_5": "<tool_call>",
+    "nemotron3": "<tool_call>",
+    "glm4_moe": "<tool_call>",
+    "gpt_oss": "to=functions",
+    "llama3_json": '{"name"',
+}
 
 
 def _cut_reply_is_raw_and_flagged(gw: Any, tok: Any, policy: Any, prompt: list[int], family: Any) -> None:
@@ -185,9 +242,15 @@ def _cut_reply_is_raw_and_flagged(gw: Any, tok: Any, policy: Any, prompt: list[i
     sid = gw.client.open_session()
     client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=0, timeout=60)
     extra: dict[str, Any] = {"tools": TOOLS} if family.tools else {}
-    reply = client.chat.completions.create(model="m", max_tokens=cut, **extra, messages=[
-        {"role": "system", "content": "You are a careful weather agent."},
-        {"role": "user", "content": "What is the weather in Paris?"}])
+    reply = client.chat.completions.create(
+        model="m",
+        max_tokens=cut,
+        **extra,
+        messages=[
+            {"role": "system", "content": "You are a careful weather agent."},
+            {"role": "user", "content": "What is the weather in Paris?"},
+        ],
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
     assert reply.usage.completion_tokens == cut and choice.message.content  # the raw text, no partial call list
@@ -196,8 +259,21 @@ def _cut_reply_is_raw_and_flagged(gw: Any, tok: Any, policy: Any, prompt: list[i
 
 
 def _serve_cmd(*extra: str) -> list[str]:
-    return [sys.executable, "-m", "gateway_workers.cli", "serve", "--port", "0", "--control", "tcp://127.0.0.1:0",
-            "--workers", "1", "--log-level", "warning", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "gateway_workers.cli",
+        "serve",
+        "--port",
+        "0",
+        "--control",
+        "tcp://127.0.0.1:0",
+        "--workers",
+        "1",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -209,30 +285,42 @@ def unknown_template(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_unknown_template_refuses_to_start_before_spawning(unknown_template: str) -> None:
-    done = subprocess.run(_serve_cmd("--chat-template", unknown_template), capture_output=True, text=True,
-                          timeout=REFUSAL_TIMEOUT_S, cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        _serve_cmd("--chat-template", unknown_template),
+        capture_output=True,
+        text=True,
+        timeout=REFUSAL_TIMEOUT_S,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode != 0
     assert "unknown chat template (sha256" in done.stderr and "--response-format" in done.stderr, done.stderr
     assert "GATEWAY READY" not in done.stdout and "BROKER READY" not in done.stdout
 
 
-def test_response_format_overrides_detection(unknown_template: str, fake_engine: FakeEngine,
-                                             qwen3_tokenizer_dir: str) -> None:
-    with launch_gateway(workers=1, engine_kind="vllm", engine_urls=[fake_engine.url], tokenizer=qwen3_tokenizer_dir,
-                        extra_args=["--chat-template", unknown_template, "--response-format", "qwen3",
-                                    "--log-level", "warning"]) as gw:
+def test_response_format_overrides_detection(
+    unknown_template: str, fake_engine: FakeEngine, qwen3_tokenizer_dir: str
+) -> None:
+    with launch_gateway(
+        workers=1,
+        engine_kind="vllm",
+        engine_urls=[fake_engine.url],
+        tokenizer=qwen3_tokenizer_dir,
+        extra_args=["--chat-template", unknown_template, "--response-format", "qwen3", "--log-level", "warning"],
+    ) as gw:
         sid = gw.client.open_session()
         client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=0, timeout=30)
-        reply = client.chat.completions.create(model="m", tools=TOOLS, messages=[
-            {"role": "user", "content": "Weather in Paris?"}])
+        reply = client.chat.completions.create(
+            model="m", tools=TOOLS, messages=[{"role": "user", "content": "Weather in Paris?"}]
+        )
         assert reply.choices[0].message.tool_calls, reply  # the fake engine calls a tool; qwen3 parses it
         records = gw.client.finish_session(sid)
         assert len(records) == 1 and not records[0].metadata["ill_formed"]
 
 
 def test_plain_text_serving_refuses_tools_with_a_400(unknown_template: str) -> None:
-    with launch_gateway(workers=1, extra_args=["--chat-template", unknown_template, "--allow-plain-text",
-                                               "--log-level", "warning"]) as gw:
+    with launch_gateway(
+        workers=1, extra_args=["--chat-template", unknown_template, "--allow-plain-text", "--log-level", "warning"]
+    ) as gw:
         sid = gw.client.open_session()
         client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=0, timeout=30)
         with pytest.raises(openai.BadRequestError) as info:

@@ -61,7 +61,9 @@ CONFIGURE_TOOL: dict[str, Any] = {
 ALL_TOOLS = [*TOOLS, CONFIGURE_TOOL]
 _BASES: dict[tuple[str, tuple[str, ...], str | None, str], Any] = {}
 # Newer transformers pass a message's reasoning_content to templates as `thinking` too (GPT-OSS reads that).
-_ALIASES_THINKING = hasattr(importlib.import_module("transformers.utils.chat_template_utils"), "_alias_reasoning_fields")
+_ALIASES_THINKING = hasattr(
+    importlib.import_module("transformers.utils.chat_template_utils"), "_alias_reasoning_fields"
+)
 
 
 def family_tokenizer(key: str) -> Any:
@@ -80,13 +82,27 @@ def family_tokenizer(key: str) -> Any:
 def reply_for(key: str, typed: bool = False) -> dict[str, Any]:
     """The richest assistant message this family's template can render."""
     family, fmt = FAMILIES[key], FORMATS[FAMILIES[key].format_name]
-    reply: dict[str, Any] = {"role": "assistant", "content": "I will check both cities.",
-                             "reasoning": "Two cities: call get_weather twice.\nThen summarise."}
-    calls = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
-             {"name": "get_weather", "arguments": {"city": "Lyon ü \"q\"", "days": 3}}]
+    reply: dict[str, Any] = {
+        "role": "assistant",
+        "content": "I will check both cities.",
+        "reasoning": "Two cities: call get_weather twice.\nThen summarise.",
+    }
+    calls = [
+        {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+        {"name": "get_weather", "arguments": {"city": 'Lyon ü "q"', "days": 3}},
+    ]
     if typed:
-        calls[1] = {"name": "configure", "arguments": {"units": {"temp": "C"}, "flags": [1, 2.5, None],
-                                                       "dry_run": False, "ratio": 0.5, "count": 7, "label": "7"}}
+        calls[1] = {
+            "name": "configure",
+            "arguments": {
+                "units": {"temp": "C"},
+                "flags": [1, 2.5, None],
+                "dry_run": False,
+                "ratio": 0.5,
+                "count": 7,
+                "label": "7",
+            },
+        }
     if family.tools:
         reply["tool_calls"] = calls if family.parallel else calls[:1]
     if not fmt.reasoning:
@@ -113,8 +129,8 @@ def sampled(tokenizer: Any, key: str, reply: dict[str, Any]) -> tuple[str, str]:
         # Its template never renders an assistant's reasoning: the model writes it after the prefilled <think>.
         return prefix, f"{reply['reasoning']}\n</think>\n\n{reply['content']}{FAMILIES[key].stop}"
     full = render(tokenizer, key, [*QUESTION, reply])
-    assert full.startswith(prefix), (full[len(prefix) - 60:len(prefix) + 60], prefix[-60:])
-    return prefix, full[len(prefix):]
+    assert full.startswith(prefix), (full[len(prefix) - 60 : len(prefix) + 60], prefix[-60:])
+    return prefix, full[len(prefix) :]
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -176,17 +192,18 @@ def test_echo_rerenders_the_sampled_text(key):
     prefix, out = sampled(tokenizer, key, reply)
     parsed = detect_parser(tokenizer).parse(encode(tokenizer, out), prefix, ALL_TOOLS)
     echo = parsed.canonical_message()
-    follow = ([{"role": "tool", "content": f"result {i}"} for i, _ in enumerate(echo.get("tool_calls", []))]
-              or [{"role": "user", "content": "And tomorrow?"}])
+    follow = [{"role": "tool", "content": f"result {i}"} for i, _ in enumerate(echo.get("tool_calls", []))] or [
+        {"role": "user", "content": "And tomorrow?"}
+    ]
     chat = template_messages([*QUESTION, echo, *follow])
     tools = ALL_TOOLS if family.tools else None
     text = tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
     if family.format_name == "deepseek_r1":
         assert f"<｜Assistant｜>{echo['content']}<｜end▁of▁sentence｜>" in text and reply["reasoning"] not in text
     elif family.format_name == "gpt_oss" and not _ALIASES_THINKING:
-        assert text.startswith(prefix) and reply["reasoning"] not in text[len(prefix):]
+        assert text.startswith(prefix) and reply["reasoning"] not in text[len(prefix) :]
     else:
-        assert text.startswith(prefix + out.rstrip("\n")), (text[len(prefix):len(prefix) + len(out) + 40], out)
+        assert text.startswith(prefix + out.rstrip("\n")), (text[len(prefix) : len(prefix) + len(out) + 40], out)
 
 
 @pytest.mark.parametrize("key", ["qwen3_5_think", "nemotron_3_nano", "glm4moe", "deepseek_r1_distill"])
@@ -209,8 +226,14 @@ def test_string_arguments_are_typed_by_the_tool_schema(key):
     reply = reply_for(key, typed=True)
     prefix, out = sampled(tokenizer, key, reply)
     typed = parser.parse(encode(tokenizer, out), prefix, ALL_TOOLS).tool_calls[1]["arguments"]
-    assert typed == {"units": {"temp": "C"}, "flags": [1, 2.5, None], "dry_run": False, "ratio": 0.5, "count": 7,
-                     "label": "7"}
+    assert typed == {
+        "units": {"temp": "C"},
+        "flags": [1, 2.5, None],
+        "dry_run": False,
+        "ratio": 0.5,
+        "count": 7,
+        "label": "7",
+    }
     untyped = parser.parse(encode(tokenizer, out), prefix, None).tool_calls[1]["arguments"]
     assert all(isinstance(v, str) for v in untyped.values()) and untyped["label"] == "7"
 
@@ -242,8 +265,10 @@ _BAD: dict[str, list[tuple[str, str]]] = {
     ],
     "qwen3_5": [
         ("r\n</think>\n\n<tool_call>\n<function=search>\n<parameter=query>\nx\n", "unterminated <tool_call>"),
-        ("r\n</think>\n\n<tool_call>\n<function=search>\n<parameter=query>\nx\n</function>\n</tool_call>",
-         "malformed <function=...> block"),
+        (
+            "r\n</think>\n\n<tool_call>\n<function=search>\n<parameter=query>\nx\n</function>\n</tool_call>",
+            "malformed <function=...> block",
+        ),
         ("<tool_call>\n<function=search>\n</function>\n</tool_call>\n</think>\n\nok", "inside <think>"),
         ("I was cut off while thinking", "unterminated <think>"),
     ],
@@ -258,10 +283,16 @@ _BAD: dict[str, list[tuple[str, str]]] = {
         ("\n<think><tool_call>search\n</tool_call></think>\nok", "inside <think>"),
     ],
     "gpt_oss": [
-        ("<|channel|>analysis<|message|>r<|end|><|start|>assistant to=functions.search<|channel|>commentary json"
-         '<|message|>{"query": "x', "unparseable"),
-        ("<|channel|>analysis<|message|>r<|end|><|start|>assistant to=browser.search<|channel|>commentary json"
-         '<|message|>{"query": "x"}', "not a function call"),
+        (
+            "<|channel|>analysis<|message|>r<|end|><|start|>assistant to=functions.search<|channel|>commentary json"
+            '<|message|>{"query": "x',
+            "unparseable",
+        ),
+        (
+            "<|channel|>analysis<|message|>r<|end|><|start|>assistant to=browser.search<|channel|>commentary json"
+            '<|message|>{"query": "x"}',
+            "not a function call",
+        ),
         ("Plain text without any channel.", "malformed harmony message"),
         ("<|channel|>analysis<|message|>r<|end|><|channel|>final<|message|>x", "without <|start|>assistant"),
     ],
@@ -323,10 +354,40 @@ def test_cut_by_max_tokens_mid_call_is_ill_formed_never_a_partial_list(key):
 
 # Property: whatever the model emits, every format returns a verdict and never raises; a well-formed
 # verdict holds only canonical calls, an ill-formed one hands back the raw text.
-_PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "{", "}", '"name"', '"arguments"', ":",
-           ",", '"search"', "hello", "<function=search>", "</function>", "<parameter=query>", "</parameter>",
-           "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<|channel|>", "analysis", "final", "<|message|>",
-           "<|end|>", "<|start|>assistant", " to=functions.search", "commentary", '"parameters"', ";"]
+_PIECES = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "\n",
+    " ",
+    "{",
+    "}",
+    '"name"',
+    '"arguments"',
+    ":",
+    ",",
+    '"search"',
+    "hello",
+    "<function=search>",
+    "</function>",
+    "<parameter=query>",
+    "</parameter>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<|channel|>",
+    "analysis",
+    "final",
+    "<|message|>",
+    "<|end|>",
+    "<|start|>assistant",
+    " to=functions.search",
+    "commentary",
+    '"parameters"',
+    ";",
+]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -334,8 +395,9 @@ _PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "{",
 def test_no_output_makes_any_parser_raise(key, pieces):
     tokenizer = family_tokenizer(key)
     text = "".join(pieces)
-    parsed = detect_parser(tokenizer).parse(encode(tokenizer, text), render(
-        tokenizer, key, QUESTION, add_generation_prompt=True), ALL_TOOLS)
+    parsed = detect_parser(tokenizer).parse(
+        encode(tokenizer, text), render(tokenizer, key, QUESTION, add_generation_prompt=True), ALL_TOOLS
+    )
     if parsed.ill_formed:
         assert parsed.tool_calls == [] and parsed.reasoning is None and parsed.error
     else:
@@ -385,8 +447,9 @@ def test_plain_text_parser_keeps_text_and_drops_the_stop_token():
 def test_template_from_dir_reads_what_transformers_loads(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A"}))
     assert template_from_dir(str(tmp_path)) == "A"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]})
+    )
     assert template_from_dir(str(tmp_path)) == "D"
     (tmp_path / "chat_template.jinja").write_text("J\r\nK")
     assert template_from_dir(str(tmp_path)) == "J\nK"  # text mode, as transformers reads it
