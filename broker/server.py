@@ -126,6 +126,16 @@ class BrokerServer:
         assert self._control is not None
         return str(self._control.getsockopt_string(zmq.LAST_ENDPOINT))
 
+    def warm_up(self) -> None:
+        """Load what the first finish would otherwise load inside the loop (the response tokenizer)."""
+        self._rows.decode(protocol.ids_array([0]))
+
+    def close(self) -> None:
+        """Release the sockets of a server that will not `run()`."""
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
     def request_exit(self) -> None:
         """Ask the loop to stop; safe from a signal handler or another thread."""
         self.should_exit = True
@@ -469,6 +479,15 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
         worker, control = server.bind()
     except zmq.ZMQError as e:
         logger.error("%s", e)
+        return 1
+
+    try:
+        # Load the response tokenizer now: lazily, the first finish would stall the loop for
+        # seconds (every worker's OPEN waiting behind it), and a bad file should fail at start.
+        server.warm_up()
+    except Exception:
+        logger.exception("cannot load the response tokenizer %s", config.tokenizer)
+        server.close()
         return 1
 
     def handle_signal(signum: int, frame: FrameType | None) -> None:

@@ -30,6 +30,7 @@ from gateway_workers.adapters import anthropic_messages, openai_chat, openai_res
 from gateway_workers.backplane import Backplane
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
+from gateway_workers.finish_route import FINISH_PATH, finish_session
 from gateway_workers.live import start_live_turn
 from gateway_workers.parsing import PLAIN_TEXT, detect_parser
 from gateway_workers.render import Renderer
@@ -314,6 +315,7 @@ def create_app(config: WorkerConfig) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route(FINISH_PATH, finish_session, methods=["POST"]),  # 404 unless --allow-agent-finish
         ],
         lifespan=lifespan,
     )

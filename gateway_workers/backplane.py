@@ -3,9 +3,9 @@
 Owns the socket (created in the Starlette lifespan, never at import), a reader task
 that resolves futures keyed by request id, and the turn requests: OPEN (before
 rendering), COMMIT (after the reply was sent; retried until ACKed, the broker
-de-duplicates by turn id), ABORT, and GET (a committed turn's messages, for
-`previous_response_id`). Imports `broker.protocol` and nothing else from `broker`;
-nothing here blocks the event loop.
+de-duplicates by turn id), ABORT, GET (a committed turn's messages, for
+`previous_response_id`) and an agent's FINISH (`request_finish`). Imports
+`broker.protocol` and nothing else from `broker`; nothing here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -125,6 +126,31 @@ class Backplane:
             if reply.code != "turn_pending" or asyncio.get_running_loop().time() > deadline:
                 raise TurnRefused(reply.code, reply.message)
             await asyncio.sleep(GET_TURN_RETRY_S)
+
+    async def request_finish(
+        self,
+        session_id: str,
+        reward: float | None,
+        rollout_id: str | None,
+        metadata: dict[str, Any],
+        wait_timeout: float,
+    ) -> protocol.FinishAccepted:
+        """An agent finishes its session: raises TurnRefused (already finished, unknown, busy) or BrokerUnavailable.
+
+        Sent once, not retried: a retry after a lost reply would be refused as already finished.
+        """
+        try:
+            reply = await self._request(
+                lambda rid: protocol.RequestFinish(rid, session_id, reward, rollout_id, metadata, wait_timeout),
+                OPEN_TIMEOUT_S,
+            )
+        except asyncio.TimeoutError:
+            raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {OPEN_TIMEOUT_S}s") from None
+        if isinstance(reply, protocol.FinishAccepted):
+            return reply
+        if isinstance(reply, protocol.Refused):
+            raise TurnRefused(reply.code, reply.message)
+        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to RequestFinish")
 
     def commit_in_background(self, commit: protocol.CommitTurn) -> None:
         """Hand a COMMIT to a task that retries until ACKed; the HTTP handler does not wait."""

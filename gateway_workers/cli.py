@@ -56,6 +56,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-plain-text", action="store_true",
                    help="with an unrecognized chat template and no --response-format, serve replies as plain text "
                         "(requests that declare tools get a 400) instead of refusing to start")
+    p.add_argument("--allow-agent-finish", action="store_true",
+                   help="let agents finish their own session with a reward: POST /rollout/v1/sessions/finish "
+                        "(session key as the API key; body {reward, metadata, rollout_id}); the episode goes to "
+                        "the trainer's episodes() stream. Off: that route answers 404")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,6 +92,7 @@ def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir
         log_level=args.log_level,
         response_format=args.response_format,
         allow_plain_text=args.allow_plain_text,
+        allow_agent_finish=args.allow_agent_finish,
     )
 
 

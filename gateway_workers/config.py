@@ -34,6 +34,8 @@ class WorkerConfig:
             instead of detecting it from the chat template's sha256.
         allow_plain_text: with an unrecognized template and no format, serve content only (requests
             that declare tools get a 400) instead of refusing to start.
+        allow_agent_finish: serve `POST /rollout/v1/sessions/finish` (agents finish their own session
+            with a reward); off, it answers 404.
     """
 
     broker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -46,6 +48,7 @@ class WorkerConfig:
     log_level: str = "info"
     response_format: str | None = None
     allow_plain_text: bool = False
+    allow_agent_finish: bool = False
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}
