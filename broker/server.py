@@ -2,17 +2,15 @@
 
 Owns the ZeroMQ side of the broker: binds the worker and control endpoints (port 0
 works; the bound addresses are reported), decodes each frame with `broker.protocol`,
-dispatches it to `sessions.SessionRegistry` and `outbox.Outbox`, and answers every request
-exactly once with the same request id (`Refused` on any error). Finishes that must wait
-for in-flight turns, and subscribers' long polls, are parked, never blocking the loop.
-Plain blocking pyzmq: no asyncio.
+dispatches it to `sessions.SessionRegistry`, `finishes.Finishes` and `outbox.Outbox`, and
+answers every request exactly once with the same request id (`Refused` on any error).
+Finishes that wait for in-flight turns, and subscribers' long polls, are parked there, never
+blocking the loop; their deadlines set the poll timeout. Plain blocking pyzmq: no asyncio.
 Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
 import signal
@@ -20,7 +18,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -28,9 +25,10 @@ import zmq
 
 from broker import protocol
 from broker.config import BrokerConfig
+from broker.finishes import Finishes
 from broker.outbox import Outbox, Reply
 from broker.rows import RowBuilder
-from broker.sessions import FinishedSession, FinishOrigin, Refusal, SessionRegistry
+from broker.sessions import Refusal, SessionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +41,6 @@ DRAIN_BATCH = 64
 # Protocol errors are logged individually up to this many, then at most once per interval.
 PROTOCOL_LOG_BURST = 20
 PROTOCOL_LOG_INTERVAL_S = 5.0
-
-
-@dataclass(slots=True)
-class _ParkedFinish:
-    envelope: list[bytes] | None  # None: a RequestFinish, already answered; its episode goes to the outbox
-    msg: protocol.FinishSession | protocol.RequestFinish
-    deadline: float
-    token: int
 
 
 class BrokerServer:
@@ -71,9 +61,6 @@ class BrokerServer:
         self._ctx: zmq.Context | None = None
         self._workers: zmq.Socket | None = None
         self._control: zmq.Socket | None = None
-        self._parked: dict[str, _ParkedFinish] = {}
-        self._deadlines: list[tuple[float, int, str]] = []
-        self._tokens = itertools.count()
         self._rows = RowBuilder(config.tokenizer)
         self.outbox = Outbox(
             max_episodes=config.outbox_max_episodes,
@@ -82,6 +69,7 @@ class BrokerServer:
             max_lease=config.max_lease,
             max_credit=config.max_credit,
         )
+        self.finishes = Finishes(self.registry, self._rows, self.outbox, config.max_wait_timeout)
         self._refusals: Counter[str] = Counter()
         self._counters: Counter[str] = Counter()
         self._last_protocol_log = 0.0
@@ -156,16 +144,15 @@ class BrokerServer:
                 if self._control in events:
                     self._drain(self._control, self._handle_trainer_frame)
                 now = time.monotonic()
-                if self._deadlines:
-                    self._expire_parked(now)
-                outbox_due = self.outbox.next_deadline()
-                if outbox_due is not None and outbox_due <= now:
-                    self._send_all(self.outbox.expire(now))
+                for parked in (self.finishes, self.outbox):
+                    due = parked.next_deadline()
+                    if due is not None and due <= now:
+                        self._send_all(parked.expire(now))
         finally:
             self._shutdown()
 
     def _poll_timeout_ms(self) -> int:
-        due = [d for d in (self._deadlines[0][0] if self._deadlines else None, self.outbox.next_deadline()) if d]
+        due = [d for d in (self.finishes.next_deadline(), self.outbox.next_deadline()) if d is not None]
         if not due:
             return MAX_POLL_MS
         wait = min(due) - time.monotonic()
@@ -194,7 +181,7 @@ class BrokerServer:
             self._send(sock, envelope, reply)
 
     def _send_all(self, replies: list[Reply]) -> None:
-        """Answers the outbox produced for parked long polls: they all go to trainer peers."""
+        """Answers to parked requests (finishes, long polls): they all go to trainer peers."""
         assert self._control is not None
         for envelope, reply in replies:
             self._send(self._control, envelope, reply)
@@ -245,7 +232,7 @@ class BrokerServer:
             match msg:
                 case protocol.CommitTurn():
                     outcome = self.registry.commit_turn(msg)
-                    self._after_turn_ended(msg.session_id)
+                    self._send_all(self.finishes.turn_ended(msg.session_id, time.monotonic()))
                     return protocol.TurnCommitted(msg.request_id, msg.turn_id, outcome)
                 case protocol.OpenTurn():
                     session, seq = self.registry.open_turn(msg.session_id, msg.turn_id)
@@ -254,12 +241,14 @@ class BrokerServer:
                     )
                 case protocol.AbortTurn():
                     self.registry.abort_turn(msg.session_id, msg.turn_id)
-                    self._after_turn_ended(msg.session_id)
+                    self._send_all(self.finishes.turn_ended(msg.session_id, time.monotonic()))
                     return protocol.TurnAborted(msg.request_id, msg.turn_id)
                 case protocol.GetTurn():
                     return self.handle_get_turn(msg)
                 case protocol.RequestFinish():
-                    return self.handle_request_finish(msg, "agent")
+                    accepted, replies = self.finishes.request_finish(msg, "agent", time.monotonic())
+                    self._send_all(replies)
+                    return accepted
             raise TypeError(f"no handler for {type(msg).__name__}")
         except Refusal as r:
             return protocol.Refused(msg.request_id, r.code, r.message)
@@ -289,11 +278,15 @@ class BrokerServer:
                     self._send_all(others)
                     return reply
                 case protocol.RequestFinish():
-                    return self.handle_request_finish(msg, "trainer")
+                    accepted, replies = self.finishes.request_finish(msg, "trainer", time.monotonic())
+                    self._send_all(replies)
+                    return accepted
                 case protocol.FinishSession():
-                    return self.handle_finish(envelope, msg)
+                    return self.finishes.finish(envelope, msg, time.monotonic())
                 case protocol.DropSession():
-                    return self.handle_drop(msg)
+                    existed = self.registry.drop(msg.session_id)
+                    self._send_all(self.finishes.dropped(msg.session_id))
+                    return protocol.SessionDropped(msg.request_id, msg.session_id, existed)
                 case protocol.GetStats():
                     return protocol.Stats(msg.request_id, self.stats())
             raise TypeError(f"no handler for {type(msg).__name__}")
@@ -308,135 +301,6 @@ class BrokerServer:
         prompt_messages, response_message = self.registry.turn_messages(msg.session_id, msg.turn_id)
         return protocol.TurnFound(msg.request_id, msg.turn_id, prompt_messages, response_message)
 
-    # --- finish / drop -----------------------------------------------------------------
-
-    def handle_finish(self, envelope: list[bytes], msg: protocol.FinishSession) -> protocol.Message | None:
-        """Close the session; answer now if nothing is in flight, else park until drained or the deadline."""
-        _check_wait(msg.wait_timeout)
-        session = self.registry.close(msg.session_id, "trainer")
-        if not session.in_flight or msg.wait_timeout == 0:
-            return self._complete_finish(msg)
-        self._park(envelope, msg)
-        return None
-
-    def handle_request_finish(self, msg: protocol.RequestFinish, origin: FinishOrigin) -> protocol.Message:
-        """Close the session and answer at once; its episode reaches the outbox when its turns have landed.
-
-        Room in the outbox is reserved before the session closes: a full outbox refuses (busy) and
-        leaves the session open, so a refused finish loses nothing and can be retried.
-        """
-        _check_wait(msg.wait_timeout)
-        self.registry.closable(msg.session_id)  # "already finished" before "busy": the precise answer
-        self.outbox.reserve()
-        session = self.registry.close(msg.session_id, origin)
-        if not session.in_flight or msg.wait_timeout == 0:
-            self._complete_request_finish(msg)
-        else:
-            self._park(None, msg)
-        return protocol.FinishAccepted(msg.request_id, msg.session_id)
-
-    def _park(self, envelope: list[bytes] | None, msg: protocol.FinishSession | protocol.RequestFinish) -> None:
-        token = next(self._tokens)
-        deadline = time.monotonic() + min(msg.wait_timeout, self.config.max_wait_timeout)
-        self._parked[msg.session_id] = _ParkedFinish(envelope, msg, deadline, token)
-        heapq.heappush(self._deadlines, (deadline, token, msg.session_id))
-
-    def handle_drop(self, msg: protocol.DropSession) -> protocol.Message:
-        existed = self.registry.drop(msg.session_id)
-        parked = self._parked.pop(msg.session_id, None)
-        if parked is not None and parked.envelope is None:  # an accepted request_finish: no episode will come
-            self.outbox.unreserve()
-        elif parked is not None and parked.envelope is not None:  # its finisher waits: tell it, rather than time out
-            assert self._control is not None
-            self._send(
-                self._control,
-                parked.envelope,
-                protocol.Refused(parked.msg.request_id, "unknown_session", f"session {msg.session_id!r} was dropped"),
-            )
-        return protocol.SessionDropped(msg.request_id, msg.session_id, existed)
-
-    def _after_turn_ended(self, sid: str) -> None:
-        """A commit or abort may have drained a closing session whose finish is parked."""
-        parked = self._parked.get(sid)
-        if parked is None or sid not in self.registry or self.registry.get(sid).in_flight:
-            return
-        del self._parked[sid]
-        self._reply_parked(parked)
-
-    def _expire_parked(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, token, sid = heapq.heappop(self._deadlines)
-            parked = self._parked.get(sid)
-            if parked is not None and parked.token == token:
-                del self._parked[sid]
-                self._reply_parked(parked)
-
-    def _reply_parked(self, parked: _ParkedFinish) -> None:
-        assert self._control is not None
-        if isinstance(parked.msg, protocol.RequestFinish):
-            self._complete_request_finish(parked.msg)
-            return
-        assert parked.envelope is not None
-        try:
-            reply = self._complete_finish(parked.msg)
-        except Exception:  # _complete_finish already answers its own failures; this is a last guard
-            logger.exception("finish of session %s failed", parked.msg.session_id)
-            reply = protocol.Refused(parked.msg.request_id, "internal", "finish failed; see the broker log")
-        self._send(self._control, parked.envelope, reply)
-
-    def _complete_finish(self, msg: protocol.FinishSession) -> protocol.Message:
-        finished = self.registry.finish(msg.session_id)
-        try:
-            trace_rows, status = self._rows.build(finished, msg)
-        except Exception:
-            self._counters["finish_failures"] += 1
-            logger.exception("building rows of session %s failed (%d turns)", finished.sid, len(finished.turns))
-            return protocol.Refused(
-                msg.request_id, "internal", f"building rows of session {finished.sid!r} failed; see the broker log"
-            )
-        if finished.turns_abandoned:
-            self._counters["drain_timeouts"] += 1
-        return protocol.SessionFinished(
-            msg.request_id, finished.sid, trace_rows, status, len(finished.turns), finished.turns_abandoned
-        )
-
-    def _complete_request_finish(self, msg: protocol.RequestFinish) -> None:
-        """Build the rows of a session finished by request (once) and put the episode in the outbox."""
-        finished = self.registry.finish(msg.session_id)
-        episode = self._episode(finished, msg)
-        self._send_all(self.outbox.add(episode, finished.client_id, time.monotonic()))
-
-    def _episode(self, finished: FinishedSession, msg: protocol.RequestFinish) -> protocol.DeliveredEpisode:
-        # The same row builder and inputs as finish_session, so both paths give identical rows.
-        as_finish = protocol.FinishSession(
-            msg.request_id, msg.session_id, msg.reward, msg.rollout_id, msg.metadata, msg.wait_timeout
-        )
-        metadata = {**finished.metadata, **msg.metadata}
-        try:
-            trace_rows, status = self._rows.build(finished, as_finish)
-        except Exception:
-            # No caller is waiting to be told: the episode carries the failure, never silently lost.
-            self._counters["finish_failures"] += 1
-            logger.exception("building rows of session %s failed (%d turns)", finished.sid, len(finished.turns))
-            trace_rows, status = [], "failed"
-            metadata["error"] = "building rows failed; see the broker log"
-        if finished.turns_abandoned:
-            self._counters["drain_timeouts"] += 1
-        return protocol.DeliveredEpisode(
-            0,
-            finished.sid,
-            trace_rows,
-            msg.reward,
-            msg.rollout_id,
-            metadata,
-            status,
-            False,
-            finished.group,
-            finished.finished_by,
-            len(finished.turns),
-            finished.turns_abandoned,
-        )
-
     # --- stats / shutdown --------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -444,32 +308,23 @@ class BrokerServer:
         return {
             **self.registry.stats(),
             **self.outbox.stats(),
-            "finishes_parked": len(self._parked),
+            **self.finishes.stats(),
             "refusals": dict(self._refusals),
             "protocol_errors": self._counters["protocol_errors"],
             "replies_dropped": self._counters["replies_dropped"],
-            "drain_timeouts": self._counters["drain_timeouts"],
-            "finish_failures": self._counters["finish_failures"],
             "uptime_s": round(time.monotonic() - self._started, 3),
             "protocol_version": protocol.PROTOCOL_VERSION,
         }
 
     def _shutdown(self) -> None:
         # Parked finishers get what was committed (drain_timeout) instead of a dead socket.
-        for sid in list(self._parked):
-            self._reply_parked(self._parked.pop(sid))
-        self._deadlines.clear()
+        self._send_all(self.finishes.shutdown(time.monotonic()))
         # Long polls are answered empty; unacknowledged episodes die with this process (documented).
         self._send_all(self.outbox.close())
         if self._ctx is not None:
             self._ctx.destroy(linger=self.config.shutdown_linger_ms)
             self._ctx = None
         logger.info("broker stopped")
-
-
-def _check_wait(wait: float) -> None:
-    if not math.isfinite(wait) or wait < 0:
-        raise Refusal("bad_request", f"wait_timeout must be a finite number >= 0, got {wait!r}")
 
 
 def run_broker(config: BrokerConfig, *, out: Any = None) -> int:

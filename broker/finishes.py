@@ -1,0 +1,208 @@
+"""Finishing sessions: the three ways in, parked drains, and rows built once per session.
+
+Owns what happens between "finish this session" and its rows: `finish_session` (the trainer
+waits for a `SessionFinished`), `RequestFinish` from a trainer or an agent (answered at once;
+the episode goes to `outbox.Outbox`), parking while in-flight turns drain (up to each finish's
+`wait_timeout`), and building rows exactly once whichever way came first. No sockets: it
+returns the replies to send (all to trainer peers) with their envelopes, and takes `now` from
+the caller. Imports the stdlib and `broker.*` only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from broker import protocol
+from broker.outbox import Envelope, Outbox, Reply
+from broker.rows import RowBuilder
+from broker.sessions import FinishedSession, FinishOrigin, Refusal, SessionRegistry
+
+logger = logging.getLogger(__name__)
+
+AnyFinish = protocol.FinishSession | protocol.RequestFinish
+
+
+@dataclass(slots=True)
+class _Parked:
+    envelope: Envelope | None  # None: a RequestFinish, already answered; its episode goes to the outbox
+    msg: AnyFinish
+    deadline: float
+    token: int
+
+
+class Finishes:
+    """Finishes in progress, and the step that turns a finished session into rows.
+
+    Args:
+        registry: the session registry (closes and frees sessions).
+        rows: builds a finished session's rows (the same for every way of finishing).
+        outbox: where episodes finished by request go.
+        max_wait_timeout: ceiling on any finish's drain wait, seconds.
+    """
+
+    def __init__(self, registry: SessionRegistry, rows: RowBuilder, outbox: Outbox, max_wait_timeout: float) -> None:
+        self._registry = registry
+        self._rows = rows
+        self._outbox = outbox
+        self._max_wait = max_wait_timeout
+        self._parked: dict[str, _Parked] = {}
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._tokens = itertools.count()
+        self.counters: dict[str, int] = {"drain_timeouts": 0, "finish_failures": 0}
+
+    # --- the ways in ---------------------------------------------------------------------
+
+    def finish(self, envelope: Envelope, msg: protocol.FinishSession, now: float) -> protocol.Message | None:
+        """The trainer's blocking finish: its rows now if nothing is in flight, else None (parked)."""
+        _check_wait(msg.wait_timeout)
+        session = self._registry.close(msg.session_id, "trainer")
+        if not session.in_flight or msg.wait_timeout == 0:
+            return self._complete(msg)
+        self._park(envelope, msg, now)
+        return None
+
+    def request_finish(
+        self, msg: protocol.RequestFinish, origin: FinishOrigin, now: float
+    ) -> tuple[protocol.FinishAccepted, list[Reply]]:
+        """Close the session and accept at once; its episode reaches the outbox when its turns have landed.
+
+        Room in the outbox is reserved before the session closes: a full outbox refuses (busy) and
+        leaves the session open, so a refused finish loses nothing and can be retried.
+        """
+        _check_wait(msg.wait_timeout)
+        self._registry.closable(msg.session_id)  # "already finished" before "busy": the precise answer
+        self._outbox.reserve()
+        session = self._registry.close(msg.session_id, origin)
+        out: list[Reply] = []
+        if not session.in_flight or msg.wait_timeout == 0:
+            out = self._complete_into_outbox(msg, now)
+        else:
+            self._park(None, msg, now)
+        return protocol.FinishAccepted(msg.request_id, msg.session_id), out
+
+    def dropped(self, sid: str) -> list[Reply]:
+        """The session was dropped: a parked finisher is told; a promised episode will not come."""
+        parked = self._parked.pop(sid, None)
+        if parked is None:
+            return []
+        if parked.envelope is None:
+            self._outbox.unreserve()
+            return []
+        refused = protocol.Refused(parked.msg.request_id, "unknown_session", f"session {sid!r} was dropped")
+        return [(parked.envelope, refused)]
+
+    # --- drains --------------------------------------------------------------------------
+
+    def turn_ended(self, sid: str, now: float) -> list[Reply]:
+        """A commit or abort may have drained a closing session whose finish is parked."""
+        parked = self._parked.get(sid)
+        if parked is None or sid not in self._registry or self._registry.get(sid).in_flight:
+            return []
+        del self._parked[sid]
+        return self._settle(parked, now)
+
+    def expire(self, now: float) -> list[Reply]:
+        """Finish the parked sessions whose drain deadline passed (their cut-off turns are abandoned)."""
+        out: list[Reply] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, token, sid = heapq.heappop(self._deadlines)
+            parked = self._parked.get(sid)
+            if parked is not None and parked.token == token:
+                del self._parked[sid]
+                out += self._settle(parked, now)
+        return out
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def shutdown(self, now: float) -> list[Reply]:
+        """Finish everything parked with what was committed (drain_timeout), rather than leave finishers hanging."""
+        out: list[Reply] = []
+        for sid in list(self._parked):
+            out += self._settle(self._parked.pop(sid), now)
+        self._deadlines.clear()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"finishes_parked": len(self._parked), **self.counters}
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _park(self, envelope: Envelope | None, msg: AnyFinish, now: float) -> None:
+        token = next(self._tokens)
+        deadline = now + min(msg.wait_timeout, self._max_wait)
+        self._parked[msg.session_id] = _Parked(envelope, msg, deadline, token)
+        heapq.heappush(self._deadlines, (deadline, token, msg.session_id))
+
+    def _settle(self, parked: _Parked, now: float) -> list[Reply]:
+        if isinstance(parked.msg, protocol.RequestFinish):
+            return self._complete_into_outbox(parked.msg, now)
+        assert parked.envelope is not None
+        try:
+            reply = self._complete(parked.msg)
+        except Exception:  # _complete answers its own failures; this is a last guard
+            logger.exception("finish of session %s failed", parked.msg.session_id)
+            reply = protocol.Refused(parked.msg.request_id, "internal", "finish failed; see the broker log")
+        return [(parked.envelope, reply)]
+
+    def _complete(self, msg: protocol.FinishSession) -> protocol.Message:
+        finished = self._registry.finish(msg.session_id)
+        try:
+            trace_rows, status = self._rows.build(finished, msg)
+        except Exception:
+            self.counters["finish_failures"] += 1
+            logger.exception("building rows of session %s failed (%d turns)", finished.sid, len(finished.turns))
+            return protocol.Refused(
+                msg.request_id, "internal", f"building rows of session {finished.sid!r} failed; see the broker log"
+            )
+        if finished.turns_abandoned:
+            self.counters["drain_timeouts"] += 1
+        return protocol.SessionFinished(
+            msg.request_id, finished.sid, trace_rows, status, len(finished.turns), finished.turns_abandoned
+        )
+
+    def _complete_into_outbox(self, msg: protocol.RequestFinish, now: float) -> list[Reply]:
+        """Build the rows of a session finished by request (once) and put the episode in the outbox."""
+        finished = self._registry.finish(msg.session_id)
+        return self._outbox.add(self._episode(finished, msg), finished.client_id, now)
+
+    def _episode(self, finished: FinishedSession, msg: protocol.RequestFinish) -> protocol.DeliveredEpisode:
+        # The same row builder and inputs as finish_session, so both paths give identical rows.
+        as_finish = protocol.FinishSession(
+            msg.request_id, msg.session_id, msg.reward, msg.rollout_id, msg.metadata, msg.wait_timeout
+        )
+        metadata = {**finished.metadata, **msg.metadata}
+        try:
+            trace_rows, status = self._rows.build(finished, as_finish)
+        except Exception:
+            # No caller is waiting to be told: the episode carries the failure, never silently lost.
+            self.counters["finish_failures"] += 1
+            logger.exception("building rows of session %s failed (%d turns)", finished.sid, len(finished.turns))
+            trace_rows, status = [], "failed"
+            metadata["error"] = "building rows failed; see the broker log"
+        if finished.turns_abandoned:
+            self.counters["drain_timeouts"] += 1
+        return protocol.DeliveredEpisode(
+            0,
+            finished.sid,
+            trace_rows,
+            msg.reward,
+            msg.rollout_id,
+            metadata,
+            status,
+            False,
+            finished.group,
+            finished.finished_by,
+            len(finished.turns),
+            finished.turns_abandoned,
+        )
+
+
+def _check_wait(wait: float) -> None:
+    if not math.isfinite(wait) or wait < 0:
+        raise Refusal("bad_request", f"wait_timeout must be a finite number >= 0, got {wait!r}")
