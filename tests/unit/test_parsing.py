@@ -29,6 +29,16 @@ REPLY = {
 }
 
 
+_RENDERERS: dict[int, Renderer] = {}
+
+
+def renderer(tokenizer) -> Renderer:
+    """One Renderer per tokenizer: building one probes the tokenizer, which costs seconds."""
+    if id(tokenizer) not in _RENDERERS:
+        _RENDERERS[id(tokenizer)] = Renderer(tokenizer)
+    return _RENDERERS[id(tokenizer)]
+
+
 @pytest.fixture(scope="module", params=["builtin", "qwen3"])
 def tokenizer(request, builtin_tokenizer, qwen3_tokenizer):
     return builtin_tokenizer if request.param == "builtin" else qwen3_tokenizer
@@ -36,7 +46,7 @@ def tokenizer(request, builtin_tokenizer, qwen3_tokenizer):
 
 def sampled_ids(tokenizer, prompt: list[dict], reply: dict) -> tuple[str, list[int]]:
     """(prompt text, reply ids) as a model would have produced the reply: the template's own rendering."""
-    prefix = Renderer(tokenizer).render(prompt, TOOLS).text
+    prefix = renderer(tokenizer).render(prompt, TOOLS).text
     full = tokenizer.apply_chat_template(template_messages([*prompt, reply]), tools=TOOLS, tokenize=False)
     assert full.startswith(prefix)
     out = full[len(prefix) :]
@@ -52,7 +62,7 @@ def test_round_trip_reasoning_text_and_parallel_calls(tokenizer):
     assert not parsed.ill_formed and parsed.error is None
     assert parsed.canonical_message() == REPLY
     # The prompt may be given as ids too (only its last assistant header is decoded).
-    prompt_ids = Renderer(tokenizer).render(QUESTION, TOOLS).prompt_ids
+    prompt_ids = renderer(tokenizer).render(QUESTION, TOOLS).prompt_ids
     assert parser.parse(ids, prompt_ids, TOOLS) == parsed
 
 
@@ -107,7 +117,7 @@ def test_generation_prompt_that_prefills_think(qwen3_tokenizer):
     ],
 )
 def test_malformed_output_degrades_to_raw_text(tokenizer, output, error):
-    prefix = Renderer(tokenizer).render(QUESTION, TOOLS).text
+    prefix = renderer(tokenizer).render(QUESTION, TOOLS).text
     ids = tokenizer.encode(output + "<|im_end|>", add_special_tokens=False)
     parsed = detect_parser(tokenizer).parse(ids, prefix, TOOLS)
     assert parsed == ParsedResponse(content=output, reasoning=None, tool_calls=[], ill_formed=True, error=parsed.error)
@@ -116,7 +126,7 @@ def test_malformed_output_degrades_to_raw_text(tokenizer, output, error):
 
 def test_end_markers_are_stripped_and_truncation_is_not_ill_formed(builtin_tokenizer):
     parser = detect_parser(builtin_tokenizer)
-    prefix = Renderer(builtin_tokenizer).render(QUESTION).text
+    prefix = renderer(builtin_tokenizer).render(QUESTION).text
     encode = lambda text: builtin_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     for tail in ("<|im_end|>", "<|im_end|>\n<|endoftext|>", "<|endoftext|>", ""):
         parsed = parser.parse(encode("<think>\nr\n</think>\n\nAnswer." + tail), prefix)
@@ -130,7 +140,7 @@ def test_end_markers_are_stripped_and_truncation_is_not_ill_formed(builtin_token
 
 def test_double_encoded_arguments_and_text_after_calls(builtin_tokenizer):
     parser = detect_parser(builtin_tokenizer)
-    prefix = Renderer(builtin_tokenizer).render(QUESTION, TOOLS).text
+    prefix = renderer(builtin_tokenizer).render(QUESTION, TOOLS).text
     output = (
         'Checking.\n<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"q\\"}"}\n</tool_call>\n'
         "Done calling.<|im_end|>"
