@@ -123,6 +123,7 @@ class TrainerClient:
         """Close the session, let in-flight turns land for up to `wait_timeout` s, and return its rows.
 
         The session is freed afterwards. `rollout_id` is stored as a string (ints are converted).
+        A session finishes once: `SessionClosed` if `request_finish` or its agent finished it first.
         """
         if not (isinstance(wait_timeout, (int, float)) and wait_timeout >= 0 and math.isfinite(wait_timeout)):
             raise InvalidRequest(f"wait_timeout must be a finite number >= 0, got {wait_timeout!r}")
@@ -156,7 +157,8 @@ class TrainerClient:
         The episode (rows built exactly as `finish_session` builds them, after in-flight turns had up
         to `wait_timeout` s to land) arrives on `episodes()`. Raises `SessionClosed` if the session
         already finished (by any path), `UnknownSession`, or `BrokerBusy` when the episode outbox is
-        full (the session stays open: consume episodes, then retry).
+        full (the session stays open: consume episodes, then retry). The outbox is in the broker's
+        memory: episodes not yet acknowledged when the broker restarts are lost with it.
         """
         if not (isinstance(wait_timeout, (int, float)) and wait_timeout >= 0 and math.isfinite(wait_timeout)):
             raise InvalidRequest(f"wait_timeout must be a finite number >= 0, got {wait_timeout!r}")

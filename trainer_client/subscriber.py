@@ -5,7 +5,9 @@ its own, one `FetchEpisodes` request per step that acknowledges what was consume
 lease, reports what it holds and asks for as many episodes as its credit allows (a long poll
 when nothing is buffered). Delivery is at least once: an episode stays leased to this stream
 until acknowledged, and goes to another subscriber (marked redelivered) if this one stops
-polling for longer than its lease. Plain blocking pyzmq in the caller's thread; imports zmq,
+polling for longer than its lease. The outbox lives in the broker's memory: a broker restart
+loses the episodes it held unacknowledged (the stream reconnects by itself and logs how many
+it held); there is no persistence. Plain blocking pyzmq in the caller's thread; imports zmq,
 the stdlib, `broker.protocol` and `trainer_client` only.
 """
 
@@ -51,7 +53,8 @@ class EpisodeStream:
     last episode is acknowledged and unseen buffered ones go straight back to the broker; an
     exception leaving the `with` block hands the current one back unacknowledged (it will be
     redelivered). A stream abandoned without `close()` gets its episodes redelivered once its
-    lease runs out. One thread iterates a stream; `ack()` may come from any thread.
+    lease runs out. One thread iterates a stream (in the process that created it); `ack()` may
+    come from any thread, and waits for a long poll in progress (at most POLL_WAIT_S) to return.
 
     Args:
         client: the `TrainerClient` whose context, endpoint and call timeout it uses.
