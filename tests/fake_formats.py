@@ -342,11 +342,14 @@ _TOOL_READERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
 
 
 def plan(prompt: Prompt, rng: random.Random, digest: bytes, tool_rounds: int, parallel: bool) -> dict[str, Any]:
-    """The reply a fake model gives: reasoning, then one or two calls or a final answer."""
+    """The reply a fake model gives: reasoning, then calls (two at first where the family allows) or an answer."""
     reasoning = f"Step {prompt.answered + 1}: I look at the {rng.choice(WORDS)} case."
     if prompt.tools and prompt.answered < tool_rounds:
         calls = []
-        for n in range(1 + (digest[0] % 2 if parallel else 0)):
+        count = 1
+        if parallel:  # the first round always calls two tools in parallel; later ones one or two
+            count = 2 if prompt.answered == 0 else 1 + digest[0] % 2
+        for n in range(count):
             tool = prompt.tools[(digest[1] + n) % len(prompt.tools)]
             args: dict[str, Any] = {}
             for name, kind in tool["properties"].items():

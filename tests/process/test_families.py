@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from assets import TOOLS, FakeEngine
+from assets import FAKE_ENGINE_START_TIMEOUT_S, TOOLS, FakeEngine
 from fake_formats import FAMILIES, WRITERS, family_tokenizer_dir, plan, read_prompt, template_path
 from fidelity import assert_fidelity
 from processes import TestProcess
@@ -37,7 +37,7 @@ from trainer_client import launch_gateway
 
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "fake_engine.py"
 MAX_TURNS = 5
-TOOL_ROUNDS = 2
+TOOL_ROUNDS = 3  # results before the answer: 2 parallel calls, then 1 or 2
 REFUSAL_TIMEOUT_S = 60.0
 # One template per response format (qwen3 runs in test_serve_openai.py): the cheapest set that covers all.
 E2E_FAMILIES = [
@@ -57,7 +57,7 @@ _ALIASES_THINKING = hasattr(
 class FamilyEngine(FakeEngine):
     """The fake engine process writing one family's syntax (`tests/fake_engine.py --format`)."""
 
-    def __init__(self, tokenizer_dir: str, writer: str) -> None:  # noqa: D107 - same controls as FakeEngine
+    def __init__(self, tokenizer_dir: str, writer: str) -> None:  # the same controls as FakeEngine
         self.process = TestProcess(
             [
                 sys.executable,
@@ -75,7 +75,7 @@ class FamilyEngine(FakeEngine):
             name=f"fake_engine[{writer}]",
         ).start()
         try:
-            self.url = self.process.expect(r"FAKE ENGINE READY (\S+)", 30.0).group(1)
+            self.url = self.process.expect(r"FAKE ENGINE READY (\S+)", FAKE_ENGINE_START_TIMEOUT_S).group(1)
         except BaseException:
             self.process.stop()
             raise
@@ -103,7 +103,8 @@ def _engine_turns(engine: FakeEngine, sid: str, policy: Any) -> tuple[list[TurnR
     for i, req in enumerate(engine.log(routing_key(sid))["requests"]):
         body = req["body"]
         prompt = body.get("token_ids") or body.get("input_ids")
-        ids, lps, finish = policy(prompt, int(body["sampling_params"]["max_tokens"]))
+        params = body["sampling_params"]
+        ids, lps, finish = policy(prompt, int(params.get("max_tokens", params.get("max_new_tokens", 16))))
         prompts.append(prompt)
         turns.append(
             TurnRecord(
@@ -179,7 +180,7 @@ def family_gateway(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, F
     with FamilyEngine(tokenizer_dir, FAMILIES[key].writer) as engine:
         with launch_gateway(
             workers=1,
-            engine_kind="vllm",
+            engine_kind="sglang" if E2E_FAMILIES.index(key) % 2 else "vllm",  # both wire formats
             engine_urls=[engine.url],
             tokenizer=tokenizer_dir,
             extra_args=["--log-level", "warning", "--engine-timeout", "20"],
@@ -210,7 +211,8 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
             if FORMATS[family.format_name].reasoning:
                 assert message.reasoning_content, (key, message)
         if tools:
-            assert received[-1].content.startswith("Final answer after") and len(received) >= 2
+            assert received[-1].content.startswith("Final answer after") and len(received) >= 3
+            assert len(received[0].tool_calls) == (2 if family.parallel else 1)
         assert not any(r.metadata["ill_formed"] for r in records)
         if family.format_name == "deepseek_r1" or (family.format_name == "gpt_oss" and not _ALIASES_THINKING):
             # The template re-renders earlier replies without their reasoning: the builder starts new rows.
