@@ -160,8 +160,11 @@ class FormatParser:
             return ill_formed(text, verdict)
         try:
             parsed = self._run_engine(text, head, tools)
-        except Exception as e:  # any engine failure is a verdict on the output, never a 500
+        except (ValueError, TypeError, KeyError, IndexError) as e:  # the engines' verdicts on malformed output
             return ill_formed(text, f"unparseable reply: {type(e).__name__}: {str(e)[:300]}")
+        except Exception as e:  # not a verdict but a failure: still never a 500 for the agent, but logged
+            logger.exception("format %s: the %s parsing engine failed on a reply", self.format_name, self.engine)
+            return ill_formed(text, f"parser failure: {type(e).__name__}")
         raw_calls = parsed.get("tool_calls") or []
         if not isinstance(raw_calls, list):
             raw_calls = [raw_calls]
