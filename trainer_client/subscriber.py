@@ -176,7 +176,7 @@ class EpisodeStream:
             self._release.extend(e.delivery_id for e in self._buffer)
             self._buffer.clear()
             try:
-                if self._sock is not None and holding:
+                if holding:  # (a socket dropped after a timeout is simply made again)
                     self._exchange(0.0, fetch=False, timeout=CLOSE_TIMEOUT_S)
             except GatewayError as e:
                 logger.warning(

@@ -2,7 +2,7 @@
 
 The app here mounts only the finish route, with the state it reads (config, counters and a
 pipeline holding the backplane); the worker's full app is exercised through `serve` in
-tests/process/test_episode_stream.py. Covers the flag (404), auth (401), body validation
+tests/process/test_serve_episode_stream.py. Covers the flag (404), auth (401), body validation
 (400), exactly-once (410 after any other finish), a full outbox (503 with Retry-After, the
 session left open) and the accepted episode reaching the trainer's stream.
 """

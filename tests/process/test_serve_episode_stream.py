@@ -84,31 +84,31 @@ def gateway(engine: FakeEngine, qwen3_tokenizer_dir: str) -> Iterator[Any]:
 
 def run_agent(base_url: str, sid: str, index: int) -> int:
     """A tool-using agent on the official SDK (retrying 5xx as it does by default); returns its number of turns."""
-    client = openai.OpenAI(base_url=base_url, api_key=sid, max_retries=2, timeout=30)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a careful weather agent."},
-        {"role": "user", "content": f"Agent {index}: what is the weather in city number {index}?"},
-    ]
-    for turn in range(1, MAX_TURNS + 1):
-        message = client.chat.completions.create(model="qwen3", messages=messages, tools=TOOLS).choices[0].message
-        echo: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
-        if getattr(message, "reasoning_content", None):
-            echo["reasoning_content"] = message.reasoning_content
-        if message.tool_calls:
-            echo["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": c.function.arguments},
-                }
-                for c in message.tool_calls
-            ]
-        messages.append(echo)
-        if not message.tool_calls:
-            return turn
-        for call in message.tool_calls:
-            result = json.dumps({"ok": True, **json.loads(call.function.arguments)})
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    with openai.OpenAI(base_url=base_url, api_key=sid, max_retries=2, timeout=30) as client:
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a careful weather agent."},
+            {"role": "user", "content": f"Agent {index}: what is the weather in city number {index}?"},
+        ]
+        for turn in range(1, MAX_TURNS + 1):
+            message = client.chat.completions.create(model="qwen3", messages=messages, tools=TOOLS).choices[0].message
+            echo: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+            if getattr(message, "reasoning_content", None):
+                echo["reasoning_content"] = message.reasoning_content
+            if message.tool_calls:
+                echo["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in message.tool_calls
+                ]
+            messages.append(echo)
+            if not message.tool_calls:
+                return turn
+            for call in message.tool_calls:
+                result = json.dumps({"ok": True, **json.loads(call.function.arguments)})
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return MAX_TURNS
 
 
@@ -128,20 +128,20 @@ class Busy:
 
 def agent_finish(root: str, sid: str, body: dict[str, Any], busy: Busy) -> None:
     """The agent finishes its own session through the SDK's client; a full outbox (503) is retried."""
-    client = openai.OpenAI(base_url=root, api_key=sid, max_retries=0, timeout=30)
     deadline = time.monotonic() + FINISH_DEADLINE_S
-    while True:
-        try:
-            reply = client.post(FINISH_PATH, body=body, cast_to=httpx.Response)
-        except openai.APIStatusError as e:
-            assert e.status_code == 503 and e.response.headers["retry-after"], e
-            assert e.body["code"] == "outbox_full"
-            busy.saw("agent")
-            assert time.monotonic() < deadline
-            time.sleep(BUSY_RETRY_S)
-            continue
-        assert reply.json() == {"object": "rollout.session.finish", "status": "accepted"}
-        return
+    with openai.OpenAI(base_url=root, api_key=sid, max_retries=0, timeout=30) as client:
+        while True:
+            try:
+                reply = client.post(FINISH_PATH, body=body, cast_to=httpx.Response)
+            except openai.APIStatusError as e:
+                assert e.status_code == 503 and e.response.headers["retry-after"], e
+                assert e.body["code"] == "outbox_full"
+                busy.saw("agent")
+                assert time.monotonic() < deadline
+                time.sleep(BUSY_RETRY_S)
+                continue
+            assert reply.json() == {"object": "rollout.session.finish", "status": "accepted"}
+            return
 
 
 def trainer_finish(client: TrainerClient, sid: str, body: dict[str, Any], busy: Busy) -> None:
@@ -297,8 +297,7 @@ def test_through_serve_a_second_finish_is_a_final_410_the_sdk_does_not_retry(gat
     run_agent(gateway.base_url, sid, 1)
     gateway.client.finish_session(sid)
     closed_before = gateway.client.stats()["refusals"].get("session_closed", 0)
-    sdk = openai.OpenAI(base_url=root, api_key=sid, max_retries=3)
-    with pytest.raises(openai.APIStatusError) as e:
+    with openai.OpenAI(base_url=root, api_key=sid, max_retries=3) as sdk, pytest.raises(openai.APIStatusError) as e:
         sdk.post(FINISH_PATH, body={"reward": 1.0}, cast_to=httpx.Response)
     assert e.value.status_code == 410 and e.value.body["code"] == "session_finished"
     assert "finished by the trainer" in e.value.body["message"]
@@ -308,8 +307,8 @@ def test_through_serve_a_second_finish_is_a_final_410_the_sdk_does_not_retry(gat
     # the agent first: the trainer's finish is refused, the episode reaches the stream
     sid = gateway.client.open_session(group="agent-first")
     run_agent(gateway.base_url, sid, 2)
-    sdk = openai.OpenAI(base_url=root, api_key=sid, max_retries=0)
-    sdk.post(FINISH_PATH, body={"reward": 0.5, "rollout_id": 7}, cast_to=httpx.Response)
+    with openai.OpenAI(base_url=root, api_key=sid, max_retries=0) as sdk:
+        sdk.post(FINISH_PATH, body={"reward": 0.5, "rollout_id": 7}, cast_to=httpx.Response)
     with pytest.raises(SessionClosed, match="finished by the agent"):
         gateway.client.finish_session(sid)
     with gateway.client.episodes(group="agent-first", timeout=10) as stream:
