@@ -1,9 +1,9 @@
 """The format registry: chat template (by sha256) -> response format -> parser, plus operator overrides.
 
 `detect_parser` recognises a tokenizer's chat template by the sha256 of its text (the real
-templates as the model repos ship them; the trl wheel carries byte-identical copies that the
-tests hash). `--response-format NAME` overrides detection; NAME may also be `pkg.module:factory`,
-a callable taking the tokenizer and returning a `ResponseParser`. An unknown template with no
+templates as the model repos ship them; the tests hash the copies the trl wheel carries).
+`--response-format NAME` overrides detection; NAME may also be `pkg.module:factory`, a
+callable taking the tokenizer and returning a `ResponseParser`. An unknown template with no
 format raises `ParserUnavailable` unless plain-text serving is allowed, which parses content only
 and refuses tools. `resolve_format` runs the same decision without a tokenizer (the CLI's check
 before it spawns workers). Must not import the app, adapters, engines or the backplane.
