@@ -420,12 +420,12 @@ class Refused(Message):
     message: str
 
 
-WorkerToBroker = Union[OpenTurn, CommitTurn, AbortTurn, GetTurn, RequestFinish]
-BrokerToWorker = Union[TurnOpened, TurnCommitted, TurnAborted, TurnFound, FinishAccepted, Refused]
-TrainerToBroker = Union[OpenSession, FinishSession, DropSession, GetStats, RequestFinish, FetchEpisodes]
-BrokerToTrainer = Union[
-    SessionOpened, SessionFinished, SessionDropped, Stats, FinishAccepted, EpisodesDelivered, Refused
-]
+WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | RequestFinish
+BrokerToWorker = TurnOpened | TurnCommitted | TurnAborted | TurnFound | FinishAccepted | Refused
+TrainerToBroker = OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes
+BrokerToTrainer = (
+    SessionOpened | SessionFinished | SessionDropped | Stats | FinishAccepted | EpisodesDelivered | Refused
+)
 
 
 # --- codec ----------------------------------------------------------------------------------
@@ -469,7 +469,7 @@ def _converter(hint: Any) -> Callable[[object], object]:
         return _optional(_converter(args[0]))
     if origin is list:
         (item,) = typing.get_args(hint)
-        if dataclasses.is_dataclass(item):
+        if isinstance(item, type) and dataclasses.is_dataclass(item):
             return _list_of(_struct_decoder(item))
         if item in (int, str):  # e.g. delivery ids: each element is checked too
             return _list_of(_converter(item))
@@ -520,7 +520,7 @@ def _build(cls: type, values: list[object]) -> Any:
     if len(values) > len(spec):
         raise TypeError(f"{len(values)} fields, {cls.__name__} has {len(spec)}")
     kwargs = {}
-    for (name, decoder, _), value in zip(spec, values):
+    for (name, decoder, _), value in zip(spec, values, strict=False):  # older peers send fewer
         try:
             kwargs[name] = decoder(value)
         except TypeError as e:
