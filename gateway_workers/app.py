@@ -31,8 +31,8 @@ from gateway_workers.backplane import Backplane
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
 from gateway_workers.finish_route import FINISH_PATH, finish_session
+from gateway_workers.formats import PLAIN_TEXT, detect_parser
 from gateway_workers.live import start_live_turn
-from gateway_workers.parsing import PLAIN_TEXT, detect_parser
 from gateway_workers.render import Renderer
 from gateway_workers.tokenizer import load_tokenizer
 from gateway_workers.turns import ApiError, TurnPipeline

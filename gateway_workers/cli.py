@@ -181,7 +181,7 @@ def _run_workers(args: argparse.Namespace, config: WorkerConfig, control: str | 
 
 def _check_response_format(args: argparse.Namespace, tokenizer_dir: str) -> None:
     """Refuse to start, before any process is spawned, when the workers could not parse the model's replies."""
-    from gateway_workers.parsing import ParserUnavailable, resolve_format, template_from_dir
+    from gateway_workers.formats import ParserUnavailable, resolve_format, template_from_dir
 
     try:
         template = template_from_dir(tokenizer_dir, args.chat_template)

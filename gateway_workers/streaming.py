@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from gateway_workers.parsing import ParsedResponse
+from gateway_workers.formats import ParsedResponse
 
 logger = logging.getLogger(__name__)
 

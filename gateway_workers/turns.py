@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from broker import protocol
 from gateway_workers.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
-from gateway_workers.parsing import ParsedResponse, ResponseParser
+from gateway_workers.formats import ParsedResponse, ResponseParser
 from gateway_workers.render import Renderer, RenderError
 
 logger = logging.getLogger(__name__)

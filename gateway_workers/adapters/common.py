@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway_workers.parsing import ParsedResponse
+from gateway_workers.formats import ParsedResponse
 from gateway_workers.streaming import DeltaKind, LiveDelta
 from gateway_workers.turns import ApiError
 

@@ -38,8 +38,9 @@ from gateway_workers.adapters.common import (
     reply_deltas,
     sse,
 )
+from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the Responses API shares its error shape
+from gateway_workers.formats import ParsedResponse
 from gateway_workers.live import LiveTurn
-from gateway_workers.parsing import ParsedResponse
 from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
 
 _IGNORED = {
@@ -73,26 +74,6 @@ _HANDLED = {
 _RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
-
-_ERROR_TYPES = {
-    "invalid_request": "invalid_request_error",
-    "authentication": "authentication_error",
-    "permission": "permission_error",
-    "not_found": "not_found_error",
-    "rate_limit": "rate_limit_error",
-}
-
-
-def error_body(error: ApiError) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": error.message,
-            "type": _ERROR_TYPES.get(error.kind, "api_error"),
-            "param": error.param,
-            "code": error.code,
-        }
-    }
-
 
 @dataclass(frozen=True, slots=True)
 class ResponsesRequest:

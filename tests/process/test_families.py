@@ -32,7 +32,7 @@ from processes import TestProcess
 from broker.protocol import ids_array, logprobs_array
 from broker.trajectory import TurnRecord
 from gateway_workers.engines.routing import routing_key
-from gateway_workers.parsing import FORMATS
+from gateway_workers.formats import FORMATS
 from trainer_client import launch_gateway
 
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "fake_engine.py"

@@ -162,7 +162,7 @@ def test_sixteen_agents_capture_exactly_what_the_engine_sampled(gateway: Any, fa
 
     async def run_all() -> list[list[Any]]:
         jobs = []
-        for i, ((sync, stream, reasoning), sid) in enumerate(zip(kinds, sids)):
+        for i, ((sync, stream, reasoning), sid) in enumerate(zip(kinds, sids, strict=True)):
             if sync:
                 jobs.append(asyncio.to_thread(sync_agent, gateway.base_url, sid, i, stream, reasoning))
             else:
@@ -171,7 +171,7 @@ def test_sixteen_agents_capture_exactly_what_the_engine_sampled(gateway: Any, fa
 
     received = asyncio.run(run_all())
     policy = _fake_policy(qwen3_tokenizer_dir)
-    for (sync, stream, reasoning), sid, messages in zip(kinds, sids, received):
+    for (sync, stream, reasoning), sid, messages in zip(kinds, sids, received, strict=True):
         # The fake engine calls tools (one or two in parallel) until two results are in, then answers.
         assert 2 <= len(messages) <= 3
         assert messages[-1].content.startswith("Final answer after") and not messages[-1].tool_calls

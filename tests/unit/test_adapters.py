@@ -14,7 +14,7 @@ from broker.protocol import TurnFound
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
 from gateway_workers.adapters.common import from_list
 from gateway_workers.engines.base import EngineResult
-from gateway_workers.parsing import ParsedResponse
+from gateway_workers.formats import ParsedResponse
 from gateway_workers.streaming import LiveDelta
 from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
 

@@ -21,7 +21,7 @@ from fake_formats import FAMILIES, WRITERS, family_tokenizer_dir, template_path,
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway_workers.parsing import (
+from gateway_workers.formats import (
     FORMATS,
     PLAIN_TEXT,
     TEMPLATE_FORMATS,

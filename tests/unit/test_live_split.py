@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway_workers.adapters.common import block_events, from_list
-from gateway_workers.parsing import detect_parser
+from gateway_workers.formats import detect_parser
 from gateway_workers.render import Renderer
 from gateway_workers.streaming import (
     BufferedSplitter,

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from packaging.version import Version
 
-from gateway_workers.parsing import FormatParser, ParsedResponse, ParserUnavailable, detect_parser, parsing_engine
+from gateway_workers.formats import FormatParser, ParsedResponse, ParserUnavailable, detect_parser, parsing_engine
 from gateway_workers.render import Renderer, template_messages
 
 QUESTION = [
