@@ -136,7 +136,7 @@ def measure(tokenizer: Any, context_tokens: int, reps: int) -> dict[str, Any]:
 def hot_path(tokenizer: Any, messages: list[dict[str, Any]], ids: list[int], reps: int) -> dict[str, float]:
     """Steps outside render.py, as the adapters / turns.py / engines / parser do them today."""
     from gateway_workers.adapters import openai_chat
-    from gateway_workers.parsing import detect_parser
+    from gateway_workers.formats import detect_parser
 
     wire: list[dict[str, Any]] = []
     for k, m in enumerate(messages):
