@@ -158,7 +158,8 @@ class Messages(Dialect):
             blocks = data["content"]
             tokens = data["usage"]["output_tokens"]
         else:
-            blocks, tokens, partial = [], 0, {}
+            blocks, tokens = [], 0
+            partial: dict[int, str] = {}
             async for event in sse_events(reply):
                 kind = event.get("type")
                 if kind == "content_block_start":

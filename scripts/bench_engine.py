@@ -38,9 +38,10 @@ class Engine:
 
     def __init__(self, tokenizer: Tokenizer, think: bool, think_words: int, delay_s: float, per_token_s: float) -> None:
         self.tokenizer = tokenizer
-        self.eos = tokenizer.token_to_id("<|im_end|>")
-        if self.eos is None:
+        eos = tokenizer.token_to_id("<|im_end|>")
+        if eos is None:
             raise SystemExit("bench engine: the tokenizer has no <|im_end|> token")
+        self.eos: int = eos
         self.think, self.think_words = think, think_words
         self.delay_s, self.per_token_s = delay_s, per_token_s
         self.serial = 0
@@ -217,13 +218,12 @@ def main() -> None:
     args = p.parse_args()
     started = time.time()
     try:
-        import uvloop
-
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
-    try:
-        run(serve(args))
+        try:
+            import uvloop
+        except ImportError:  # the stdlib loop works too, just slower
+            asyncio.run(serve(args))
+        else:
+            uvloop.run(serve(args))
     except KeyboardInterrupt:
         print(f"bench engine stopped after {time.time() - started:.0f}s", file=sys.stderr)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -176,7 +177,7 @@ def start_systems(args: argparse.Namespace, tokenizer_dir: str, engine_url: str)
             systems[f"ours-{workers}w"] = System(
                 f"ours-{workers}w",
                 loadgen.OursTarget(gw.base_url, gw.client),
-                lambda root=root: _tree(root),
+                functools.partial(_tree, root),
                 root=root,
                 roles={"broker": "-m\0broker", "workers": "multiprocessing.spawn"},
             )

@@ -74,7 +74,7 @@ def cpu_seconds(pid: int) -> float:
 
 def thread_cpu(pid: int) -> dict[int, float]:
     """CPU seconds of each live thread, to the microsecond (se.sum_exec_runtime, where the kernel shows it)."""
-    out = {}
+    out: dict[int, float] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:

@@ -42,7 +42,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _capture(runs: list[Run]) -> str:
-    caps = [r.get("capture") for r in runs if r.get("capture")]
+    caps: list[dict[str, Any]] = [r["capture"] for r in runs if r.get("capture")]
     if not caps:
         return "-"
     ok = all(c["ok"] for c in caps)

@@ -193,7 +193,7 @@ class DirectTarget(Target):
         self.url = engine_url.rstrip("/") + "/inference/v1/generate"
         self.hf = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.fast = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
-        self.tools = [{"type": "function", "function": SEARCH}]
+        self.tools: list[Any] = [{"type": "function", "function": SEARCH}]
 
     async def turn(
         self, http: aiohttp.ClientSession, sid: str, dialect: Dialect, state: dict[str, Any], cfg: LoadConfig
@@ -226,11 +226,10 @@ class DirectTarget(Target):
         return reply, latency
 
     def _render(self, messages: list[dict[str, Any]]) -> list[int]:
-        return list(
-            self.hf.apply_chat_template(
-                messages, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+        ids: Any = self.hf.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
+        return list(ids)
 
 
 # --- the run ------------------------------------------------------------------------------------------
@@ -312,20 +311,23 @@ async def run_load(target: Target, cfg: LoadConfig, engine_url: str | None = Non
     latencies: list[list[float]] = [[] for _ in range(cfg.turns)]
     progress = Progress(len(sids) * cfg.turns, f"{target.name}/{cfg.dialect} c={cfg.agents}", cfg.progress)
 
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+
     async def agent(i: int) -> list[AgentLog]:
-        return [
-            await run_agent(k, sids[k], target, dialect, cfg, http, latencies, progress)
-            for k in range(i * cfg.episodes, (i + 1) * cfg.episodes)
-        ]
+        # One keep-alive connection per agent, like an SDK client per agent process: its turns reach
+        # the same gateway worker (a shared pool would scatter them over the workers).
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            return [
+                await run_agent(k, sids[k], target, dialect, cfg, http, latencies, progress)
+                for k in range(i * cfg.episodes, (i + 1) * cfg.episodes)
+            ]
 
     ticker = asyncio.ensure_future(progress.run())
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     try:
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-            t0 = time.perf_counter()
-            logs = [log for logs in await asyncio.gather(*(agent(i) for i in range(cfg.agents))) for log in logs]
-            elapsed = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        logs = [log for logs in await asyncio.gather(*(agent(i) for i in range(cfg.agents))) for log in logs]
+        elapsed = time.perf_counter() - t0
     finally:
         ticker.cancel()
         progress.draw(final=True)
@@ -478,10 +480,14 @@ async def _cli(args: argparse.Namespace, cfg: LoadConfig) -> dict[str, Any]:
     from trainer_client import TrainerClient, launch_gateway
 
     if args.launch:
-        engine = {"engine_kind": "vllm", "engine_urls": [args.engine_url]} if args.engine_url else {}
+        kind, urls = ("vllm", [args.engine_url]) if args.engine_url else ("mock", [])
         with launch_gateway(
-            workers=args.workers, tokenizer=args.tokenizer, extra_args=["--log-level", "warning"], **engine
-        ) as gw:  # type: ignore[arg-type]
+            workers=args.workers,
+            engine_kind=kind,
+            engine_urls=urls,
+            tokenizer=args.tokenizer,
+            extra_args=["--log-level", "warning"],
+        ) as gw:
             return await _run_ours(gw.base_url, gw.client, cfg, args.engine_url)
     if not (args.base_url and args.control):
         raise SystemExit("give --base-url and --control, or --launch")

@@ -6,7 +6,8 @@ glue around its public API, installed at run time into its own venv outside the 
 `transformers==5.12.1`, which it needs below 5.13). `serve` runs inside that venv: it builds
 `RolloutGateway(backend=VllmHttpBackend(engine), renderer=HfTemplateRenderer(tok), ...)` in
 "tree" or "linear" history mode, serves it with `ThreadedGatewayServer`, and adds two benchmark
-routes for the load generator: `POST /_bench/open` and `POST /_bench/finish` (rows as JSON). Prints `REFERENCE READY base_url=URL control=URL`. Imports only the stdlib at module level.
+routes for the load generator: `POST /_bench/open` and `POST /_bench/finish` (rows as JSON).
+Prints `REFERENCE READY base_url=URL control=URL`. Imports only the stdlib at module level.
 """
 
 from __future__ import annotations
