@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -34,8 +35,7 @@ CANONICAL_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Per worker process. A 24k-token conversation holds ~200 KB (text + ids), so the default keeps
 # ~1,000 such conversations; an agent whose pieces were evicted just pays a full encode once.
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
-_ID_BYTES = 4  # array('i')
-_ENTRY_OVERHEAD_BYTES = 200  # dict slot, str and array headers: counted so tiny pieces are not free
+_ENTRY_OVERHEAD_BYTES = 100  # the OrderedDict slot and links, on top of the str and array objects
 # Texts that exercise every boundary effect we know of (leading space markers, NFC across a cut,
 # CRLF, digits, trailing whitespace): a tokenizer that encodes a piece differently alone fails this.
 _PROBE_TEXTS = ("hello world", " x", "  two\n\n", "e\u0301t\u00e9 12345", "\r\n\tz ", "\u0301a", "", "b c\n")
@@ -85,7 +85,8 @@ class SegmentCache:
 
     @staticmethod
     def cost(piece: str, ids: array) -> int:
-        return len(piece) + _ID_BYTES * len(ids) + _ENTRY_OVERHEAD_BYTES
+        # getsizeof is O(1) here and counts 1, 2 or 4 bytes per character, as CPython stores the text.
+        return sys.getsizeof(piece) + sys.getsizeof(ids) + _ENTRY_OVERHEAD_BYTES
 
     def get_many(self, pieces: Sequence[str]) -> list[array | None]:
         """The cached ids of each piece (None for a miss), refreshing the hits' recency."""
