@@ -369,19 +369,29 @@ def _plots(s: dict[str, Any], out_dir: Path) -> list[Path]:
     workers = sorted({int(n.split("-")[1][:-1]) for n in systems if n.startswith("ours-")})
     if len(workers) < 2:
         return [first]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.5))
     for agents in sorted({a for a, _ in sweep}):
         vals = [sweep.get((agents, f"ours-{w}w")) for w in workers]
         if all(vals):
             ax1.plot(workers, [v["tput"] for v in vals], marker="o", label=f"{agents} agents")
             ax2.plot(workers, [v["p99"] for v in vals], marker="o", label=f"{agents} agents")
-    for ax, title, ylabel in ((ax1, "throughput vs workers (4k)", "turns/s"), (ax2, "p99 vs workers (4k)", "ms")):
+    scaling = s["workers"]
+    names = [f"ours-{w}w" for w in workers if f"ours-{w}w" in scaling]
+    if names:
+        ax3.bar([n + "\nturns/s" for n in names], [scaling[n]["tput"] for n in names], color="tab:blue")
+        ax3.bar([n + "\nturns/CPU-s" for n in names], [scaling[n]["eff"] for n in names], color="tab:gray")
+    for ax, title, ylabel in (
+        (ax1, "throughput vs workers (4k, gateway cores only)", "turns/s"),
+        (ax2, "p99 vs workers (4k, gateway cores only)", "ms"),
+    ):
         ax.set_xticks(workers)
         ax.set_xlabel("uvicorn workers")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    ax3.set_title("64 agents, gateway on all cores")
+    ax3.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     second = out_dir / "workers.png"
     fig.savefig(second, dpi=110)
