@@ -97,7 +97,7 @@ class CapturedTurn:
     session_id: str
     turn_id: str
     request: TurnRequest
-    prompt_ids: list[int]
+    prompt_ids: array  # int32, as rendered: no per-turn list copies on the hot path
     result: EngineResult
     parsed: ParsedResponse
     created: int
@@ -125,7 +125,7 @@ class CapturedTurn:
                 request_id=0,
                 session_id=self.session_id,
                 turn_id=self.turn_id,
-                prompt_ids=array("i", self.prompt_ids),
+                prompt_ids=self.prompt_ids,
                 output_ids=array("i", self.result.output_ids),
                 logprobs=array("f", self.result.logprobs),
                 finish_reason=self.result.finish_reason,
@@ -153,7 +153,7 @@ class PreparedTurn:
     session_id: str
     turn_id: str
     request: TurnRequest
-    prompt_ids: list[int]
+    prompt_ids: array
     prompt_text: str
     params: SamplingParams
     over_budget: bool
@@ -194,7 +194,7 @@ class TurnPipeline:
                 rendered = await run_in_threadpool(self.renderer.render, request.messages, request.tools)
             except RenderError as e:
                 raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
-            prompt_ids = list(rendered.prompt_ids)
+            prompt_ids = rendered.prompt_ids
             params, over_budget = self._sampling(request, opened, len(prompt_ids))
         except BaseException as e:
             self.backplane.abort_in_background(session_id, turn_id, type(e).__name__)
