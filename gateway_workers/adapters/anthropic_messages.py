@@ -21,7 +21,7 @@ from gateway_workers.adapters.common import (
     BlockEvent,
     bad,
     block_events,
-    canonical_tool,
+    canonical_tools,
     check_known,
     check_object,
     flag,
@@ -174,16 +174,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list):
-        raise bad("'tools' must be a list", "tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            raise bad(f"tools[{i}]: only custom (client) tools are supported", "tools")
-        tools.append(canonical_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), f"tools[{i}]"))
-    return tools
+    """Client tools only: server tools (web search, ...) have a `type` and are not ours to run."""
+    return canonical_tools(raw, "custom", lambda t: (t.get("name"), t.get("description"), t.get("input_schema")),
+                           default_kind="custom")
 
 
 def parse_request(body: Any, *, counting: bool = False) -> MessagesRequest:

@@ -9,7 +9,7 @@ not import the app.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -79,6 +79,25 @@ def canonical_tool(name: Any, description: Any, parameters: Any, where: str, par
     if parameters is not None:
         function["parameters"] = parameters
     return {"type": "function", "function": function}
+
+
+def canonical_tools(
+    raw: Any, kind: str, fields: Callable[[dict[str, Any]], tuple[Any, Any, Any]], *, default_kind: str | None = None
+) -> list[dict[str, Any]] | None:
+    """A dialect's `tools` list -> canonical tools; `fields(tool)` gives (name, description, schema).
+
+    Only tools whose `type` is `kind` are supported (`default_kind` stands in for a missing type).
+    """
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise bad("'tools' must be a list", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type", default_kind) != kind:
+            raise bad(f"tools[{i}]: only {kind} tools are supported", "tools")
+        tools.append(canonical_tool(*fields(tool), f"tools[{i}]"))
+    return tools
 
 
 def parse_arguments(raw: Any) -> Any:

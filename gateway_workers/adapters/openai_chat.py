@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from gateway_workers.adapters.common import arguments_json, bad, canonical_tool, integer, number, parse_arguments
+from gateway_workers.adapters.common import arguments_json, bad, canonical_tools, integer, number, parse_arguments
 from gateway_workers.live import LiveTurn
 from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
 
@@ -119,20 +119,14 @@ def _message(raw: Any, index: int, call_names: dict[str, str]) -> dict[str, Any]
     return message
 
 
+def _function_fields(tool: dict[str, Any]) -> tuple[Any, Any, Any]:
+    fn = tool.get("function")
+    fn = fn if isinstance(fn, dict) else {}
+    return fn.get("name"), fn.get("description"), fn.get("parameters")
+
+
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list):
-        raise bad("'tools' must be a list", "tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad(f"tools[{i}]: only function tools are supported", "tools")
-        fn = tool.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad(f"tools[{i}] needs function.name", "tools")
-        tools.append(canonical_tool(fn["name"], fn.get("description"), fn.get("parameters"), f"tools[{i}]"))
-    return tools
+    return canonical_tools(raw, "function", _function_fields)
 
 
 class ChatRequest:

@@ -28,7 +28,7 @@ from gateway_workers.adapters.common import (
     arguments_json,
     bad,
     block_events,
-    canonical_tool,
+    canonical_tools,
     check_known,
     check_object,
     flag,
@@ -179,16 +179,7 @@ def canonical_messages(items: Any, call_names: dict[str, str]) -> list[dict[str,
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list):
-        raise bad("'tools' must be a list", "tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad(f"tools[{i}]: only function tools are supported", "tools")
-        tools.append(canonical_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools[{i}]"))
-    return tools
+    return canonical_tools(raw, "function", lambda t: (t.get("name"), t.get("description"), t.get("parameters")))
 
 
 def parse_request(body: Any) -> ResponsesRequest:
