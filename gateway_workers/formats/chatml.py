@@ -43,25 +43,33 @@ def _content_schema(*removed: str) -> dict[str, Any]:
     return {"type": "string", "x-regex-substitutions": [[pattern, ""] for pattern in removed]}
 
 
-QWEN3_TEMPLATE: dict[str, Any] = {
-    "version": 1,
-    "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
-    "start_anchor": ANCHOR,
-    "fields": {
-        "reasoning": _REASONING_TEMPLATE,
-        "tool_calls": _JSON_CALLS_TEMPLATE,
-        # Text after a tool call (rare) is appended, not allowed to overwrite the text before it.
-        "content": {**_TEXT, "repeats": True},
-    },
-}
-QWEN3_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": _REASONING_SCHEMA,
-        "tool_calls": _JSON_CALLS_SCHEMA,
-        "content": _content_schema(r"<think>.*?</think>", r"\s*<tool_call>.*?</tool_call>"),
-    },
-}
+def _think_then_calls(
+    calls_template: dict[str, Any], calls_schema: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(declarative template, legacy schema) of a `<think>` block, text, and `<tool_call>`s of one kind."""
+    template = {
+        "version": 1,
+        "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
+        "start_anchor": ANCHOR,
+        "fields": {
+            "reasoning": _REASONING_TEMPLATE,
+            "tool_calls": calls_template,
+            # Text after a tool call (rare) is appended, not allowed to overwrite the text before it.
+            "content": {**_TEXT, "repeats": True},
+        },
+    }
+    schema = {
+        "type": "object",
+        "properties": {
+            "reasoning": _REASONING_SCHEMA,
+            "tool_calls": calls_schema,
+            "content": _content_schema(r"<think>.*?</think>", r"\s*<tool_call>.*?</tool_call>"),
+        },
+    }
+    return template, schema
+
+
+QWEN3_TEMPLATE, QWEN3_SCHEMA = _think_then_calls(_JSON_CALLS_TEMPLATE, _JSON_CALLS_SCHEMA)
 QWEN2_5_TEMPLATE: dict[str, Any] = {
     "version": 1,
     "start_anchor": ANCHOR,
@@ -129,24 +137,7 @@ _XML_CALLS_SCHEMA: dict[str, Any] = {
         },
     },
 }
-XML_TEMPLATE: dict[str, Any] = {
-    "version": 1,
-    "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
-    "start_anchor": ANCHOR,
-    "fields": {
-        "reasoning": _REASONING_TEMPLATE,
-        "tool_calls": _XML_CALLS_TEMPLATE,
-        "content": {**_TEXT, "repeats": True},
-    },
-}
-XML_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": _REASONING_SCHEMA,
-        "tool_calls": _XML_CALLS_SCHEMA,
-        "content": _content_schema(r"<think>.*?</think>", r"\s*<tool_call>.*?</tool_call>"),
-    },
-}
+XML_TEMPLATE, XML_SCHEMA = _think_then_calls(_XML_CALLS_TEMPLATE, _XML_CALLS_SCHEMA)
 
 
 def _xml_check(body: str) -> str | int:
