@@ -5,8 +5,10 @@ Sits on the seam between the wire adapters (which produce canonical messages, se
 rendered to text, then encoded with ids identical to `apply_chat_template(tokenize=True)`,
 but at a cost proportional to what is new: the text is cut at added-token boundaries
 (which the tokenizer splits on before normalizing and BPE, so no merge crosses them) and
-each piece's ids come from a bounded per-process LRU cache (`SegmentCache`). Known templates
-render through their plain-Python twin (`native_templates`), checked against Jinja on a sample.
+each piece's ids come from a bounded per-process LRU cache (`SegmentCache`); new pieces are
+encoded by a tiktoken twin of the tokenizer where one exists (`bpe_twin`). Known templates
+render through their plain-Python twin (`native_templates`). Both twins are checked against
+the original (Jinja, the `tokenizers` encode) on a sample of live renders.
 `Renderer.render` is safe to call from worker threads (the app uses run_in_threadpool).
 Must not import the app, adapters, engines or the backplane.
 """
@@ -27,6 +29,8 @@ from typing import Any
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
+from gateway_workers.bpe_twin import BpeTwin
+from gateway_workers.bpe_twin import bpe_twin as _bpe_twin
 from gateway_workers.native_templates import NativeTemplate, native_template
 
 logger = logging.getLogger(__name__)
@@ -39,9 +43,9 @@ _ENTRY_OVERHEAD_BYTES = 100  # the OrderedDict slot and links, on top of the str
 # Texts that exercise every boundary effect we know of (leading space markers, NFC across a cut,
 # CRLF, digits, trailing whitespace): a tokenizer that encodes a piece differently alone fails this.
 _PROBE_TEXTS = ("hello world", " x", "  two\n\n", "e\u0301t\u00e9 12345", "\r\n\tz ", "\u0301a", "", "b c\n")
-# A template twin's text is compared with Jinja's on the first renders and then on one in this many.
-NATIVE_VERIFY_FIRST = 16
-NATIVE_VERIFY_EVERY = 1024
+# A twin's result is compared with the original's on the first renders and then on one in this many.
+VERIFY_FIRST = 16
+VERIFY_EVERY = 1024
 
 
 class RenderError(ValueError):
@@ -132,6 +136,7 @@ class Renderer:
         template_kwargs: extra variables every render passes to the template (e.g. enable_thinking).
         cache_bytes: bound of the piece cache; 0 turns incremental encoding off (every render encodes all).
         native_templates: render known templates with their plain-Python twin (`native_templates.py`).
+        bpe_twin: encode new pieces with a tiktoken twin of the tokenizer when it has one (`bpe_twin.py`).
     """
 
     def __init__(
@@ -141,6 +146,7 @@ class Renderer:
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         native_templates: bool = True,
+        bpe_twin: bool = True,
     ) -> None:
         if not tokenizer.chat_template:
             raise TemplateConfigError("the tokenizer has no chat template")
@@ -153,6 +159,13 @@ class Renderer:
         self._splitter, why_not = _special_splitter(self._backend) if cache_bytes else (None, "cache_bytes=0")
         if self._splitter is None:
             logger.info("incremental prompt encoding is off (%s); every render encodes the whole prompt", why_not)
+        # The twin encodes pieces without added tokens in them, so it needs the splitter.
+        self._twin: BpeTwin | None = None
+        if self._splitter is not None and bpe_twin:
+            self._twin, why_not = _bpe_twin(self._backend)
+            if self._twin is None:
+                logger.info("new prompt text is encoded by `tokenizers` (no tiktoken twin: %s)", why_not)
+        self._twin_encodes = itertools.count()
         self._native: NativeTemplate | None = native_template(tokenizer.chat_template) if native_templates else None
         self._native_renders = itertools.count()
         try:
@@ -171,6 +184,11 @@ class Renderer:
         """The name of the template twin in use, if any."""
         native = self._native
         return native.name if native is not None else None
+
+    @property
+    def bpe_twin(self) -> bool:
+        """Whether new pieces are encoded by the tiktoken twin (it passed its checks and has not diverged)."""
+        return self._twin is not None
 
     @property
     def incremental(self) -> bool:
@@ -207,7 +225,7 @@ class Renderer:
                 pass  # something the twin does not cover (e.g. arguments json cannot encode): Jinja decides
             else:
                 count = next(self._native_renders)
-                if count < NATIVE_VERIFY_FIRST or count % NATIVE_VERIFY_EVERY == 0:
+                if _sampled(count):
                     return self._verified(native, text, chat, tool_list, kwargs)
                 return text
         return self._jinja(chat, tool_list, kwargs)
@@ -275,10 +293,32 @@ class Renderer:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def _encode_pieces(self, pieces: list[str]) -> list[array]:
+        twin = self._twin
+        if twin is None:
+            return self._encode_pieces_exactly(pieces)
+        ids = [twin.encode(piece) for piece in pieces]
+        if _sampled(next(self._twin_encodes)):
+            expected = self._encode_pieces_exactly(pieces)
+            if expected != ids:
+                at = next(i for i, (a, b) in enumerate(zip(ids, expected, strict=True)) if a != b)
+                logger.error(
+                    "the tiktoken twin encoded %r differently from the tokenizer; using the tokenizer from now on",
+                    pieces[at][:200],
+                )
+                self._twin = None
+            return expected
+        return ids
+
+    def _encode_pieces_exactly(self, pieces: list[str]) -> list[array]:
         # The batch call releases the GIL (a single encode holds it, stalling the worker's event loop
         # for the whole encode) and skips offset tracking, which we never read.
         encodings = self._backend.encode_batch_fast(pieces, add_special_tokens=False)  # type: ignore[union-attr]
         return [array("i", e.ids) for e in encodings]
+
+
+def _sampled(count: int) -> bool:
+    """Whether the count-th use of a twin is checked against the original."""
+    return count < VERIFY_FIRST or count % VERIFY_EVERY == 0
 
 
 @dataclass(frozen=True, slots=True)

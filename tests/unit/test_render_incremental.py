@@ -3,12 +3,14 @@
 Property tests (hypothesis) compare `Renderer.render` against `apply_chat_template(tokenize=True)`
 for trl's qwen3.jinja and the built-in template, over conversations with unicode, whitespace at
 piece edges and special-token-looking text inside content, and growing episodes rendered turn by
-turn through one shared renderer (so later turns reuse cached pieces). Also: the cache's bound and
+turn through one shared renderer (so later turns reuse cached pieces, and new pieces are encoded by
+the tiktoken twin past its checked renders). Also: the cache's bound and
 LRU order, and the tokenizers the splitter must refuse.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
-from gateway_workers.render import Renderer, SegmentCache, _special_splitter, template_messages
+from gateway_workers.render import VERIFY_FIRST, Renderer, SegmentCache, _special_splitter, template_messages
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
             "<tool_response>", "</tool_response>", "<|endoftext|>", "<|fim_pad|>"]
@@ -71,7 +73,9 @@ def tokenizer(request, builtin_tokenizer, qwen3_tokenizer):
 def renderer(tokenizer):
     """One renderer per template for the whole module: later examples hit pieces cached by earlier ones."""
     r = Renderer(tokenizer)
-    assert r.incremental
+    assert r.incremental and r.bpe_twin
+    # Past the renders that double-check the tiktoken twin: what the properties below see is the twin's.
+    r._twin_encodes = itertools.count(VERIFY_FIRST + 1)
     return r
 
 
@@ -86,6 +90,7 @@ def test_render_ids_equal_apply_chat_template(tokenizer, renderer, messages, wit
     rendered = renderer.render(messages, tools, template_kwargs=kwargs)
     assert rendered.prompt_ids.typecode == "i"
     assert list(rendered.prompt_ids) == expected_ids(tokenizer, messages, tools, **kwargs)
+    assert renderer.bpe_twin  # it never disagreed with the tokenizer on a checked render
 
 
 @PROPERTY

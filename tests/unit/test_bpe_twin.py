@@ -1,0 +1,162 @@
+"""The tiktoken twin of a byte-level BPE tokenizer: equal ids on any text, refusals, and the renderer's fallback.
+
+Equality is property-tested against the `tokenizers` encode on both real Qwen vocabularies (151k and
+the 248k Qwen3.5/3.6 one), over unicode text with every whitespace and combining-mark shape, and on
+adversarial words built from the vocabulary's own self-overlapping tokens (where two merge orders could
+disagree). Tokenizers the twin cannot copy are refused with a reason; a twin that diverges live is
+dropped by the renderer, which keeps answering with the exact ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+import orjson
+import pytest
+from fake_formats import family_tokenizer_dir
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from gateway_workers import render
+from gateway_workers.bpe_twin import BpeTwin, bpe_twin
+from gateway_workers.render import Renderer
+
+ADDED = ("<|", "|>", "<think", "</think", "<tool_", "</tool_")  # text that could form an added token is cut out
+
+
+@pytest.fixture(scope="module", params=["qwen", "qwen3_5"])
+def backend(request, builtin_tokenizer):
+    if request.param == "qwen":
+        return builtin_tokenizer.backend_tokenizer
+    return Tokenizer.from_file(f"{family_tokenizer_dir('qwen3_6')}/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def twin(backend) -> BpeTwin:
+    twin, why = bpe_twin(backend)
+    assert twin is not None, why
+    return twin
+
+
+def exact(backend, text: str) -> list[int]:
+    return backend.encode(text, add_special_tokens=False).ids
+
+
+shapes = st.sampled_from([" ", "  ", "\n", "\n\n", "\t", "\r\n", " \n ", "\u00a0", "\u200b", "\u0301", "'s", "'LL",
+                          "123", "1 2", "中文", "日本語", "🙂", "👍🏽", "é", "e\u0301", "ß", "Ω", "```", "{\"a\": 1}"])
+text = st.lists(st.one_of(shapes, st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=16)),
+                max_size=24).map("".join).filter(lambda t: not any(a in t for a in ADDED))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=text)
+def test_twin_encodes_any_text_like_the_tokenizer(backend, twin, text):
+    assert twin.encode(text).tolist() == exact(backend, text)
+
+
+def test_twin_agrees_on_self_overlapping_tokens(backend, twin):
+    """Words made of p + q + s where q is both a prefix and a suffix of the token p + q (= q + s)."""
+    vocab = orjson.loads(backend.model.__getstate__())["vocab"]
+    tokens = [t for t in vocab if 3 <= len(t) <= 12]
+    words = []
+    for token in random.Random(0).sample(tokens, 20_000):
+        for k in range(1, len(token) // 2 + 1):
+            q = token[:k]
+            if token.endswith(q) and token[:-k] in vocab and token[k:] in vocab:
+                words.append(token[:-k] + token + token[k:])
+    decoder = decoders.ByteLevel()
+    texts = [decoder.decode([w]) for w in words]
+    texts = [t for t in texts if "\ufffd" not in t]
+    assert len(texts) > 50
+    for t in texts:
+        assert twin.encode(t).tolist() == exact(backend, t), t
+
+
+def byte_level_bpe(merges_in_id_order: bool = True, ignore_merges: bool = True, nfkc: bool = False) -> Tokenizer:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    merges = [("a", "b"), ("ab", "c")]
+    if merges_in_id_order:
+        vocab["ab"], vocab["abc"] = 256, 257
+    else:
+        vocab["ab"], vocab["abc"] = 257, 256
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\s+|\S+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    if nfkc:
+        tok.normalizer = normalizers.NFKC()
+    return tok
+
+
+def test_a_small_byte_level_bpe_gets_a_twin():
+    tok = byte_level_bpe()
+    twin, why = bpe_twin(tok)
+    assert twin is not None, why
+    vocab = tok.get_vocab()
+    assert twin.encode("abc").tolist() == exact(tok, "abc") == [vocab["abc"]]
+    for text in ("abcab abc", "ab\nabcc", "cba"):
+        assert twin.encode(text).tolist() == exact(tok, text)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "reason"),
+    [
+        (byte_level_bpe(merges_in_id_order=False), "merge order"),
+        (byte_level_bpe(ignore_merges=False), "ignore_merges"),
+        (byte_level_bpe(nfkc=True), "NFKC"),
+    ],
+)
+def test_tokenizers_without_an_exact_twin_are_refused(tokenizer, reason):
+    twin, why = bpe_twin(tokenizer)
+    assert twin is None
+    assert reason in why
+
+
+def test_a_non_byte_level_tokenizer_is_refused():
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    twin, why = bpe_twin(tok)
+    assert twin is None and "pre-tokenizer" in why
+
+
+def test_renderer_drops_a_diverging_twin_and_keeps_exact_ids(builtin_tokenizer, caplog, monkeypatch):
+    renderer = Renderer(builtin_tokenizer)
+    assert renderer.bpe_twin
+
+    class Wrong(BpeTwin):
+        def encode(self, piece):
+            ids = super().encode(piece)
+            return ids[::-1]
+
+    good, _ = bpe_twin(builtin_tokenizer.backend_tokenizer)
+    renderer._twin = Wrong(good._encoding, nfc=True)
+    messages = [{"role": "user", "content": "several words that are surely more than one token"}]
+    with caplog.at_level(logging.ERROR, logger="gateway_workers.render"):
+        ids = renderer.render(messages).prompt_ids
+    assert list(ids) == list(builtin_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                    tokenize=True, return_dict=False))
+    assert not renderer.bpe_twin
+    assert "tiktoken twin" in caplog.text
+
+
+def test_live_encodes_are_checked_on_a_sample(builtin_tokenizer, monkeypatch):
+    """Past the first checked renders, one in VERIFY_EVERY is still compared with the tokenizer."""
+    calls = itertools.count()
+    renderer = Renderer(builtin_tokenizer)
+    exact_encode = renderer._encode_pieces_exactly
+
+    def counting(pieces):
+        next(calls)
+        return exact_encode(pieces)
+
+    monkeypatch.setattr(renderer, "_encode_pieces_exactly", counting)
+    monkeypatch.setattr(render, "VERIFY_EVERY", 4)
+    for k in range(render.VERIFY_FIRST + 8):
+        renderer.render([{"role": "user", "content": f"question number {k} " * 3}])
+    assert next(calls) == render.VERIFY_FIRST + 2  # the first ones, then 2 of the next 8 (every 4th)
+    assert renderer.bpe_twin
