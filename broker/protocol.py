@@ -42,6 +42,7 @@ ErrorCode = Literal[
     "internal",  # a failure of the broker's own; logged there
     "unknown_turn",  # GetTurn: no committed turn with that id in that session
     "turn_pending",  # GetTurn: the turn is still in flight (its commit may be on its way); retry shortly
+    "unknown_base",  # CommitTurn: a delta against a turn the broker does not hold; resend the turn in full
 ]
 
 
@@ -141,6 +142,16 @@ class CommitTurn(Message):
     Canonical messages: dicts with `role`, `content` (str), optional `reasoning` (str),
     optional `tool_calls` ([{"name": str, "arguments": object}], no wire ids) and, for
     tool results, optional `name`. `flags` holds parse verdicts (`ill_formed`, ...).
+
+    A delta commit names `base_turn_id`, a committed turn of the same session, and sends
+    only what follows the shared prefix: the turn's context (prompt ids + output ids) is
+    the base's context cut to `base_tokens`, then `prompt_ids`, then the output ids past
+    `prompt_len` (all of `output_ids` when `base_tokens <= prompt_len`; `output_ids` and
+    `logprobs` always travel whole). Its prompt messages are the base's (prompt messages +
+    response) cut to `base_messages` (at most the turn's prompt message count), then
+    `prompt_messages`. A base the broker does not hold is refused with unknown_base: the
+    sender resends the turn in full. With `base_turn_id == ""` (a full commit) `prompt_len`
+    is 0 or `len(prompt_ids)` and the base fields are 0.
     """
 
     TAG: ClassVar[str] = "commit_turn"
@@ -154,6 +165,10 @@ class CommitTurn(Message):
     response_message: dict[str, Any]
     flags: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    base_turn_id: str = ""
+    base_tokens: int = 0
+    base_messages: int = 0
+    prompt_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,23 @@ class Session:
     committed: TurnStore = field(default_factory=TurnStore)
 
 
+def _check_delta_shape(msg: protocol.CommitTurn) -> None:
+    """A delta commit's own numbers must add up (see `protocol.CommitTurn`); its base is checked by the store."""
+    if msg.base_turn_id == msg.turn_id:
+        raise Refusal("bad_request", "a turn cannot be its own base")
+    if min(msg.base_tokens, msg.base_messages, msg.prompt_len) < 0:
+        raise Refusal("bad_request", "base_tokens, base_messages and prompt_len must not be negative")
+    tail = max(msg.prompt_len - msg.base_tokens, 0)
+    if len(msg.prompt_ids) != tail:
+        raise Refusal(
+            "bad_request",
+            f"a delta with prompt_len {msg.prompt_len} and base_tokens {msg.base_tokens} sends {tail} prompt ids, "
+            f"not {len(msg.prompt_ids)}",
+        )
+    if msg.base_tokens > msg.prompt_len + len(msg.output_ids):
+        raise Refusal("bad_request", f"base_tokens {msg.base_tokens} exceeds the turn's own context")
+
+
 @dataclass(frozen=True, slots=True)
 class FinishedSession:
     """What finish hands the trajectory builder: turns in OPEN order plus the session's settings."""
@@ -94,6 +111,8 @@ class SessionRegistry:
                 "commits_stored",
                 "commits_duplicate",
                 "commits_discarded",
+                "commits_delta",
+                "commits_unknown_base",
             ),
             0,
         )
@@ -244,6 +263,16 @@ class SessionRegistry:
         n_out = len(msg.output_ids)
         if len(msg.logprobs) != n_out:
             raise Refusal("bad_request", f"{len(msg.logprobs)} logprobs for {n_out} output ids")
+        if msg.base_turn_id:
+            _check_delta_shape(msg)
+            problem = session.committed.base_problem(msg)
+            if problem is not None:
+                self.counters["commits_unknown_base"] += 1
+                raise Refusal("unknown_base", f"session {msg.session_id!r}: {problem}; resend the turn in full")
+            self.counters["commits_delta"] += 1
+        elif msg.base_tokens or msg.base_messages or msg.prompt_len not in (0, len(msg.prompt_ids)):
+            raise Refusal("bad_request", "a full commit (no base_turn_id) sends base_tokens = base_messages = 0 "
+                          "and prompt_len = 0 or len(prompt_ids)")
         session.committed.add(msg, seq)
         del session.in_flight[msg.turn_id]
         self.counters["commits_stored"] += 1

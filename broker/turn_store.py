@@ -3,8 +3,10 @@
 A turn's tokens (prompt + output) and messages (prompt + response) are kept as ranges
 into two append-only per-session logs, sharing the longest common prefix with a
 neighbouring turn (usually the previous one by OPEN sequence), so a session costs about
-its unique tokens instead of turns x context. Pure data structure: no sockets, no
-clocks, no lifecycle rules (`sessions.py` owns those). Imports only the stdlib and
+its unique tokens instead of turns x context. A delta commit (one naming its base turn)
+is stored without any comparison: the base's ranges cut to the shared length, plus the
+new tail appended. Pure data structure: no sockets, no clocks, no lifecycle rules
+(`sessions.py` owns those). Imports only the stdlib and
 `broker.protocol` / `broker.trajectory` (for `TurnRecord`).
 """
 
@@ -71,20 +73,33 @@ class TurnStore:
         """Approximate payload bytes: token log, logprobs and message text."""
         return len(self.tokens) + self.logprob_bytes + self.message_bytes
 
+    def base_problem(self, msg: protocol.CommitTurn) -> str | None:
+        """Why a delta commit's base cannot be used (not held, or shorter than claimed); None if it can.
+
+        Cheap on purpose: the shared prefix itself is the sender's claim and is not compared.
+        """
+        base = self._turns.get(msg.base_turn_id)
+        if base is None:
+            return f"no committed turn {msg.base_turn_id!r} to extend"
+        n_tokens = _length(base.tok_ranges)
+        if msg.base_tokens > n_tokens:
+            return f"base turn {msg.base_turn_id!r} has {n_tokens} tokens, not {msg.base_tokens}"
+        n_messages = _length(base.msg_ranges)
+        if msg.base_messages > n_messages:
+            return f"base turn {msg.base_turn_id!r} has {n_messages} messages, not {msg.base_messages}"
+        return None
+
     def add(self, msg: protocol.CommitTurn, seq: int) -> None:
-        """Store a commit (the caller checked it is new and well-formed) as the turn with OPEN sequence `seq`."""
-        msgs = msg.prompt_messages + [msg.response_message]
-        with memoryview(msg.prompt_ids) as p, memoryview(msg.output_ids) as o, p.cast("B") as pb, o.cast("B") as ob:
-            tok_ranges, base = self._add_ids(pb, ob, seq)
-        shared, msg_ranges = 0, []
-        if base is not None:
-            log_msgs = self.messages
+        """Store a commit (the caller checked it is new and well-formed) as the turn with OPEN sequence `seq`.
 
-            def same_msgs(i: int, j: int, n: int) -> bool:
-                return bool(msgs[i : i + n] == log_msgs[j : j + n])  # dict equality, in C
-
-            shared, msg_ranges = _common_prefix(len(msgs), same_msgs, base.msg_ranges)
-        new_msgs = msgs[shared:]
+        A delta commit's base must pass `base_problem` first.
+        """
+        if msg.base_turn_id:
+            tok_ranges, msg_ranges, new_msgs = self._add_delta(msg)
+            prompt_len, n_prompt_messages = msg.prompt_len, msg.base_messages + len(msg.prompt_messages)
+        else:
+            tok_ranges, msg_ranges, new_msgs = self._add_full(msg, seq)
+            prompt_len, n_prompt_messages = len(msg.prompt_ids), len(msg.prompt_messages)
         for m in new_msgs:
             self.message_bytes += _message_bytes(m)
         start = len(self.messages)
@@ -94,11 +109,11 @@ class TurnStore:
             msg.turn_id,
             seq,
             tok_ranges,
-            len(msg.prompt_ids),
+            prompt_len,
             msg.logprobs,
             msg.finish_reason,
             msg_ranges,
-            len(msg.prompt_messages),
+            n_prompt_messages,
             msg.flags,
         )
         self.logprob_bytes += len(msg.logprobs) * msg.logprobs.itemsize
@@ -106,6 +121,33 @@ class TurnStore:
         self._by_seq[seq] = turn
         insort(self._seqs, seq)
         self._last = turn
+
+    def _add_delta(self, msg: protocol.CommitTurn) -> tuple[list[Range], list[Range], list[dict[str, Any]]]:
+        """A delta's token ranges (tail appended) and its message ranges cut from the base, plus its new messages."""
+        base = self._turns[msg.base_turn_id]
+        log = self.tokens
+        start = len(log) // _ID_BYTES
+        with memoryview(msg.prompt_ids) as p, memoryview(msg.output_ids) as o, p.cast("B") as pb, o.cast("B") as ob:
+            log += pb
+            # A shared prefix that reaches into the output (a regenerated turn) skips that much of it.
+            log += ob[max(msg.base_tokens - msg.prompt_len, 0) * _ID_BYTES :]
+        tok_ranges = _extend(_cut(base.tok_ranges, msg.base_tokens), start, len(log) // _ID_BYTES)
+        return tok_ranges, _cut(base.msg_ranges, msg.base_messages), [*msg.prompt_messages, msg.response_message]
+
+    def _add_full(self, msg: protocol.CommitTurn, seq: int) -> tuple[list[Range], list[Range], list[dict[str, Any]]]:
+        """A full commit's token and message ranges, sharing the longest prefix with a likely base turn."""
+        msgs = msg.prompt_messages + [msg.response_message]
+        with memoryview(msg.prompt_ids) as p, memoryview(msg.output_ids) as o, p.cast("B") as pb, o.cast("B") as ob:
+            tok_ranges, base = self._add_ids(pb, ob, seq)
+        shared, msg_ranges = 0, list[Range]()
+        if base is not None:
+            log_msgs = self.messages
+
+            def same_msgs(i: int, j: int, n: int) -> bool:
+                return bool(msgs[i : i + n] == log_msgs[j : j + n])  # dict equality, in C
+
+            shared, msg_ranges = _common_prefix(len(msgs), same_msgs, base.msg_ranges)
+        return tok_ranges, msg_ranges, msgs[shared:]
 
     def _add_ids(self, pb: memoryview, ob: memoryview, seq: int) -> tuple[list[Range], StoredTurn | None]:
         """Store prompt + output ids (as byte views) sharing the longest prefix with a likely base turn."""
@@ -217,6 +259,22 @@ def _common_prefix(length: int, same: Callable[[int, int, int], bool], ranges: l
             off += lo
         break
     return off, out
+
+
+def _length(ranges: list[Range]) -> int:
+    return sum(stop - start for start, stop in ranges)
+
+
+def _cut(ranges: list[Range], n: int) -> list[Range]:
+    """The first `n` items that `ranges` spell, as a new list of ranges (`n` <= their length)."""
+    out: list[Range] = []
+    for start, stop in ranges:
+        if n <= 0:
+            break
+        k = min(stop - start, n)
+        out.append((start, start + k))
+        n -= k
+    return out
 
 
 def _extend(ranges: list[Range], start: int, stop: int) -> list[Range]:

@@ -3,9 +3,11 @@
 Owns the socket (created in the Starlette lifespan, never at import), a reader task
 that resolves futures keyed by request id, and the turn requests: OPEN (before
 rendering), COMMIT (after the reply was sent; retried until ACKed, the broker
-de-duplicates by turn id), ABORT, GET (a committed turn's messages, for
-`previous_response_id`) and an agent's FINISH (`request_finish`). Imports
-`broker.protocol` and nothing else from `broker`; nothing here blocks the event loop.
+de-duplicates by turn id; sent as a delta against the session's last ACKed turn when
+`commit_bases` has one, in full if the broker no longer holds that base), ABORT, GET
+(a committed turn's messages, for `previous_response_id`) and an agent's FINISH
+(`request_finish`). Imports `broker.protocol` and nothing else from `broker`; nothing
+here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from broker import protocol
+from gateway_workers.commit_bases import CommitBases
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class TurnRefused(Exception):
 class Backplane:
     """DEALER socket to the broker with request/reply matching by request id."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, bases: CommitBases | None = None) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -59,8 +62,10 @@ class Backplane:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.BrokerToWorker]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._commits: set[asyncio.Task[None]] = set()
+        self._commits: set[asyncio.Task[Any]] = set()
         self.endpoint = endpoint
+        self.bases = bases if bases is not None else CommitBases()
+        self.counters: dict[str, int] = dict.fromkeys(("commits_full", "commits_delta", "delta_refused"), 0)
 
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read_replies())
@@ -153,8 +158,11 @@ class Backplane:
         raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to RequestFinish")
 
     def commit_in_background(self, commit: protocol.CommitTurn) -> None:
-        """Hand a COMMIT to a task that retries until ACKed; the HTTP handler does not wait."""
-        task = asyncio.get_running_loop().create_task(self._retry(commit))
+        """Hand a (full) COMMIT to a task that sends it, as a delta where it can, until ACKed.
+
+        The HTTP handler does not wait.
+        """
+        task = asyncio.get_running_loop().create_task(self._commit(commit))
         self._commits.add(task)
         task.add_done_callback(self._commits.discard)
 
@@ -164,7 +172,41 @@ class Backplane:
         self._commits.add(task)
         task.add_done_callback(self._commits.discard)
 
-    async def _retry(self, message: protocol.CommitTurn | protocol.AbortTurn) -> None:
+    async def _commit(self, full: protocol.CommitTurn) -> None:
+        """Send the delta (if any), fall back to the full turn if it is refused, and remember ACKed turns as bases."""
+        try:
+            delta = self.bases.delta(full)
+        except Exception:  # a bug of ours must not cost the turn: send it in full
+            logger.exception("cannot build a delta commit of turn %s (session %s)", full.turn_id, full.session_id)
+            delta = None
+        reply: protocol.BrokerToWorker | None = None
+        if delta is not None:
+            self.counters["commits_delta"] += 1
+            reply = await self._retry(delta, log_refusal=False)
+            if reply is None:  # gave up (logged): the full turn would meet the same broker
+                return
+            if isinstance(reply, protocol.Refused):
+                # unknown_base: the base is gone (e.g. its turn was never stored); anything else
+                # would be our own delta bug. Either way the full turn must still land.
+                self.counters["delta_refused"] += 1
+                self.bases.forget(full.session_id, delta.base_turn_id)
+                log = logger.debug if reply.code == "unknown_base" else logger.warning
+                log("delta commit of turn %s (session %s) refused (%s: %s); resending in full",
+                    full.turn_id, full.session_id, reply.code, reply.message)
+                reply = None
+        if reply is None:
+            self.counters["commits_full"] += 1
+            reply = await self._retry(full)
+        if isinstance(reply, protocol.TurnCommitted):
+            if reply.outcome in ("stored", "duplicate"):
+                self.bases.remember(full)
+            else:  # discarded: the session is gone
+                self.bases.forget(full.session_id)
+
+    async def _retry(
+        self, message: protocol.CommitTurn | protocol.AbortTurn, log_refusal: bool = True
+    ) -> protocol.BrokerToWorker | None:
+        """Send until answered (or the deadline); returns the reply, None when given up or failed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + COMMIT_DEADLINE_S
         attempt = 0
@@ -180,17 +222,17 @@ class Backplane:
                         "gave up on %s of turn %s (session %s) after %d attempts: broker unreachable",
                         message.TAG, message.turn_id, message.session_id, attempt,
                     )
-                    return
+                    return None
                 logger.warning("%s of turn %s not acknowledged yet (attempt %d); resending",
                                message.TAG, message.turn_id, attempt)
                 continue
             except Exception:
                 logger.exception("%s of turn %s (session %s) failed", message.TAG, message.turn_id, message.session_id)
-                return
-            if isinstance(reply, protocol.Refused):
+                return None
+            if isinstance(reply, protocol.Refused) and log_refusal:
                 logger.error("broker refused %s of turn %s (session %s): %s %s",
                              message.TAG, message.turn_id, message.session_id, reply.code, reply.message)
-            return
+            return reply
 
     async def drain(self, timeout: float) -> None:
         """Wait (bounded) for outstanding COMMITs/ABORTs before the worker exits."""

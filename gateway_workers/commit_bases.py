@@ -1,0 +1,134 @@
+"""Commit bases: per session, the last turn this worker committed, so the next COMMIT can be a delta.
+
+A turn's prompt almost always extends the previous turn of its session, which the broker
+already holds; a delta COMMIT names that turn and sends only what follows the shared prefix
+(see `protocol.CommitTurn`). This module keeps the bases (a bounded LRU: nothing depends on
+an entry being there) and turns a full commit into a delta. Only ACKed turns become bases.
+The prefix is found with memcmp over the int32 bytes (bisected on a mismatch), never a
+Python loop over ids. Imports only the stdlib and `broker.protocol`; no sockets, no asyncio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from broker import protocol
+
+MAX_SESSIONS = 4096
+# Bound on the held context bytes (4 per token): 128 MiB is ~1300 sessions at 24k tokens.
+# The messages held alongside are references to the request's own dicts, about as large again.
+MAX_CONTEXT_BYTES = 128 * 2**20
+_ID_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class CommitBase:
+    """A committed turn as a base: its id, context (prompt + output ids, native int32 bytes) and messages."""
+
+    turn_id: str
+    context: bytes
+    messages: list[dict[str, Any]]  # prompt messages + the response message (read-only)
+
+
+class CommitBases:
+    """The last ACKed turn of each recently active session, bounded by session count and context bytes."""
+
+    def __init__(self, max_sessions: int = MAX_SESSIONS, max_bytes: int = MAX_CONTEXT_BYTES) -> None:
+        self._bases: OrderedDict[str, CommitBase] = OrderedDict()
+        self._bytes = 0
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    @property
+    def bytes_held(self) -> int:
+        return self._bytes
+
+    def get(self, session_id: str) -> CommitBase | None:
+        return self._bases.get(session_id)
+
+    def remember(self, commit: protocol.CommitTurn) -> None:
+        """Make an ACKed full commit its session's base (the broker holds it now)."""
+        with memoryview(commit.prompt_ids) as p, memoryview(commit.output_ids) as o:
+            context = b"".join((p.cast("B"), o.cast("B")))  # one copy: the commit's arrays may be reused
+        self.forget(commit.session_id)
+        self._bases[commit.session_id] = CommitBase(
+            commit.turn_id, context, [*commit.prompt_messages, commit.response_message]
+        )
+        self._bytes += len(context)
+        while self._bases and (len(self._bases) > self.max_sessions or self._bytes > self.max_bytes):
+            _, evicted = self._bases.popitem(last=False)
+            self._bytes -= len(evicted.context)
+
+    def forget(self, session_id: str, turn_id: str | None = None) -> None:
+        """Drop a session's base (only if it is `turn_id`, when given): refused, or its session is gone."""
+        base = self._bases.get(session_id)
+        if base is not None and (turn_id is None or base.turn_id == turn_id):
+            del self._bases[session_id]
+            self._bytes -= len(base.context)
+
+    def delta(self, commit: protocol.CommitTurn) -> protocol.CommitTurn | None:
+        """`commit` (a full one) as a delta against its session's base; None when there is none or nothing is shared."""
+        base = self._bases.get(commit.session_id)
+        if base is None or base.turn_id == commit.turn_id:
+            return None
+        prompt, output = commit.prompt_ids, commit.output_ids
+        n_prompt = len(prompt)
+        with memoryview(prompt) as p, memoryview(output) as o, p.cast("B") as pb, o.cast("B") as ob:
+            shared = shared_ids(base.context, 0, pb)
+            if shared == n_prompt:  # the whole prompt is shared: the output may continue the base too
+                shared += shared_ids(base.context, n_prompt * _ID_BYTES, ob)
+        # The response message always travels (the broker counts prompt messages from the delta).
+        n_messages = shared_items(base.messages, commit.prompt_messages)
+        if not shared and not n_messages:
+            return None
+        return dataclasses.replace(
+            commit,
+            prompt_ids=prompt[shared:] if shared < n_prompt else protocol.ids_array(),
+            prompt_messages=commit.prompt_messages[n_messages:],
+            base_turn_id=base.turn_id,
+            base_tokens=shared,
+            base_messages=n_messages,
+            prompt_len=n_prompt,
+        )
+
+
+def shared_ids(base: bytes, offset: int, new: memoryview) -> int:
+    """How many leading int32 ids of `new` (bytes) equal those of `base` from byte `offset` on.
+
+    One memcmp when all match; otherwise a bisection of memcmps over the remaining range
+    (about two passes over the prefix in all).
+    """
+    n = min((len(base) - offset) // _ID_BYTES, len(new) // _ID_BYTES)
+    if n <= 0:
+        return 0
+    if base.startswith(new[: n * _ID_BYTES], offset):
+        return n
+    lo, hi = 0, n  # ids [0, lo) match, [0, hi) do not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if base.startswith(new[lo * _ID_BYTES : mid * _ID_BYTES], offset + lo * _ID_BYTES):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def shared_items(base: list[Any], new: list[Any]) -> int:
+    """How many leading items of `new` equal those of `base` (list equality in C, bisected on a mismatch)."""
+    n = min(len(base), len(new))
+    if base[:n] == new[:n]:
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if base[lo:mid] == new[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
