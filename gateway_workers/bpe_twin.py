@@ -29,7 +29,7 @@ PROBE_TEXTS = (
     "  leading and trailing spaces   \n\n\ttabs\r\nCRLF \n  \n",
     "数字 12345 和 中文，日本語のテキスト、한국어 텍스트.",
     "emoji 🙂👍🏽 e\u0301t\u00e9 na\u00efve caf\u00e9 \u200bzero-width",
-    'def f(x):\n    return {"a": [1, 2.5e-3, None], \'b\': x ** 2}  # ok\n',
+    "def f(x):\n    return {\"a\": [1, 2.5e-3, None], 'b': x ** 2}  # ok\n",
     "aaaaaaaaaaaaaaaa ababababab ,,,,,,;;;;;; ...... ---- ____ 0000000",
 )
 _BUILT_MAX = 8

@@ -57,7 +57,6 @@ class LiveTurn:
         self.session_id = prepared.session_id
         self.turn_id = prepared.turn_id
         self.request = prepared.request
-        self.prompt_ids = prepared.prompt_ids
         self.created = int(time.time())
         self.turn: CapturedTurn | None = None  # set once the engine finished and the final parse ran
         self._stream: AsyncIterator[EngineChunk] | None = None
@@ -130,7 +129,7 @@ class LiveTurn:
             yield delta
         t_engine = time.perf_counter()
         result = EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=finish)
-        parsed = self.pipeline.parser.parse(ids, self.prompt_ids, self.request.tools)
+        parsed = self.pipeline.parser.parse(ids, self.prepared.prompt_text, self.request.tools)
         turn = self.pipeline.captured(self.prepared, result, parsed, t_engine)
         turn.created = self.created
         tail, consistent = self._tracker.remainder(parsed)
@@ -171,7 +170,7 @@ class LiveTurn:
         The splitter only finds where a call ends; the parser decides what it says, so a streamed
         call equals the final parse's. Once per completed call, never per token.
         """
-        parsed = self.pipeline.parser.parse(ids, self.prompt_ids, self.request.tools)
+        parsed = self.pipeline.parser.parse(ids, self.prepared.prompt_text, self.request.tools)
         sent = self._tracker.calls
         new = sum(d.kind == "tool_call" for d in deltas)
         if parsed.ill_formed or parsed.tool_calls[: len(sent)] != sent or len(parsed.tool_calls) < len(sent) + new:

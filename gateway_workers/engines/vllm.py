@@ -28,7 +28,7 @@ from gateway_workers.engines.base import (
     HttpEngineBase,
     SamplingParams,
     bad_answer,
-    ids_list,
+    ids_json,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class VllmEngine(HttpEngineBase):
         url = base + GENERATE_PATH
         body: dict[str, Any] = {
             "request_id": request_id,
-            "token_ids": ids_list(prompt_ids),
+            "token_ids": ids_json(prompt_ids),
             "sampling_params": sampling_body(params),
             "stream": False,
         }
@@ -63,7 +63,7 @@ class VllmEngine(HttpEngineBase):
         url = base + GENERATE_PATH
         body: dict[str, Any] = {
             "request_id": request_id,
-            "token_ids": ids_list(prompt_ids),
+            "token_ids": ids_json(prompt_ids),
             "sampling_params": sampling_body(params),
             "stream": True,
             "stream_options": {"include_usage": True},

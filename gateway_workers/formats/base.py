@@ -145,6 +145,7 @@ class FormatParser:
         if not anchor_ids:
             raise ParserUnavailable(f"format {fmt.name!r}: the tokenizer encodes its anchor {fmt.anchor!r} to nothing")
         self._anchor_first_id = anchor_ids[0]
+        self._template = self._compiled_template() if self.engine == "template" else None
 
     def parse(
         self,
@@ -186,13 +187,28 @@ class FormatParser:
             kwargs: dict[str, Any] = {"prefix": self.format.anchor + head}
             if self._typed_by_transformers and tools:
                 kwargs["tools"] = [dict(tool) for tool in tools]
-            parsed = self._tokenizer.parse_response(text, schema=dict(self.format.template), **kwargs)
+            parsed = self._tokenizer.parse_response(text, schema=self._template, **kwargs)
         else:
             # The legacy engine sees no prompt: hand it the prefill (e.g. an opened <think>) inline.
             parsed = self._tokenizer.parse_response(head + text, schema=dict(self.format.schema))
         if not isinstance(parsed, dict):
             raise ValueError(f"the parser returned {type(parsed).__name__}, not a message")
         return parsed
+
+    def _compiled_template(self) -> Any:
+        """The response template compiled once: given a dict, transformers rebuilds its regexes on every parse.
+
+        A transformers whose parse_response does not take the compiled form gets the dict.
+        """
+        template = dict(self.format.template)
+        try:
+            from transformers.utils.chat_parsing.response_templates import load_response_template
+
+            compiled = load_response_template(template)
+            self._tokenizer.parse_response("", schema=compiled, prefix=self.format.anchor)
+        except Exception:  # any other layout or signature: the public dict form always works
+            return template
+        return compiled
 
     def _encode(self, text: str) -> list[int]:
         if self._backend is not None:

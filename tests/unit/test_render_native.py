@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_render_incremental import content, conversation
 
 from gateway_workers import native_templates as nt
-from gateway_workers.render import NATIVE_VERIFY_FIRST, Renderer, template_messages
+from gateway_workers.render import VERIFY_FIRST, Renderer, template_messages
 from gateway_workers.tokenizer import builtin_template_text
 
 TWINS = {"builtin": nt.render_builtin, "qwen3": nt.render_qwen3}
@@ -109,6 +109,6 @@ def test_twin_is_verified_on_early_renders_then_trusted(builtin_tokenizer):
     jinja_calls = []
     original = renderer._jinja
     renderer._jinja = lambda *a: jinja_calls.append(1) or original(*a)  # type: ignore[method-assign]
-    for _ in range(NATIVE_VERIFY_FIRST + 10):
+    for _ in range(VERIFY_FIRST + 10):
         renderer.render_text([{"role": "user", "content": "hi"}])
-    assert len(jinja_calls) == NATIVE_VERIFY_FIRST and renderer._native is real
+    assert len(jinja_calls) == VERIFY_FIRST and renderer._native is real
