@@ -127,10 +127,13 @@ class TurnStore:
         base = self._turns[msg.base_turn_id]
         log = self.tokens
         start = len(log) // _ID_BYTES
-        with memoryview(msg.prompt_ids) as p, memoryview(msg.output_ids) as o, p.cast("B") as pb, o.cast("B") as ob:
-            log += pb
-            # A shared prefix that reaches into the output (a regenerated turn) skips that much of it.
-            log += ob[max(msg.base_tokens - msg.prompt_len, 0) * _ID_BYTES :]
+        log += msg.prompt_ids  # native int32 bytes, appended straight from the array's buffer
+        skip = msg.base_tokens - msg.prompt_len
+        if skip <= 0:
+            log += msg.output_ids
+        else:  # the shared prefix reaches into the output (a regenerated turn): skip that much of it
+            with memoryview(msg.output_ids) as o, o.cast("B") as ob:
+                log += ob[skip * _ID_BYTES :]
         tok_ranges = _extend(_cut(base.tok_ranges, msg.base_tokens), start, len(log) // _ID_BYTES)
         return tok_ranges, _cut(base.msg_ranges, msg.base_messages), [*msg.prompt_messages, msg.response_message]
 

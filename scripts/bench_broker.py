@@ -4,19 +4,23 @@ A thin CLI over public parts: the broker runs as `python -m broker` (a subproces
 port 0), publishers are separate processes speaking `broker.protocol` over plain zmq
 DEALERs like workers do, and the trainer side is `trainer_client.TrainerClient`.
 Measures (issue 6 targets): commits/s of ~4k-token prompts with 100-token outputs from
-4 concurrent publishers (growing sessions, so prefixes are shared as in real traffic),
-side by side with a bare zmq echo fed the same frames by the same publishers; the
-broker's per-commit hot path in-process; finish_session latency of a 50-turn session
-whose final context is 32k tokens; broker RSS per such session against its final token
-count. Prints medians of --runs runs.
+4 concurrent publishers (growing sessions, so prefixes are shared as in real traffic) and
+the broker's own CPU per commit (publishers share the cores, so commits/s alone understates
+the broker), side by side with a bare zmq echo fed the same frames by the same publishers;
+the broker's per-commit hot path in-process (and the worker's cost of building the commit);
+finish_session latency of a 50-turn session whose final context is 32k tokens; broker RSS
+per such session against its final token count. Commits are deltas against the sender's
+previous turn, as a worker sends them (`gateway_workers.commit_bases`); `--full-commits`
+also measures whole-turn commits in the same run. Prints medians of --runs runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import multiprocessing as mp
-import os
 import random
 import re
 import statistics
@@ -32,6 +36,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from broker import protocol  # noqa: E402
+from gateway_workers.commit_bases import CommitBases  # noqa: E402
 from trainer_client import TrainerClient  # noqa: E402
 
 READY_TIMEOUT_S = 30.0
@@ -76,6 +81,27 @@ def episode(seed: int, n_turns: int, first_prompt: int, tail: int, output: int) 
     return turns
 
 
+def commit_of(rid: int, sid: str, turn_id: str, t: dict[str, Any]) -> protocol.CommitTurn:
+    """The full commit of one synthetic turn."""
+    return protocol.CommitTurn(
+        rid, sid, turn_id, t["prompt_ids"], t["output_ids"], t["logprobs"], "stop",
+        t["prompt_messages"], t["response_message"],
+    )  # fmt: skip
+
+
+def as_sent(bases: CommitBases | None, commit: protocol.CommitTurn) -> protocol.CommitTurn:
+    """What a worker sends for `commit`: a delta against its session's last turn (`bases`), or the full turn.
+
+    The turn becomes its session's base at once: publishers send each session's next turn
+    only after more than a window of other commits, so its base has been ACKed by then.
+    """
+    if bases is None:
+        return commit
+    sent = bases.delta(commit) or commit
+    bases.remember(commit)
+    return sent
+
+
 # --- broker subprocess -------------------------------------------------------------------
 
 
@@ -111,10 +137,14 @@ def stop_broker(proc: subprocess.Popen[str]) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time the process has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time the process's live threads have used so far (schedstat: nanoseconds, not clock ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just exited
+            continue
+    return total / 1e9
 
 
 def rss_bytes(pid: int) -> int:
@@ -164,6 +194,7 @@ def publisher(
     ]
     rid = 0
     opens, commits = [], []
+    bases = None if args["full"] else CommitBases(max_sessions=len(sids) + 1)
     # turn-major order: every session has a turn in flight, as with many concurrent agents
     for k in range(n_turns):
         for sid, ep in zip(sids, eps, strict=True):
@@ -171,21 +202,7 @@ def publisher(
             rid += 1
             opens.append(protocol.encode(protocol.OpenTurn(rid, sid, f"{sid}-{k}")))
             rid += 1
-            commits.append(
-                protocol.encode(
-                    protocol.CommitTurn(
-                        rid,
-                        sid,
-                        f"{sid}-{k}",
-                        t["prompt_ids"],
-                        t["output_ids"],
-                        t["logprobs"],
-                        "stop",
-                        t["prompt_messages"],
-                        t["response_message"],
-                    )
-                )
-            )
+            commits.append(protocol.encode(as_sent(bases, commit_of(rid, sid, f"{sid}-{k}", t))))
     if not args["baseline"]:
         replies = w.pipeline(opens, args["window"])
         assert all(isinstance(r, protocol.TurnOpened) for r in replies), replies[:3]
@@ -233,15 +250,19 @@ def echo_server(endpoint_out: Any, stop: Any) -> None:
 
 
 def bench_ingest(args: argparse.Namespace) -> dict[str, float]:
-    base = ingest_run(args, baseline=True)
-    out = ingest_run(args, baseline=False)
+    base = ingest_run(args, baseline=True, full=False)
+    out = ingest_run(args, baseline=False, full=False)
     out["baseline_zmq_echo_msgs_per_s"] = base["commits_per_s"]
     out["baseline_echo_cpu_us_per_msg"] = base["broker_cpu_us_per_commit"]
     out["ratio_to_zmq_echo"] = out["commits_per_s"] / base["commits_per_s"]
+    if args.full_commits:  # the old way, same run, same sessions and turns
+        full = ingest_run(args, baseline=False, full=True)
+        for key in ("commits_per_s", "broker_cpu_us_per_commit", "broker_cpu_util", "mean_frame_kib", "tokens_held"):
+            out[f"full_{key}"] = full[key]
     return out
 
 
-def ingest_run(args: argparse.Namespace, baseline: bool) -> dict[str, float]:
+def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str, float]:
     spawn = mp.get_context("spawn")
     stop = spawn.Event()
     if baseline:
@@ -254,6 +275,8 @@ def ingest_run(args: argparse.Namespace, baseline: bool) -> dict[str, float]:
         pid = proc.pid
     try:
         per = args.sessions // args.publishers
+        if per <= args.window:
+            raise SystemExit("--sessions / --publishers must exceed --window (a delta's base must be ACKed first)")
         if baseline:
             sids = [[f"p{p}-s{i}" for i in range(per)] for p in range(args.publishers)]
         else:
@@ -267,6 +290,7 @@ def ingest_run(args: argparse.Namespace, baseline: bool) -> dict[str, float]:
             "output": args.output,
             "window": args.window,
             "baseline": baseline,
+            "full": full,
         }
         procs = [
             spawn.Process(target=publisher, args=(worker_ep, sids[p], p + 1, params, ready, start, results))
@@ -286,7 +310,10 @@ def ingest_run(args: argparse.Namespace, baseline: bool) -> dict[str, float]:
         t0, t1 = min(r["t0"] for r in res), max(r["t1"] for r in res)
         commits = sum(r["commits"] for r in res)
         assert sum(r["stored"] for r in res) == commits
-        stats = {"tokens_held": 0} if baseline else client.stats()
+        stats = {"tokens_held": 0, "commits_delta": 0} if baseline else client.stats()
+        if not baseline:
+            deltas = commits - commits // args.turns  # every turn but each session's first
+            assert stats["commits_delta"] == (0 if full else deltas), stats["commits_delta"]
         out = {
             "commits": commits,
             "seconds": t1 - t0,
@@ -315,7 +342,9 @@ def ingest_run(args: argparse.Namespace, baseline: bool) -> dict[str, float]:
 # --- finish latency and memory per session ---------------------------------------------------
 
 
-def long_session(client: TrainerClient, w: Worker, seed: int, args: argparse.Namespace) -> tuple[str, int]:
+def long_session(
+    client: TrainerClient, w: Worker, seed: int, args: argparse.Namespace, full: bool = False
+) -> tuple[str, int]:
     n = args.long_turns
     output = args.output
     first = args.long_first_prompt
@@ -323,23 +352,10 @@ def long_session(client: TrainerClient, w: Worker, seed: int, args: argparse.Nam
     ep = episode(seed, n, first, tail, output)
     sid = client.open_session(max_context_tokens=args.long_context + 1024)
     frames = []
+    bases = None if full else CommitBases()
     for k, t in enumerate(ep):
         frames.append(protocol.encode(protocol.OpenTurn(2 * k, sid, f"t{k}")))
-        frames.append(
-            protocol.encode(
-                protocol.CommitTurn(
-                    2 * k + 1,
-                    sid,
-                    f"t{k}",
-                    t["prompt_ids"],
-                    t["output_ids"],
-                    t["logprobs"],
-                    "stop",
-                    t["prompt_messages"],
-                    t["response_message"],
-                )
-            )
-        )
+        frames.append(protocol.encode(as_sent(bases, commit_of(2 * k + 1, sid, f"t{k}", t))))
     for f in frames:  # one turn after the other, like one agent
         w.sock.send(f)
         reply = w.recv()
@@ -376,17 +392,26 @@ def bench_finish(args: argparse.Namespace) -> dict[str, float]:
 
 
 def bench_memory(args: argparse.Namespace) -> dict[str, float]:
+    out = memory_run(args, full=False)
+    if args.full_commits:
+        full = memory_run(args, full=True)
+        for key in ("rss_bytes_per_token", "gauge_bytes_per_token", "tokens_held_per_session"):
+            out[f"full_{key}"] = full[key]
+    return out
+
+
+def memory_run(args: argparse.Namespace, full: bool) -> dict[str, float]:
     proc, worker_ep, control_ep = start_broker([])
     ctx = zmq.Context()
     try:
         client = TrainerClient(control_ep, timeout=60)
         w = Worker(ctx, worker_ep)
-        sid, _ = long_session(client, w, 1, args)  # warm up allocator and code paths
+        sid, _ = long_session(client, w, 1, args, full)  # warm up allocator and code paths
         client.drop_session(sid)
         base = rss_bytes(proc.pid)
         final = 0
         for i in range(args.memory_sessions):
-            _, final = long_session(client, w, 2000 + i, args)
+            _, final = long_session(client, w, 2000 + i, args, full)
         grown = rss_bytes(proc.pid) - base
         held = client.stats()
         per_session = grown / args.memory_sessions
@@ -406,29 +431,41 @@ def bench_memory(args: argparse.Namespace) -> dict[str, float]:
 
 
 def bench_hotpath(args: argparse.Namespace) -> dict[str, float]:
-    """The broker's per-commit work without sockets: decode, dedup store, encode the ACK (thread CPU time).
+    """The broker's per-commit work without sockets, delta and full side by side (thread CPU time).
 
-    The same frames as the ingest run, in the same turn-major order over many sessions
-    (so each session's log is cold in cache, as under real load).
+    Broker: decode, dedup store, encode the ACK, for the same turns as the ingest run in the
+    same turn-major order over many sessions (each session's log is cold in cache, as under
+    real load). Worker: building the frame it sends (delta: find the shared prefix, encode,
+    keep the turn as the next base; full: encode), with each turn's messages fresh dicts as a
+    request body parses them.
     """
     from broker.sessions import SessionRegistry  # in-process on purpose: this isolates the hot path
 
     sessions = args.sessions
     eps = [episode(i, args.turns, args.first_prompt, args.tail, args.output) for i in range(sessions)]
-    frames = [
-        protocol.encode(
-            protocol.CommitTurn(
-                1, f"s{s}", f"t{k}", eps[s][k]["prompt_ids"], eps[s][k]["output_ids"], eps[s][k]["logprobs"],
-                "stop", eps[s][k]["prompt_messages"], eps[s][k]["response_message"],
-            )
-        )
-        for k in range(args.turns)
-        for s in range(sessions)
-    ]  # fmt: skip
+    order = [(s, k) for k in range(args.turns) for s in range(sessions)]
+    full_msgs = [commit_of(1, f"s{s}", f"t{k}", eps[s][k]) for s, k in order]
     del eps
+    for i, msg in enumerate(full_msgs):  # fresh dicts, as parsed from each request (no identity shortcut)
+        full_msgs[i] = dataclasses.replace(msg, prompt_messages=copy.deepcopy(msg.prompt_messages))
 
-    def fresh_registry() -> SessionRegistry:
-        reg = SessionRegistry(max_sessions=sessions)
+    out: dict[str, float] = {}
+    for mode in ("delta", "full"):
+        bases = None if mode == "full" else CommitBases(max_sessions=sessions + 1)
+        t0 = time.thread_time()
+        frames = [protocol.encode(as_sent(bases, msg)) for msg in full_msgs]
+        out[f"{mode}_worker_build_us"] = 1e6 * (time.thread_time() - t0) / len(frames)
+        out[f"{mode}_frame_kib"] = sum(map(len, frames)) / len(frames) / 1024
+        out.update({f"{mode}_{k}": v for k, v in _broker_hot_path(SessionRegistry, frames, sessions, args).items()})
+    out["broker_speedup"] = out["full_total_us"] / out["delta_total_us"]
+    return out
+
+
+def _broker_hot_path(
+    registry_class: Any, frames: list[bytes], sessions: int, args: argparse.Namespace
+) -> dict[str, float]:
+    def fresh_registry() -> Any:
+        reg = registry_class(max_sessions=sessions)
         for s in range(sessions):
             reg.open_session(f"s{s}", {}, None, None, {})
             for k in range(args.turns):
@@ -444,6 +481,7 @@ def bench_hotpath(args: argparse.Namespace) -> dict[str, float]:
         protocol.encode(protocol.TurnCommitted(msg.request_id, msg.turn_id, outcome))
     n = len(frames)
     total = (time.thread_time() - t0) / n
+    assert reg.counters["commits_stored"] == n
     # per stage (each includes a clock read)
     reg = fresh_registry()
     decode = store = encode = 0.0
@@ -481,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--finish-sessions", type=int, default=5)
     p.add_argument("--memory-sessions", type=int, default=20)
     p.add_argument("--only", choices=["ingest", "hotpath", "finish", "memory"], action="append")
+    p.add_argument(
+        "--full-commits", action="store_true", help="also measure whole-turn commits (the old way) in the same run"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
     parts = args.only or ["ingest", "hotpath", "finish", "memory"]
