@@ -5,10 +5,15 @@
 the configured `tokenizers` tokenizer, loaded at first use; empty without one), reward,
 rollout id, status and merged metadata. No sockets; imports the stdlib, `broker.*` and,
 lazily, `tokenizers` (the Rust library: never transformers).
+
+Decoding a row is most of a finish (a 24k-token row: ~46 ms in `tokenizers` here): a byte-level
+BPE's text is the UTF-8 decode of its tokens' bytes, so such tokenizers decode by joining a table of
+token bytes (~5x faster), and fall back to the tokenizer for anything that is not valid UTF-8.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from array import array
@@ -27,6 +32,7 @@ class RowBuilder:
     def __init__(self, tokenizer_path: str | None) -> None:
         self._path = tokenizer_path
         self._tokenizer: Any = None
+        self._token_bytes: list[bytes] | None = None  # id -> bytes, for byte-level BPE tokenizers
 
     def build(self, finished: FinishedSession, msg: protocol.FinishSession) -> tuple[list[protocol.TraceRow], str]:
         """The session's rows and its finish status: complete, or drain_timeout if turns were cut off."""
@@ -60,9 +66,50 @@ class RowBuilder:
         if self._path is None or not len(ids):
             return ""
         if self._tokenizer is None:
-            from tokenizers import Tokenizer  # lazy: a Rust extension, only when configured
-
-            path = os.path.join(self._path, "tokenizer.json") if os.path.isdir(self._path) else self._path
-            self._tokenizer = Tokenizer.from_file(path)
-            logger.info("loaded tokenizer %s for response text", path)
+            self._load()
+        table = self._token_bytes
+        if table is not None:
+            try:
+                # Valid UTF-8 as a whole: every run between added tokens is too (their text is not a
+                # continuation byte), so this is exactly the tokenizer's run-by-run decode.
+                return b"".join(map(table.__getitem__, ids)).decode("utf-8")
+            except (UnicodeDecodeError, IndexError):
+                pass  # broken UTF-8 or an id outside the vocabulary: the tokenizer decides
         return str(self._tokenizer.decode(ids.tolist(), skip_special_tokens=False))
+
+    def _load(self) -> None:
+        from tokenizers import Tokenizer  # lazy: a Rust extension, only when configured
+
+        assert self._path is not None
+        path = os.path.join(self._path, "tokenizer.json") if os.path.isdir(self._path) else self._path
+        self._tokenizer = Tokenizer.from_file(path)
+        self._token_bytes = _byte_level_table(self._tokenizer)
+        logger.info("loaded tokenizer %s for response text (byte table: %s)", path, self._token_bytes is not None)
+
+
+def _byte_level_table(tokenizer: Any) -> list[bytes] | None:
+    """Each id's bytes, if the tokenizer decodes by byte-level mapping alone (GPT-2 style BPE); else None."""
+    decoder = tokenizer.decoder
+    if decoder is None or json.loads(decoder.__getstate__()).get("type") != "ByteLevel":
+        return None
+    to_byte = _byte_alphabet()
+    added = tokenizer.get_added_tokens_decoder()
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    table = [b""] * (max([*vocab.values(), *added, -1]) + 1)
+    try:
+        for token, token_id in vocab.items():
+            table[token_id] = token.translate(to_byte).encode("latin-1")
+    except UnicodeEncodeError:
+        return None  # a token outside the byte-level alphabet
+    for token_id, token in added.items():
+        table[token_id] = token.content.encode()
+    return table
+
+
+def _byte_alphabet() -> dict[int, int]:
+    """GPT-2's byte-level alphabet, inverted, as a str.translate table: printable bytes are themselves,
+    the others (in order) take code points from 256 up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: b for b in printable}
+    table.update({256 + k: b for k, b in enumerate(b for b in range(256) if b not in table)})
+    return table

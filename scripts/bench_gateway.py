@@ -243,15 +243,35 @@ def warm_up(bench: Bench) -> None:
             asyncio.run(loadgen.run_load(system.target, config, engine))
 
 
+SCENARIOS = ("idle", "sweep", "offered", "workers", "saturated", "features")
+
+
 def suite(bench: Bench) -> None:
     args = bench.args
+    wanted = set(args.scenarios.split(","))
+    if wanted - set(SCENARIOS):
+        raise SystemExit(f"unknown scenarios: {sorted(wanted - set(SCENARIOS))}")
     warm_up(bench)
     contexts = [int(c) for c in args.contexts.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    ours = [name for name in bench.systems if name.startswith("ours")]
+    if "idle" in wanted:
+        idle(bench, contexts)
+    if "sweep" in wanted:
+        sweep(bench, contexts, concurrency)
+    if "offered" in wanted:
+        offered(bench, contexts, concurrency)
+    if "workers" in wanted:
+        worker_scaling(bench, contexts)
+    if "saturated" in wanted:
+        saturated(bench, contexts)
+    if "features" in wanted:
+        features(bench, contexts)
+
+
+def idle(bench: Bench, contexts: list[int]) -> None:
+    args, reps = bench.args, bench.args.reps
+    ours, refs = _systems(bench)
     one = ours[0]
-    refs = [name for name in bench.systems if name.startswith("ref")]
-    reps = args.reps
     print(f"== idle latency and CPU per turn (concurrency 1, {args.turns} turns)", file=sys.stderr)
     for context in contexts:
         for rep in range(reps):
@@ -259,11 +279,23 @@ def suite(bench: Bench) -> None:
                 bench.run(
                     "idle", system, rep, agents=1, turns=args.turns, context_tokens=context, episodes=args.idle_episodes
                 )
+
+
+def sweep(bench: Bench, contexts: list[int], concurrency: list[int]) -> None:
+    args, reps = bench.args, bench.args.reps
+    ours, refs = _systems(bench)
     print("== concurrency sweep (4k context, engine 0 ms, closed loop)", file=sys.stderr)
     for agents in concurrency:
         for rep in range(reps if agents == max(concurrency) or not args.quick else 1):
             for system in [*ours, *refs]:
                 bench.run("sweep", system, rep, agents=agents, turns=args.turns, context_tokens=contexts[0])
+
+
+def offered(bench: Bench, contexts: list[int], concurrency: list[int]) -> None:
+    """Every system at 80% of ref-tree's closed-loop rate at the top concurrency (from this run's sweep)."""
+    args, reps = bench.args, bench.args.reps
+    ours, refs = _systems(bench)
+    one = ours[0]
     top = max(concurrency)
     ref_tput = [
         r["turns_per_s"]
@@ -286,6 +318,11 @@ def suite(bench: Bench) -> None:
                     context_tokens=contexts[0],
                     rate=rate,
                 )
+
+
+def worker_scaling(bench: Bench, contexts: list[int]) -> None:
+    args, reps = bench.args, bench.args.reps
+    ours, refs = _systems(bench)
     if len(ours) > 1:
         everything = set(range(os.cpu_count() or 1))
         print(
@@ -298,6 +335,11 @@ def suite(bench: Bench) -> None:
                 bench.run(
                     "workers", system, rep, cores=everything, agents=64, turns=args.turns, context_tokens=contexts[0]
                 )
+
+
+def saturated(bench: Bench, contexts: list[int]) -> None:
+    args, reps = bench.args, bench.args.reps
+    ours, refs = _systems(bench)
     print("== CPU per turn at saturation (concurrency 8)", file=sys.stderr)
     for context in contexts:
         for rep in range(reps):
@@ -311,6 +353,12 @@ def suite(bench: Bench) -> None:
                     context_tokens=context,
                     episodes=args.idle_episodes,
                 )
+
+
+def features(bench: Bench, contexts: list[int]) -> None:
+    args = bench.args
+    ours, refs = _systems(bench)
+    one = ours[0]
     print("== features: dialects, streaming, <think> or not, agents that drop reasoning", file=sys.stderr)
     for think in (True, False):
         bench.configure_engine(think=think)
@@ -332,6 +380,12 @@ def suite(bench: Bench) -> None:
         bench.run("no-echo", system, 0, agents=16, turns=args.turns, context_tokens=contexts[0], echo_reasoning=False)
 
 
+def _systems(bench: Bench) -> tuple[list[str], list[str]]:
+    """(our gateways, the reference's modes) in this run."""
+    names = list(bench.systems)
+    return [n for n in names if n.startswith("ours")], [n for n in names if n.startswith("ref")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default="bench-results")
@@ -346,6 +400,11 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the reference gateway")
     p.add_argument("--ref-venv", default=str(reference_gateway.DEFAULT_VENV))
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 rep, small sweep")
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"which parts of the suite to run (comma-separated; default all): {', '.join(SCENARIOS)}",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report-only", help="rebuild report.md and plots from this results.json")
     args = p.parse_args()

@@ -1,0 +1,57 @@
+"""A row's `response` text: the broker's byte-table decode equals the tokenizer's own decode.
+
+Property-tested on the real Qwen BPE over any id sequence: sampled text, special tokens anywhere,
+single ids that are partial UTF-8 (so the whole is invalid and the tokenizer's run-by-run lossy
+decode must decide), and ids past the vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from broker.rows import RowBuilder
+
+SPECIAL_IDS = [151643, 151644, 151645, 151657, 151658, 151667, 151668]
+
+
+@pytest.fixture(scope="module")
+def rows(qwen3_tokenizer_dir: str) -> RowBuilder:
+    builder = RowBuilder(qwen3_tokenizer_dir)
+    builder.decode(array("i", [0]))
+    assert builder._token_bytes is not None  # the Qwen BPE gets the fast table
+    return builder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_tokenizer_dir: str) -> Tokenizer:
+    return Tokenizer.from_file(os.path.join(qwen3_tokenizer_dir, "tokenizer.json"))
+
+
+texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.one_of(texts, st.sampled_from(SPECIAL_IDS), st.integers(0, 151642)), max_size=12))
+def test_byte_table_decode_equals_the_tokenizer(rows, tokenizer, parts):
+    ids: list[int] = []
+    for part in parts:
+        ids += tokenizer.encode(part, add_special_tokens=False).ids if isinstance(part, str) else [part]
+    assert rows.decode(array("i", ids)) == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_partial_utf8_next_to_special_tokens_decodes_like_the_tokenizer(rows, tokenizer):
+    # a character that takes several tokens: its first id alone is broken UTF-8
+    emoji = next(ids for ch in "𠀋𝔘🜁🝳🫠" if len(ids := tokenizer.encode(ch, add_special_tokens=False).ids) > 1)
+    assert "\ufffd" in tokenizer.decode(emoji[:1])
+    for ids in ([emoji[0], 151645, emoji[1]], [151644, *emoji[:-1]], emoji[1:] + [151643]):
+        assert rows.decode(array("i", ids)) == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_without_a_tokenizer_the_text_is_empty():
+    assert RowBuilder(None).decode(array("i", [1, 2, 3])) == ""
