@@ -57,6 +57,7 @@ class LiveTurn:
         self.session_id = prepared.session_id
         self.turn_id = prepared.turn_id
         self.request = prepared.request
+        self.prompt_ids = prepared.prompt_ids
         self.created = int(time.time())
         self.turn: CapturedTurn | None = None  # set once the engine finished and the final parse ran
         self._stream: AsyncIterator[EngineChunk] | None = None

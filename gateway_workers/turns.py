@@ -24,7 +24,7 @@ from broker import protocol
 from gateway_workers.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
 from gateway_workers.formats import ParsedResponse, ResponseParser
-from gateway_workers.render import Renderer, RenderError
+from gateway_workers.render import RenderedPrompt, Renderer, RenderError
 
 logger = logging.getLogger(__name__)
 
@@ -187,14 +187,24 @@ class TurnPipeline:
         """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened)."""
         turn_id = uuid.uuid4().hex
         t0 = time.perf_counter()
-        # The broker's answer and the render overlap (the render runs on a thread); the broker's
-        # verdict still comes first, so a refused session gets its refusal, not a template error.
-        rendering = asyncio.ensure_future(run_in_threadpool(self.renderer.render, request.messages, request.tools))
+        # The broker's answer and the render overlap; the broker's verdict still comes first, so a
+        # refused session gets its refusal, not a template error.
+        opening = asyncio.ensure_future(self.backplane.open_turn(session_id, turn_id))
+        rendered: RenderedPrompt | RenderError | None = None
+        rendering: asyncio.Future[RenderedPrompt | RenderError] | None = None
         try:
-            opened = await self.backplane.open_turn(session_id, turn_id)
+            await asyncio.sleep(0)  # let the OPEN leave before rendering on this thread
+            try:
+                rendered = self.renderer.render_on_loop(request.messages, request.tools)
+            except RenderError as e:
+                rendered = e
+            rendering = None if rendered is not None else asyncio.ensure_future(self._render_on_thread(request))
+            opened = await opening
         except BaseException as e:
-            rendering.cancel()
-            rendering.add_done_callback(_discard)  # a render that failed meanwhile is moot
+            opening.cancel()
+            if rendering is not None:
+                rendering.cancel()
+                rendering.add_done_callback(_discard)  # a render that failed meanwhile is moot
             if isinstance(e, TurnRefused):
                 raise refusal_error(e) from None
             if isinstance(e, BrokerUnavailable):
@@ -202,10 +212,11 @@ class TurnPipeline:
                 raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
             raise
         try:
-            try:
+            if rendering is not None:
                 rendered = await rendering
-            except RenderError as e:
-                raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
+            if isinstance(rendered, RenderError):
+                raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {rendered}") from None
+            assert isinstance(rendered, RenderedPrompt)
             prompt_ids = rendered.prompt_ids
             params, over_budget = self._sampling(request, opened, len(prompt_ids))
         except BaseException as e:
@@ -269,6 +280,12 @@ class TurnPipeline:
         except ApiError as e:
             if e.code != "unknown_turn":
                 raise
+
+    async def _render_on_thread(self, request: TurnRequest) -> RenderedPrompt | RenderError:
+        try:
+            return await run_in_threadpool(self.renderer.render, request.messages, request.tools)
+        except RenderError as e:
+            return e
 
     async def count_tokens(self, request: TurnRequest) -> int:
         """Prompt length of a request, rendered exactly as a turn would be."""

@@ -145,7 +145,7 @@ class FormatParser:
         if not anchor_ids:
             raise ParserUnavailable(f"format {fmt.name!r}: the tokenizer encodes its anchor {fmt.anchor!r} to nothing")
         self._anchor_first_id = anchor_ids[0]
-        self._template = self._compiled_template() if self.engine == "template" else None
+        self._template: Any = self._compiled_template() if self.engine == "template" else None
 
     def parse(
         self,
@@ -204,7 +204,7 @@ class FormatParser:
         try:
             from transformers.utils.chat_parsing.response_templates import load_response_template
 
-            compiled = load_response_template(template)
+            compiled: Any = load_response_template(template)
             self._tokenizer.parse_response("", schema=compiled, prefix=self.format.anchor)
         except Exception:  # any other layout or signature: the public dict form always works
             return template

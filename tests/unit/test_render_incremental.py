@@ -10,7 +10,6 @@ LRU order, and the tokenizers the splitter must refuse.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
-from gateway_workers.render import VERIFY_FIRST, Renderer, SegmentCache, _special_splitter, template_messages
+from gateway_workers.render import (
+    INLINE_NEW_CHARS,
+    VERIFY_FIRST,
+    Renderer,
+    SegmentCache,
+    _special_splitter,
+    template_messages,
+)
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
             "<tool_response>", "</tool_response>", "<|endoftext|>", "<|fim_pad|>"]
@@ -75,7 +81,7 @@ def renderer(tokenizer):
     r = Renderer(tokenizer)
     assert r.incremental and r.bpe_twin
     # Past the renders that double-check the tiktoken twin: what the properties below see is the twin's.
-    r._twin_encodes = itertools.count(VERIFY_FIRST + 1)
+    r._twin_uses = VERIFY_FIRST + 1
     return r
 
 
@@ -213,3 +219,25 @@ def test_incremental_off_is_logged(builtin_tokenizer, caplog):
     with caplog.at_level(logging.INFO, logger="gateway_workers.render"):
         Renderer(builtin_tokenizer, cache_bytes=0)
     assert "incremental prompt encoding is off" in caplog.text
+
+
+def test_render_on_loop_only_takes_cheap_renders_and_equals_render(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    episode = [{"role": "user", "content": "a short question"}]
+    assert renderer.render_on_loop(episode) is None  # the first renders are checked against the originals
+    renderer._native_uses = renderer._twin_uses = VERIFY_FIRST + 1
+    episode += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    on_loop = renderer.render_on_loop(episode)
+    assert on_loop is not None
+    full = Renderer(builtin_tokenizer, cache_bytes=0).render(episode)
+    assert list(on_loop.prompt_ids) == list(full.prompt_ids) and on_loop.text == full.text
+    long_turn = episode + [{"role": "user", "content": "word " * (INLINE_NEW_CHARS // 4)}]
+    assert renderer.render_on_loop(long_turn) is None  # too much new text for the loop's thread
+    exact = Renderer(builtin_tokenizer, cache_bytes=0).render(long_turn)
+    assert list(renderer.render(long_turn).prompt_ids) == list(exact.prompt_ids)
+
+
+def test_render_on_loop_declines_templates_without_a_twin(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer, native_templates=False)
+    renderer._native_uses = renderer._twin_uses = VERIFY_FIRST + 1
+    assert renderer.render_on_loop([{"role": "user", "content": "hi"}]) is None
