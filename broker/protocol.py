@@ -150,8 +150,11 @@ class CommitTurn(Message):
     `logprobs` always travel whole). Its prompt messages are the base's (prompt messages +
     response) cut to `base_messages` (at most the turn's prompt message count), then
     `prompt_messages`. A base the broker does not hold is refused with unknown_base: the
-    sender resends the turn in full. With `base_turn_id == ""` (a full commit) `prompt_len`
-    is 0 or `len(prompt_ids)` and the base fields are 0.
+    sender resends the turn in full. `base_crc32` is zlib.crc32 of the shared prefix's ids as
+    int32 little-endian bytes: the broker checks it against the base it holds, so a wrong claim
+    is refused (unknown_base) instead of training on tokens the engine never saw. With
+    `base_turn_id == ""` (a full commit) `prompt_len` is 0 or `len(prompt_ids)` and the base
+    fields are 0.
     """
 
     TAG: ClassVar[str] = "commit_turn"
@@ -169,6 +172,7 @@ class CommitTurn(Message):
     base_tokens: int = 0
     base_messages: int = 0
     prompt_len: int = 0
+    base_crc32: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ new tail appended. Pure data structure: no sockets, no clocks, no lifecycle rule
 
 from __future__ import annotations
 
+import zlib
 from array import array
 from bisect import bisect_left, insort
 from collections.abc import Callable
@@ -74,9 +75,9 @@ class TurnStore:
         return len(self.tokens) + self.logprob_bytes + self.message_bytes
 
     def base_problem(self, msg: protocol.CommitTurn) -> str | None:
-        """Why a delta commit's base cannot be used (not held, or shorter than claimed); None if it can.
+        """Why a delta commit's base cannot be used (not held, shorter than claimed, another prefix); None if it can.
 
-        Cheap on purpose: the shared prefix itself is the sender's claim and is not compared.
+        The shared prefix is checked by its CRC-32 (~10 µs per 4k ids), not compared id by id.
         """
         base = self._turns.get(msg.base_turn_id)
         if base is None:
@@ -87,6 +88,12 @@ class TurnStore:
         n_messages = _length(base.msg_ranges)
         if msg.base_messages > n_messages:
             return f"base turn {msg.base_turn_id!r} has {n_messages} messages, not {msg.base_messages}"
+        crc = 0
+        with memoryview(self.tokens) as log:
+            for start, stop in _cut(base.tok_ranges, msg.base_tokens):
+                crc = zlib.crc32(log[start * _ID_BYTES : stop * _ID_BYTES], crc)
+        if crc != msg.base_crc32:
+            return f"the first {msg.base_tokens} tokens of base turn {msg.base_turn_id!r} are not the ones claimed"
         return None
 
     def add(self, msg: protocol.CommitTurn, seq: int) -> None:

@@ -11,6 +11,7 @@ Python loop over ids. Imports only the stdlib and `broker.protocol`; no sockets,
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,7 @@ class CommitBases:
             base_tokens=shared,
             base_messages=n_messages,
             prompt_len=n_prompt,
+            base_crc32=zlib.crc32(memoryview(base.context)[: shared * _ID_BYTES]),
         )
 
 

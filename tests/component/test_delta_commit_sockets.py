@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -118,9 +119,12 @@ def test_raw_deltas_over_the_socket_duplicate_and_unknown_base(broker, client, w
         worker.next_id(), sid, "t1", turns[1].prompt_ids[n0:], turns[1].output_ids, turns[1].logprobs, "stop",
         turns[1].prompt_messages[3:], turns[1].response_message,
         base_turn_id="t0", base_tokens=n0, base_messages=3, prompt_len=len(turns[1].prompt_ids),
+        base_crc32=zlib.crc32(turns[0].prompt_ids.tobytes() + turns[0].output_ids.tobytes()),
     )  # fmt: skip
     unknown = worker.request(dataclasses.replace(delta, request_id=worker.next_id(), base_turn_id="nope"))
     assert isinstance(unknown, protocol.Refused) and unknown.code == "unknown_base"
+    wrong = worker.request(dataclasses.replace(delta, request_id=worker.next_id(), base_crc32=delta.base_crc32 ^ 1))
+    assert isinstance(wrong, protocol.Refused) and wrong.code == "unknown_base"  # a prefix the base does not have
     assert worker.request(delta) == protocol.TurnCommitted(delta.request_id, "t1", "stored")
     again = dataclasses.replace(delta, request_id=worker.next_id())
     assert worker.request(again).outcome == "duplicate"

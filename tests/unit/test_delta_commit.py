@@ -52,16 +52,16 @@ def test_delta_fields_round_trip_and_default_to_a_full_commit():
     assert protocol.decode_worker_to_broker(protocol.encode(full)) == full
     assert (full.base_turn_id, full.base_tokens, full.base_messages, full.prompt_len) == ("", 0, 0, 0)
     delta = dataclasses.replace(full, prompt_ids=protocol.ids_array([7]), base_turn_id="t0", base_tokens=2,
-                                base_messages=1, prompt_len=3, prompt_messages=[])  # fmt: skip
+                                base_messages=1, prompt_len=3, prompt_messages=[], base_crc32=99)  # fmt: skip
     decoded = protocol.decode_worker_to_broker(protocol.encode(delta))
     assert decoded == delta
     assert (decoded.base_turn_id, decoded.base_tokens, decoded.base_messages, decoded.prompt_len) == ("t0", 2, 1, 3)
     # the new fields go last, after timings: an older broker's positional layout is untouched
     items = msgpack.unpackb(protocol.encode(delta), raw=False)
-    assert items[-4:] == ["t0", 2, 1, 3] and items[-5] == {}
+    assert items[-5:] == ["t0", 2, 1, 3, 99] and items[-6] == {}
 
 
-@pytest.mark.parametrize("field_index, bad", [(-4, 7), (-3, "2"), (-2, None), (-1, 1.5)])
+@pytest.mark.parametrize("field_index, bad", [(-5, 7), (-4, "2"), (-3, None), (-2, 1.5), (-1, "crc")])
 def test_delta_fields_are_type_checked(field_index, bad):
     items = msgpack.unpackb(protocol.encode(full_commit("s", "t", [1], [2], [], {})), raw=False)
     items[field_index] = bad
@@ -232,11 +232,13 @@ def test_a_delta_against_a_base_the_broker_does_not_hold_is_refused_unknown_base
         dataclasses.replace(delta, base_turn_id="t2"),  # opened, not committed
         dataclasses.replace(delta, base_tokens=5, prompt_ids=protocol.ids_array()),  # longer than the base
         dataclasses.replace(delta, base_messages=3, prompt_messages=[]),  # more messages than the base
+        dataclasses.replace(delta, base_crc32=delta.base_crc32 ^ 1),  # a prefix the base does not have
+        dataclasses.replace(delta, base_tokens=3, prompt_ids=protocol.ids_array([4, 5])),  # crc of 4 ids claimed for 3
     ):
         with pytest.raises(Refusal) as e:
             reg.commit_turn(bad_base)
         assert e.value.code == "unknown_base", bad_base
-    assert reg.counters["commits_unknown_base"] == 5
+    assert reg.counters["commits_unknown_base"] == 7
     for malformed in (
         dataclasses.replace(delta, prompt_ids=protocol.ids_array([5, 5])),  # tail length disagrees
         dataclasses.replace(delta, base_tokens=-1),

@@ -211,10 +211,11 @@ def test_delivery_id_lists_are_checked_element_by_element(bad):
 
 def test_an_older_peer_without_trailing_default_fields_still_decodes():
     full = msgpack.unpackb(protocol.encode(MESSAGES["worker_to_broker"][1]), raw=False)
-    older = msgpack.packb(full[:-6], use_bin_type=True)  # no flags, no timings, no delta fields
+    older = msgpack.packb(full[:-7], use_bin_type=True)  # no flags, no timings, no delta fields
     decoded = protocol.decode_worker_to_broker(older)
     assert decoded.flags == {} and decoded.timings == {}
     assert (decoded.base_turn_id, decoded.base_tokens, decoded.base_messages, decoded.prompt_len) == ("", 0, 0, 0)
+    assert decoded.base_crc32 == 0
     assert decoded.prompt_ids == IDS
 
 
