@@ -15,13 +15,14 @@ Must not import the app, adapters, engines or the backplane.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,17 +269,18 @@ class Renderer:
             raise RenderError(f"chat template rendered {type(text).__name__}, expected text")
         return text
 
-    def render_on_loop(
+    def begin_render(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
-    ) -> RenderedPrompt | None:
-        """The prompt if it is cheap enough for the event loop's own thread, else None: call `render` on a thread.
+    ) -> RenderedPrompt | Callable[[], RenderedPrompt]:
+        """Do the cheap part of a render on the calling thread (the event loop's): the prompt if that was all,
+        else a function that does the rest, to run on a worker thread.
 
-        Cheap means: the template renders through its plain-Python twin, no check against the originals
-        is due, and the new text to tokenize (by the tiktoken twin) is at most INLINE_NEW_CHARS. That
-        is most turns, and it saves the thread hand-off (two wake-ups) on the critical path.
+        Cheap: the template renders through its plain-Python twin, no check against the originals is
+        due, and the new text to tokenize (by the tiktoken twin) is at most INLINE_NEW_CHARS. That is
+        most turns, and it saves the thread hand-off (two wake-ups) on the critical path.
         """
         if self._native is None or self._splitter is None or _sampled(self._native_uses):
-            return None
+            return functools.partial(self.render, messages, tools)
         text = self.render_text(messages, tools)
         pieces = self._lookup(text)
         if pieces.missing and (
@@ -286,7 +288,7 @@ class Renderer:
             or _sampled(self._twin_uses)
             or sum(len(pieces.texts[i]) for i in pieces.missing) > INLINE_NEW_CHARS
         ):
-            return None
+            return lambda: RenderedPrompt(prompt_ids=self._assemble(pieces), text=text)
         return RenderedPrompt(prompt_ids=self._assemble(pieces), text=text)
 
     def encode_prompt(self, text: str) -> array:

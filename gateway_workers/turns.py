@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,15 +191,16 @@ class TurnPipeline:
         # The broker's answer and the render overlap; the broker's verdict still comes first, so a
         # refused session gets its refusal, not a template error.
         opening = asyncio.ensure_future(self.backplane.open_turn(session_id, turn_id))
-        rendered: RenderedPrompt | RenderError | None = None
-        rendering: asyncio.Future[RenderedPrompt | RenderError] | None = None
+        begun: RenderedPrompt | Callable[[], RenderedPrompt] | RenderError
+        rendering: asyncio.Future[RenderedPrompt] | None = None
         try:
             await asyncio.sleep(0)  # let the OPEN leave before rendering on this thread
             try:
-                rendered = self.renderer.render_on_loop(request.messages, request.tools)
+                begun = self.renderer.begin_render(request.messages, request.tools)
             except RenderError as e:
-                rendered = e
-            rendering = None if rendered is not None else asyncio.ensure_future(self._render_on_thread(request))
+                begun = e
+            if callable(begun):
+                rendering = asyncio.ensure_future(run_in_threadpool(begun))
             opened = await opening
         except BaseException as e:
             opening.cancel()
@@ -212,10 +214,12 @@ class TurnPipeline:
                 raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
             raise
         try:
-            if rendering is not None:
-                rendered = await rendering
-            if isinstance(rendered, RenderError):
-                raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {rendered}") from None
+            try:
+                if isinstance(begun, RenderError):
+                    raise begun
+                rendered = await rendering if rendering is not None else begun
+            except RenderError as e:
+                raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
             assert isinstance(rendered, RenderedPrompt)
             prompt_ids = rendered.prompt_ids
             params, over_budget = self._sampling(request, opened, len(prompt_ids))
@@ -280,12 +284,6 @@ class TurnPipeline:
         except ApiError as e:
             if e.code != "unknown_turn":
                 raise
-
-    async def _render_on_thread(self, request: TurnRequest) -> RenderedPrompt | RenderError:
-        try:
-            return await run_in_threadpool(self.renderer.render, request.messages, request.tools)
-        except RenderError as e:
-            return e
 
     async def count_tokens(self, request: TurnRequest) -> int:
         """Prompt length of a request, rendered exactly as a turn would be."""

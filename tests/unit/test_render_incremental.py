@@ -221,23 +221,26 @@ def test_incremental_off_is_logged(builtin_tokenizer, caplog):
     assert "incremental prompt encoding is off" in caplog.text
 
 
-def test_render_on_loop_only_takes_cheap_renders_and_equals_render(builtin_tokenizer):
+def test_begin_render_does_cheap_renders_on_the_calling_thread_and_hands_off_the_rest(builtin_tokenizer):
     renderer = Renderer(builtin_tokenizer)
     episode = [{"role": "user", "content": "a short question"}]
-    assert renderer.render_on_loop(episode) is None  # the first renders are checked against the originals
+    first = renderer.begin_render(episode)
+    assert callable(first)  # the first renders are checked against the originals: on a worker thread
+    assert list(first().prompt_ids) == list(Renderer(builtin_tokenizer, cache_bytes=0).render(episode).prompt_ids)
     renderer._native_uses = renderer._twin_uses = VERIFY_FIRST + 1
     episode += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
-    on_loop = renderer.render_on_loop(episode)
-    assert on_loop is not None
+    on_loop = renderer.begin_render(episode)
+    assert not callable(on_loop)
     full = Renderer(builtin_tokenizer, cache_bytes=0).render(episode)
     assert list(on_loop.prompt_ids) == list(full.prompt_ids) and on_loop.text == full.text
     long_turn = episode + [{"role": "user", "content": "word " * (INLINE_NEW_CHARS // 4)}]
-    assert renderer.render_on_loop(long_turn) is None  # too much new text for the loop's thread
+    rest = renderer.begin_render(long_turn)
+    assert callable(rest)  # too much new text for the loop's thread: the encode is left to a worker thread
     exact = Renderer(builtin_tokenizer, cache_bytes=0).render(long_turn)
-    assert list(renderer.render(long_turn).prompt_ids) == list(exact.prompt_ids)
+    assert list(rest().prompt_ids) == list(exact.prompt_ids)
 
 
-def test_render_on_loop_declines_templates_without_a_twin(builtin_tokenizer):
+def test_begin_render_hands_templates_without_a_twin_to_a_thread(builtin_tokenizer):
     renderer = Renderer(builtin_tokenizer, native_templates=False)
     renderer._native_uses = renderer._twin_uses = VERIFY_FIRST + 1
-    assert renderer.render_on_loop([{"role": "user", "content": "hi"}]) is None
+    assert callable(renderer.begin_render([{"role": "user", "content": "hi"}]))
