@@ -283,8 +283,15 @@ async def healthz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    counters: Counter[str] = request.state.counters
-    lines = [f'rollout_gateway_{name}_total{{pid="{os.getpid()}"}} {value}' for name, value in sorted(counters.items())]
+    pipeline: TurnPipeline = request.state.pipeline
+    cache = pipeline.renderer.cache.stats()
+    counters: Counter[str] = Counter(request.state.counters)
+    counters.update(pipeline.backplane.counters)  # commits sent full / as deltas, deltas refused
+    counters.update({"render_cache_hits": cache.hits, "render_cache_misses": cache.misses})
+    pid = os.getpid()
+    lines = [f'rollout_gateway_{name}_total{{pid="{pid}"}} {value}' for name, value in sorted(counters.items())]
+    # 1 while new prompt text is encoded by the tiktoken twin (0: never had one, or it diverged and was dropped)
+    lines.append(f'rollout_gateway_render_bpe_twin{{pid="{pid}"}} {int(pipeline.renderer.bpe_twin)}')
     return PlainTextResponse("\n".join(lines) + "\n")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -199,8 +200,19 @@ def test_mock_engine_default_serve_and_clean_shutdown(qwen3_tokenizer_dir: str) 
         root = gw.base_url.removesuffix("/v1")
         assert httpx.get(f"{root}/healthz").json()["status"] == "ok"
         assert "rollout_gateway_turns_committed_total" in httpx.get(f"{root}/metrics").text
+        answer = reply.choices[0].message.content
+        follow_up = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer},
+                     {"role": "user", "content": "and then?"}]  # fmt: skip
+        second = client.chat.completions.create(model="x", messages=follow_up)
+        delta_sent = re.compile(r"rollout_gateway_commits_delta_total\{[^}]*\} [1-9]")
+        # the second turn's commit extends the first: it travels as a delta
+        assert wait_until(lambda: delta_sent.search(httpx.get(f"{root}/metrics").text), timeout=10)
+        text = httpx.get(f"{root}/metrics").text
+        assert re.search(r"rollout_gateway_render_bpe_twin\{[^}]*\} 1", text)  # the built-in Qwen BPE has a twin
         records = gw.client.finish_session(sid)
-        assert len(records) == 1 and sum(records[0].loss_mask) == reply.usage.completion_tokens
+        assert sum(sum(r.loss_mask) for r in records) == (
+            reply.usage.completion_tokens + second.usage.completion_tokens
+        )
         group = os.getpgid(gw.process.pid)
         gw.process.send_signal(signal.SIGTERM)  # serve itself must stop its broker and workers
         gw.process.wait(30)
