@@ -42,6 +42,15 @@ DRAIN_BATCH = 64
 PROTOCOL_LOG_BURST = 20
 PROTOCOL_LOG_INTERVAL_S = 5.0
 
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+# The Cython socket's own send. pyzmq's Python-level `Socket.send` only adds DRAFT routing_id /
+# group handling (unused here) around it, and `send_multipart` a type check per part: together
+# they cost as much as the rest of an ACK's way out (measured with callgrind).
+_send_part = getattr(zmq.backend, "Socket", zmq.Socket).send
+
+Handler = Callable[[list[bytes], bytes], "protocol.Message | bytes | None"]
+
 
 class BrokerServer:
     """Binds both ROUTER sockets and serves them until `request_exit`.
@@ -158,16 +167,23 @@ class BrokerServer:
         wait = min(due) - time.monotonic()
         return max(0, min(MAX_POLL_MS, math.ceil(wait * 1000)))
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes], bytes], protocol.Message | None]) -> None:
-        replies: list[tuple[list[bytes], protocol.Message]] = []
+    def _drain(self, sock: zmq.Socket, handle: Handler) -> None:
+        replies: list[tuple[list[bytes], protocol.Message | bytes]] = []
+        recv = sock.recv
         for _ in range(DRAIN_BATCH):
+            # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter. Echo the
+            # whole envelope so either kind of peer gets its reply. The identity is always
+            # followed by more parts; the others are received as frames only to read their MORE
+            # flag (what `recv_multipart` asks a getsockopt for, at twice the cost of a recv).
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                envelope = [recv(_NOBLOCK)]
             except zmq.Again:
                 break
-            # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter. Echo the
-            # whole envelope so either kind of peer gets its reply.
-            envelope, payload = frames[:-1], frames[-1]
+            part = recv(_NOBLOCK, copy=False)  # the parts of one message arrive together
+            while part.more:
+                envelope.append(part.bytes)
+                part = recv(_NOBLOCK, copy=False)
+            payload = part.bytes
             try:
                 reply = handle(envelope, payload)
             except Exception:  # the handlers answer their own failures; this guards the loop itself
@@ -186,35 +202,39 @@ class BrokerServer:
         for envelope, reply in replies:
             self._send(self._control, envelope, reply)
 
-    def _send(self, sock: zmq.Socket, envelope: list[bytes], reply: protocol.Message) -> None:
+    def _send(self, sock: zmq.Socket, envelope: list[bytes], reply: protocol.Message | bytes) -> None:
+        """Send one reply: a message, or a frame a handler encoded itself (`protocol.encode_as`)."""
+        if type(reply) is bytes:
+            frame = reply
+        else:
+            assert isinstance(reply, protocol.Message)
+            try:
+                frame = protocol.encode(reply)
+            except Exception:
+                logger.exception("cannot encode %s reply to request %s", reply.TAG, reply.request_id)
+                reply = protocol.Refused(reply.request_id, "internal", "the broker could not encode its reply")
+                frame = protocol.encode(reply)
+            if isinstance(reply, protocol.Refused):
+                self._refusals[reply.code] += 1
         try:
-            frame = protocol.encode(reply)
-        except Exception:
-            logger.exception("cannot encode %s reply to request %s", reply.TAG, reply.request_id)
-            reply = protocol.Refused(reply.request_id, "internal", "the broker could not encode its reply")
-            frame = protocol.encode(reply)
-        if isinstance(reply, protocol.Refused):
-            self._refusals[reply.code] += 1
-        try:
-            sock.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
+            for part in envelope:
+                _send_part(sock, part, _MORE_NOBLOCK)
+            _send_part(sock, frame, _NOBLOCK)
         except zmq.ZMQError as e:
-            # EHOSTUNREACH: the peer disconnected; EAGAIN: its queue is full. Either way the
-            # peer's own deadline will fire (workers retry commits until acknowledged).
+            # EHOSTUNREACH: the peer disconnected; EAGAIN: its queue is full (both raised by the
+            # first part, so no half message is left behind). Either way the peer's own deadline
+            # will fire (workers retry commits until acknowledged).
             self._counters["replies_dropped"] += 1
-            logger.warning("reply %s to request %s dropped: %s", reply.TAG, reply.request_id, e)
+            if isinstance(reply, protocol.Message):
+                logger.warning("reply %s to request %s dropped: %s", reply.TAG, reply.request_id, e)
+            else:
+                logger.warning("a %d-byte reply dropped: %s", len(reply), e)
 
     # --- dispatch ----------------------------------------------------------------------
 
-    def _decode(self, payload: bytes, decode: Callable[[bytes], Any], side: str) -> protocol.Message | protocol.Refused:
-        try:
-            msg: protocol.Message = decode(payload)
-            return msg
-        except protocol.VersionMismatch as e:
-            return self._protocol_error(side, "version_mismatch", e)
-        except protocol.ProtocolError as e:
-            return self._protocol_error(side, "protocol", e)
-
-    def _protocol_error(self, side: str, code: str, e: protocol.ProtocolError) -> protocol.Refused:
+    def _protocol_error(self, side: str, e: protocol.ProtocolError) -> protocol.Refused:
+        """The Refused that answers an undecodable frame (logged, rate-limited)."""
+        code = "version_mismatch" if isinstance(e, protocol.VersionMismatch) else "protocol"
         self._counters["protocol_errors"] += 1
         n = self._counters["protocol_errors"]
         now = time.monotonic()
@@ -224,25 +244,35 @@ class BrokerServer:
         rid = e.request_id if e.request_id is not None else -1
         return protocol.Refused(rid, code, str(e))
 
-    def _handle_worker_frame(self, envelope: list[bytes], payload: bytes) -> protocol.Message | None:
-        msg = self._decode(payload, protocol.decode_worker_to_broker, "worker")
-        if isinstance(msg, protocol.Refused):
-            return msg
+    def _handle_worker_frame(self, envelope: list[bytes], payload: bytes) -> protocol.Message | bytes | None:
+        try:
+            msg = protocol.decode_worker_to_broker(payload)
+        except protocol.ProtocolError as e:
+            return self._protocol_error("worker", e)
         try:
             match msg:
                 case protocol.CommitTurn():
                     outcome = self.registry.commit_turn(msg)
-                    self._send_all(self.finishes.turn_ended(msg.session_id, time.monotonic()))
-                    return protocol.TurnCommitted(msg.request_id, msg.turn_id, outcome)
+                    parked = self.finishes.turn_ended(msg.session_id, time.monotonic())
+                    if parked:
+                        self._send_all(parked)
+                    return protocol.encode_as(protocol.TurnCommitted, msg.request_id, msg.turn_id, outcome)
                 case protocol.OpenTurn():
                     session, seq = self.registry.open_turn(msg.session_id, msg.turn_id)
-                    return protocol.TurnOpened(
-                        msg.request_id, msg.turn_id, seq, session.sampling_defaults, session.max_context_tokens
+                    return protocol.encode_as(
+                        protocol.TurnOpened,
+                        msg.request_id,
+                        msg.turn_id,
+                        seq,
+                        session.sampling_defaults,
+                        session.max_context_tokens,
                     )
                 case protocol.AbortTurn():
                     self.registry.abort_turn(msg.session_id, msg.turn_id)
-                    self._send_all(self.finishes.turn_ended(msg.session_id, time.monotonic()))
-                    return protocol.TurnAborted(msg.request_id, msg.turn_id)
+                    parked = self.finishes.turn_ended(msg.session_id, time.monotonic())
+                    if parked:
+                        self._send_all(parked)
+                    return protocol.encode_as(protocol.TurnAborted, msg.request_id, msg.turn_id)
                 case protocol.GetTurn():
                     return self.handle_get_turn(msg)
                 case protocol.RequestFinish():
@@ -257,9 +287,10 @@ class BrokerServer:
             return protocol.Refused(msg.request_id, "internal", f"the broker failed handling {msg.TAG}; see its log")
 
     def _handle_trainer_frame(self, envelope: list[bytes], payload: bytes) -> protocol.Message | None:
-        msg = self._decode(payload, protocol.decode_trainer_to_broker, "trainer")
-        if isinstance(msg, protocol.Refused):
-            return msg
+        try:
+            msg = protocol.decode_trainer_to_broker(payload)
+        except protocol.ProtocolError as e:
+            return self._protocol_error("trainer", e)
         try:
             match msg:
                 case protocol.OpenSession():

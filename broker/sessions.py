@@ -248,34 +248,41 @@ class SessionRegistry:
     def commit_turn(self, msg: protocol.CommitTurn) -> str:
         """Store a committed turn; returns the outcome: stored, duplicate or discarded."""
         session = self._sessions.get(msg.session_id)
+        counters = self.counters
         if session is None:  # finished, dropped or never known: ACK so the worker stops retrying
-            self.counters["commits_discarded"] += 1
+            counters["commits_discarded"] += 1
             return "discarded"
-        if msg.turn_id in session.committed:
-            self.counters["commits_duplicate"] += 1
+        store, turn_id = session.committed, msg.turn_id
+        if turn_id in store:
+            counters["commits_duplicate"] += 1
             return "duplicate"
-        seq = session.in_flight.get(msg.turn_id)
+        in_flight = session.in_flight
+        seq = in_flight.get(turn_id)
         if seq is None:
-            what = "was aborted" if msg.turn_id in session.aborted else "was never opened"
-            raise Refusal("bad_request", f"turn {msg.turn_id!r} of session {msg.session_id!r} {what}")
-        if not set(map(type, msg.prompt_messages)) <= {dict}:
-            raise Refusal("bad_request", "prompt_messages must be a list of maps")
-        n_out = len(msg.output_ids)
-        if len(msg.logprobs) != n_out:
-            raise Refusal("bad_request", f"{len(msg.logprobs)} logprobs for {n_out} output ids")
+            what = "was aborted" if turn_id in session.aborted else "was never opened"
+            raise Refusal("bad_request", f"turn {turn_id!r} of session {msg.session_id!r} {what}")
+        for m in msg.prompt_messages:  # a delta sends one or two
+            if type(m) is not dict:
+                raise Refusal("bad_request", "prompt_messages must be a list of maps")
+        if len(msg.logprobs) != len(msg.output_ids):
+            raise Refusal("bad_request", f"{len(msg.logprobs)} logprobs for {len(msg.output_ids)} output ids")
         if msg.base_turn_id:
             _check_delta_shape(msg)
-            problem = session.committed.base_problem(msg)
+            problem = store.add_delta(msg, seq)
             if problem is not None:
-                self.counters["commits_unknown_base"] += 1
+                counters["commits_unknown_base"] += 1
                 raise Refusal("unknown_base", f"session {msg.session_id!r}: {problem}; resend the turn in full")
-            self.counters["commits_delta"] += 1
+            counters["commits_delta"] += 1
         elif msg.base_tokens or msg.base_messages or msg.prompt_len not in (0, len(msg.prompt_ids)):
-            raise Refusal("bad_request", "a full commit (no base_turn_id) sends base_tokens = base_messages = 0 "
-                          "and prompt_len = 0 or len(prompt_ids)")
-        session.committed.add(msg, seq)
-        del session.in_flight[msg.turn_id]
-        self.counters["commits_stored"] += 1
+            raise Refusal(
+                "bad_request",
+                "a full commit (no base_turn_id) sends base_tokens = base_messages = 0 "
+                "and prompt_len = 0 or len(prompt_ids)",
+            )
+        else:
+            store.add_full(msg, seq)
+        del in_flight[turn_id]
+        counters["commits_stored"] += 1
         return "stored"
 
     def abort_turn(self, sid: str, turn_id: str) -> Session | None:

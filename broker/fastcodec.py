@@ -1,0 +1,173 @@
+"""Per-class decoders and encoders for `broker.protocol`, generated once at import from the dataclass fields.
+
+The generic codec in `protocol.py` walks a field spec and calls a checker per field (~13 µs for a
+CommitTurn; building the frozen dataclass through `__init__` alone is ~5 µs). This module writes one
+straight-line function per message class instead: exact-type checks (`type(v) is str`) inlined, packed
+arrays unpacked in place, the slots filled through their descriptors. A fast decoder only *accepts*
+what the generic one accepts; anything it does not accept at once (a wrong type, an older peer's
+shorter frame, an int where a float is due) goes to the generic `_build`, which gives the same answer
+and the same error message as before. No msgpack, no sockets: `protocol.py` hands in its packer and
+its generic helpers. Imports only the stdlib.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import types
+import typing
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+# Hints checked inline by exact type; every other hint goes through the generic converter.
+_EXACT: dict[Any, str] = {str: "str", int: "int", bool: "bool", bytes: "bytes", dict: "dict"}
+
+
+def _exact_type(hint: Any) -> str | None:
+    """The exact builtin type name a value of `hint` must have (msgpack builds exact types), if one does."""
+    if hint in _EXACT:
+        return _EXACT[hint]
+    origin = typing.get_origin(hint)
+    if origin is dict:
+        return "dict"
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        # list[int] / list[str] / list[Struct] check their elements: left to the generic converter
+        if item in (int, str) or (isinstance(item, type) and dataclasses.is_dataclass(item)):
+            return None
+        return "list"
+    return None
+
+
+def _optional_inner(hint: Any) -> Any:
+    """X for `X | None`, else None."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(hint)) == 2:
+            return args[0]
+    return None
+
+
+def _check_expr(var: str, hint: Any) -> str | None:
+    """A boolean expression that is True when `var` is certainly NOT acceptable inline, or None (no inline check)."""
+    if hint is Any:
+        return "False"
+    exact = _exact_type(hint)
+    if exact is not None:
+        return f"type({var}) is not {exact}"
+    inner = _optional_inner(hint)
+    if inner is not None:
+        exact = _exact_type(inner)
+        if exact is not None:
+            return f"({var} is not None and type({var}) is not {exact})"
+    return None
+
+
+def build_decoder(
+    cls: type,
+    converters: dict[str, Callable[[object], object]],
+    fallback: Callable[[type, list[object]], Any],
+    little_endian: bool,
+) -> Callable[[list[object]], Any]:
+    """A decoder of a whole frame's items `[version, tag, *fields]` (version and tag already checked) into `cls`.
+
+    `converters` are the generic per-field decoders (used where no inline check applies) and
+    `fallback(cls, items[2:])` is the generic build, called whenever the fast path declines.
+    """
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or not hasattr(cls, "__slots__"):
+        # the generated code fills slots directly, which would skip a __post_init__
+        return lambda items: fallback(cls, items[2:])
+    hints = typing.get_type_hints(cls)
+    names = [f"f_{f.name}" for f in fields]
+    assert not any(keyword.iskeyword(n) for n in names)
+    ns: dict[str, Any] = {"_fallback": fallback, "_cls": cls, "_new": object.__new__, "_array": array}
+    lines = [f"def decode_{cls.__name__}(items):", "    try:"]
+    lines.append(f"        if len(items) != {len(fields) + 2}:")
+    lines.append("            raise TypeError")  # an older (shorter) or a longer frame: the generic path decides
+    lines.append(f"        _v, _t, {', '.join(names)}, = items")
+    checks: list[str] = []
+    body: list[str] = []
+    for f, var in zip(fields, names, strict=True):
+        packed = f.metadata.get("packed")
+        if packed:
+            size = array(packed).itemsize
+            checks.append(f"type({var}) is not bytes" + (f" or len({var}) % {size}" if size > 1 else ""))
+            if little_endian:
+                body.append(f"        _a = _array({packed!r}); _a.frombytes({var}); {var} = _a")
+            else:
+                ns[f"c_{f.name}"] = converters[f.name]
+                body.append(f"        {var} = c_{f.name}({var})")
+            continue
+        check = _check_expr(var, hints[f.name])
+        if check is None:  # float, list[int], list[Struct], ...: the generic converter raises TypeError
+            ns[f"c_{f.name}"] = converters[f.name]
+            body.append(f"        {var} = c_{f.name}({var})")
+        elif check != "False":
+            checks.append(check)
+    if checks:
+        lines.append("        if (" + "\n                or ".join(checks) + "):")
+        lines.append("            raise TypeError")
+    lines += body
+    lines.append("    except TypeError:")
+    lines.append("        return _fallback(_cls, items[2:])")
+    lines.append("    o = _new(_cls)")
+    for f, var in zip(fields, names, strict=True):
+        # A slot descriptor's __set__ bypasses the frozen dataclass's __setattr__, as its own __init__ does.
+        ns[f"s_{f.name}"] = getattr(cls, f.name).__set__
+        lines.append(f"    s_{f.name}(o, {var})")
+    lines.append("    return o")
+    exec("\n".join(lines), ns)  # noqa: S102 - source built above from the dataclass's own field names
+    decode: Callable[[list[object]], Any] = ns[f"decode_{cls.__name__}"]
+    return decode
+
+
+def build_encoder(
+    cls: type,
+    version: int,
+    pack: Callable[[object], bytes],
+    pack_array: Callable[[array], bytes],
+    struct_fields: Callable[[type], Callable[[Any], list[object]]],
+) -> Callable[[Any], bytes]:
+    """An encoder of a `cls` message into one frame `[version, TAG, *fields]`, fields in declaration order.
+
+    `struct_fields(item_cls)` gives the field-list builder of a nested struct (list[Struct] fields).
+    """
+    ns: dict[str, Any] = {"_pack": pack, "_pack_array": pack_array}
+    body = ", ".join(_field_exprs(cls, struct_fields, ns))
+    src = f"def encode_{cls.__name__}(m):\n    return _pack([{version!r}, {cls.TAG!r}, {body}])"  # type: ignore[attr-defined]
+    exec(src, ns)  # noqa: S102 - source built from the dataclass's own field names
+    encode: Callable[[Any], bytes] = ns[f"encode_{cls.__name__}"]
+    return encode
+
+
+def build_fields(
+    cls: type, pack_array: Callable[[array], bytes], struct_fields: Callable[[type], Callable[[Any], list[object]]]
+) -> Callable[[Any], list[object]]:
+    """The field list of a nested struct (e.g. TraceRow inside SessionFinished), as the wire carries it."""
+    ns: dict[str, Any] = {"_pack_array": pack_array}
+    body = ", ".join(_field_exprs(cls, struct_fields, ns))
+    exec(f"def fields_{cls.__name__}(m):\n    return [{body}]", ns)  # noqa: S102
+    fields: Callable[[Any], list[object]] = ns[f"fields_{cls.__name__}"]
+    return fields
+
+
+def _field_exprs(
+    cls: type, struct_fields: Callable[[type], Callable[[Any], list[object]]], ns: dict[str, Any]
+) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if f.metadata.get("packed"):
+            out.append(f"_pack_array(m.{f.name})")
+            continue
+        if typing.get_origin(hint) is list:
+            (item,) = typing.get_args(hint)
+            if isinstance(item, type) and dataclasses.is_dataclass(item):
+                ns[f"_f_{f.name}"] = struct_fields(item)
+                out.append(f"[_f_{f.name}(v) for v in m.{f.name}]")
+                continue
+        out.append(f"m.{f.name}")
+    return out
