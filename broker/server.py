@@ -11,6 +11,7 @@ Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import signal
@@ -375,6 +376,12 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
         logger.exception("cannot load the response tokenizer %s", config.tokenizer)
         server.close()
         return 1
+
+    # Startup objects (modules, the response tokenizer's tables) live as long as the process: out of
+    # the collector's sight, full collections scan only session state. Everything allocated later is
+    # collected as usual (cyclic garbage included).
+    gc.collect()
+    gc.freeze()
 
     def handle_signal(signum: int, frame: FrameType | None) -> None:
         server.request_exit()
