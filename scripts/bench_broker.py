@@ -494,7 +494,7 @@ def _broker_hot_path(
     for frame in frames:
         msg = protocol.decode_worker_to_broker(frame)
         outcome = reg.commit_turn(msg)
-        protocol.encode(protocol.TurnCommitted(msg.request_id, msg.turn_id, outcome))
+        protocol.encode_as(protocol.TurnCommitted, msg.request_id, msg.turn_id, outcome)  # as the server does
     n = len(frames)
     total = (time.thread_time() - t0) / n
     assert reg.counters["commits_stored"] == n
@@ -507,7 +507,7 @@ def _broker_hot_path(
         t1 = time.thread_time()
         outcome = reg.commit_turn(msg)
         t2 = time.thread_time()
-        protocol.encode(protocol.TurnCommitted(msg.request_id, msg.turn_id, outcome))
+        protocol.encode_as(protocol.TurnCommitted, msg.request_id, msg.turn_id, outcome)  # as the server does
         t3 = time.thread_time()
         decode, store, encode = decode + t1 - t0, store + t2 - t1, encode + t3 - t2
     return {
