@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -26,6 +26,7 @@ from broker import protocol
 from gateway_workers.commit_bases import CommitBases
 
 logger = logging.getLogger(__name__)
+_Reply = TypeVar("_Reply", bound=protocol.BrokerToWorker)
 
 OPEN_TIMEOUT_S = 5.0  # an agent waits this long for the broker before getting a 503
 ATTEMPT_TIMEOUT_S = 2.0  # one COMMIT/ABORT attempt; then resend (the broker de-duplicates)
@@ -95,19 +96,25 @@ class Backplane:
         finally:
             self._pending.pop(request_id, None)
 
-    async def open_turn(self, session_id: str, turn_id: str) -> protocol.TurnOpened:
-        """OPEN: raises TurnRefused (unknown session, closed, cap) or BrokerUnavailable."""
+    async def _call(
+        self, build: Callable[[int], protocol.WorkerToBroker], expect: type[_Reply], timeout: float = OPEN_TIMEOUT_S
+    ) -> _Reply:
+        """One request whose answer is `expect`: raises TurnRefused on a refusal, BrokerUnavailable otherwise."""
         try:
-            reply = await self._request(
-                lambda rid: protocol.OpenTurn(request_id=rid, session_id=session_id, turn_id=turn_id), OPEN_TIMEOUT_S
-            )
+            reply = await self._request(build, timeout)
         except asyncio.TimeoutError:
-            raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {OPEN_TIMEOUT_S}s") from None
-        if isinstance(reply, protocol.TurnOpened):
+            raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {timeout}s") from None
+        if isinstance(reply, expect):
             return reply
         if isinstance(reply, protocol.Refused):
             raise TurnRefused(reply.code, reply.message)
-        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to OpenTurn")
+        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to {expect.__name__}'s request")
+
+    async def open_turn(self, session_id: str, turn_id: str) -> protocol.TurnOpened:
+        """OPEN: raises TurnRefused (unknown session, closed, cap) or BrokerUnavailable."""
+        return await self._call(
+            lambda rid: protocol.OpenTurn(request_id=rid, session_id=session_id, turn_id=turn_id), protocol.TurnOpened
+        )
 
     async def get_turn(self, session_id: str, turn_id: str) -> protocol.TurnFound:
         """A committed turn's canonical messages (`previous_response_id`); raises TurnRefused or BrokerUnavailable.
@@ -118,18 +125,13 @@ class Backplane:
         deadline = asyncio.get_running_loop().time() + GET_TURN_PENDING_S
         while True:
             try:
-                reply = await self._request(
+                return await self._call(
                     lambda rid: protocol.GetTurn(request_id=rid, session_id=session_id, turn_id=turn_id),
-                    OPEN_TIMEOUT_S,
+                    protocol.TurnFound,
                 )
-            except asyncio.TimeoutError:
-                raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {OPEN_TIMEOUT_S}s") from None
-            if isinstance(reply, protocol.TurnFound):
-                return reply
-            if not isinstance(reply, protocol.Refused):
-                raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to GetTurn")
-            if reply.code != "turn_pending" or asyncio.get_running_loop().time() > deadline:
-                raise TurnRefused(reply.code, reply.message)
+            except TurnRefused as e:
+                if e.code != "turn_pending" or asyncio.get_running_loop().time() > deadline:
+                    raise
             await asyncio.sleep(GET_TURN_RETRY_S)
 
     async def request_finish(
@@ -144,18 +146,10 @@ class Backplane:
 
         Sent once, not retried: a retry after a lost reply would be refused as already finished.
         """
-        try:
-            reply = await self._request(
-                lambda rid: protocol.RequestFinish(rid, session_id, reward, rollout_id, metadata, wait_timeout),
-                OPEN_TIMEOUT_S,
-            )
-        except asyncio.TimeoutError:
-            raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {OPEN_TIMEOUT_S}s") from None
-        if isinstance(reply, protocol.FinishAccepted):
-            return reply
-        if isinstance(reply, protocol.Refused):
-            raise TurnRefused(reply.code, reply.message)
-        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to RequestFinish")
+        return await self._call(
+            lambda rid: protocol.RequestFinish(rid, session_id, reward, rollout_id, metadata, wait_timeout),
+            protocol.FinishAccepted,
+        )
 
     def commit_in_background(self, commit: protocol.CommitTurn) -> None:
         """Hand a (full) COMMIT to a task that sends it, as a delta where it can, until ACKed.

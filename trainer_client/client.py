@@ -125,13 +125,9 @@ class TrainerClient:
         The session is freed afterwards. `rollout_id` is stored as a string (ints are converted).
         A session finishes once: `SessionClosed` if `request_finish` or its agent finished it first.
         """
-        if not (isinstance(wait_timeout, (int, float)) and wait_timeout >= 0 and math.isfinite(wait_timeout)):
-            raise InvalidRequest(f"wait_timeout must be a finite number >= 0, got {wait_timeout!r}")
-        rid_text = None if rollout_id is None else str(rollout_id)
+        args = _finish_args(sid, reward, rollout_id, metadata, wait_timeout)
         reply = self._call(
-            lambda rid: protocol.FinishSession(
-                rid, sid, None if reward is None else float(reward), rid_text, dict(metadata or {}), float(wait_timeout)
-            ),
+            lambda rid: protocol.FinishSession(rid, *args),
             protocol.SessionFinished,
             self.timeout + wait_timeout,
         )
@@ -160,13 +156,9 @@ class TrainerClient:
         full (the session stays open: consume episodes, then retry). The outbox is in the broker's
         memory: episodes not yet acknowledged when the broker restarts are lost with it.
         """
-        if not (isinstance(wait_timeout, (int, float)) and wait_timeout >= 0 and math.isfinite(wait_timeout)):
-            raise InvalidRequest(f"wait_timeout must be a finite number >= 0, got {wait_timeout!r}")
-        rid_text = None if rollout_id is None else str(rollout_id)
+        args = _finish_args(sid, reward, rollout_id, metadata, wait_timeout)
         self._call(
-            lambda rid: protocol.RequestFinish(
-                rid, sid, None if reward is None else float(reward), rid_text, dict(metadata or {}), float(wait_timeout)
-            ),
+            lambda rid: protocol.RequestFinish(rid, *args),
             protocol.FinishAccepted,
             self.timeout,
         )
@@ -340,3 +332,13 @@ class TrainerClient:
 
 def _remaining_ms(deadline: float) -> int:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
+
+
+def _finish_args(
+    sid: str, reward: float | None, rollout_id: str | int | None, metadata: dict[str, Any] | None, wait_timeout: float
+) -> tuple[str, float | None, str | None, dict[str, Any], float]:
+    """The fields FinishSession and RequestFinish share, checked and normalized (rollout ids travel as text)."""
+    if not (isinstance(wait_timeout, (int, float)) and wait_timeout >= 0 and math.isfinite(wait_timeout)):
+        raise InvalidRequest(f"wait_timeout must be a finite number >= 0, got {wait_timeout!r}")
+    rollout = None if rollout_id is None else str(rollout_id)
+    return sid, None if reward is None else float(reward), rollout, dict(metadata or {}), float(wait_timeout)
