@@ -65,6 +65,7 @@ class BrokerConfig:
         max_poll_wait: ceiling on a subscriber's long-poll wait, seconds.
         max_lease: ceiling on a subscriber's lease, seconds.
         max_credit: episodes one FetchEpisodes reply carries at most.
+        compact_idle: compress older session log bytes (zlib) while no frame waits.
     """
 
     worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -83,6 +84,7 @@ class BrokerConfig:
     max_poll_wait: float = MAX_POLL_WAIT_S
     max_lease: float = MAX_LEASE_S
     max_credit: int = MAX_CREDIT
+    compact_idle: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -143,6 +145,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_poll_wait": float,
     "max_lease": float,
     "max_credit": int,
+    "compact_idle": lambda text: text.strip().lower() not in ("0", "false", "no", "off"),
 }
 
 

@@ -56,6 +56,10 @@ def _check_expr(var: str, hint: Any) -> str | None:
     exact = _exact_type(hint)
     if exact is not None:
         return f"type({var}) is not {exact}"
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        names = [_exact_type(a) for a in typing.get_args(hint)]
+        if None not in names and "list" not in names:  # e.g. dict | bytes: one exact type of several
+            return " and ".join(f"type({var}) is not {n}" for n in names)
     inner = _optional_inner(hint)
     if inner is not None:
         exact = _exact_type(inner)
@@ -129,12 +133,14 @@ def build_encoder(
     pack: Callable[[object], bytes],
     pack_array: Callable[[array], bytes],
     struct_fields: Callable[[type], Callable[[Any], list[object]]],
+    pack_message: Callable[[Any], bytes] | None = None,
 ) -> Callable[[Any], bytes]:
     """An encoder of a `cls` message into one frame `[version, TAG, *fields]`, fields in declaration order.
 
-    `struct_fields(item_cls)` gives the field-list builder of a nested struct (list[Struct] fields).
+    `struct_fields(item_cls)` gives the field-list builder of a nested struct (list[Struct] fields);
+    `pack_message` encodes one message of a `packed_maps` field (sent as a bin).
     """
-    ns: dict[str, Any] = {"_pack": pack, "_pack_array": pack_array}
+    ns: dict[str, Any] = {"_pack": pack, "_pack_array": pack_array, "_pack_message": pack_message}
     body = ", ".join(_field_exprs(cls, struct_fields, ns))
     src = f"def encode_{cls.__name__}(m):\n    return _pack([{version!r}, {cls.TAG!r}, {body}])"  # type: ignore[attr-defined]
     exec(src, ns)  # noqa: S102 - source built from the dataclass's own field names
@@ -162,6 +168,13 @@ def _field_exprs(
         hint = hints[f.name]
         if f.metadata.get("packed"):
             out.append(f"_pack_array(m.{f.name})")
+            continue
+        if f.metadata.get("packed_maps"):
+            assert ns.get("_pack_message") is not None, f"{cls.__name__}.{f.name} needs pack_message"
+            if typing.get_origin(hint) is list:
+                out.append(f"[_pack_message(v) for v in m.{f.name}]")
+            else:
+                out.append(f"_pack_message(m.{f.name})")
             continue
         if typing.get_origin(hint) is list:
             (item,) = typing.get_args(hint)

@@ -115,6 +115,9 @@ def _unpacker(typecode: str) -> Callable[[object], array]:
 IDS = {"packed": "i"}
 LOGPROBS = {"packed": "f"}
 MASK = {"packed": "B"}
+# `PACKED_MAPS` marks a message field (a map, or a list of maps) that travels as msgpack bins, each the
+# encoding of one map: the broker keeps them as bytes and decodes them only when it needs the dicts.
+PACKED_MAPS = {"packed_maps": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,9 @@ class CommitTurn(Message):
     Canonical messages: dicts with `role`, `content` (str), optional `reasoning` (str),
     optional `tool_calls` ([{"name": str, "arguments": object}], no wire ids) and, for
     tool results, optional `name`. `flags` holds parse verdicts (`ill_formed`, ...).
+    On the wire each message is a bin holding its own msgpack encoding (`pack_message`), so the
+    broker stores it without decoding it; decoded, such a message is that `bytes` (a map from an
+    older sender decodes as a dict, and either form is accepted on the way in).
 
     A delta commit names `base_turn_id`, a committed turn of the same session, and sends
     only what follows the shared prefix: the turn's context (prompt ids + output ids) is
@@ -166,8 +172,8 @@ class CommitTurn(Message):
     output_ids: array = field(metadata=IDS)
     logprobs: array = field(metadata=LOGPROBS)
     finish_reason: str
-    prompt_messages: list[dict[str, Any]]
-    response_message: dict[str, Any]
+    prompt_messages: list[dict[str, Any] | bytes] = field(metadata=PACKED_MAPS)
+    response_message: dict[str, Any] | bytes = field(metadata=PACKED_MAPS)
     flags: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     base_turn_id: str = ""
@@ -485,6 +491,9 @@ def _converter(hint: Any) -> Callable[[object], object]:
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) > 1 and all(a in (dict, bytes) or typing.get_origin(a) is dict for a in args):
+            kinds = tuple(typing.get_origin(a) or a for a in args)
+            return _check(kinds, " or ".join("map" if k is dict else k.__name__ for k in kinds))
         if len(args) != 1:
             raise TypeError(f"unsupported union {hint!r}")
         return _optional(_converter(args[0]))
@@ -526,10 +535,13 @@ def _spec(cls: type) -> _Spec:
 
 def _fields_out(obj: object) -> list[object]:
     out: list[object] = []
+    maps = _PACKED_MAP_FIELDS.get(type(obj), ())
     for name, _, packed in _spec(type(obj)):
         value = getattr(obj, name)
         if packed:
             value = _pack(value)
+        elif name in maps:
+            value = [pack_message(v) for v in value] if type(value) is list else pack_message(value)
         elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
             value = [_fields_out(v) for v in value]
         out.append(value)
@@ -562,6 +574,41 @@ def _struct_decoder(cls: type) -> Callable[[object], object]:
 
 
 _packer = msgpack.Packer(use_bin_type=True)
+_PACKED_MAP_FIELDS = {
+    cls: frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("packed_maps"))
+    for cls in (CommitTurn,)
+}
+# First byte of a msgpack map: fixmap (0x80-0x8f), map 16 (0xde), map 32 (0xdf).
+_MAP_MARKERS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+
+
+def pack_message(message: dict[str, Any] | bytes) -> bytes:
+    """A message's msgpack encoding, the form `CommitTurn` carries and the broker keeps (bytes pass through)."""
+    if type(message) is bytes:
+        return message
+    if not isinstance(message, dict):
+        raise TypeError(f"a message is a map, not {type(message).__name__}")
+    return _packer.pack(message)
+
+
+def is_packed_map(value: object) -> bool:
+    """Whether `value` is bytes that start like a msgpack map (the cheap check a stored message gets on arrival)."""
+    return type(value) is bytes and len(value) > 0 and value[0] in _MAP_MARKERS
+
+
+def unpack_messages(buf: bytes | bytearray | memoryview) -> list[dict[str, Any]]:
+    """Messages packed back to back (`pack_message`) -> dicts; ProtocolError if any is not a whole map."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(buf), 1))
+    unpacker.feed(buf)
+    out = []
+    try:
+        while unpacker.tell() < len(buf):  # the start of the next message (a truncated one raises OutOfData)
+            out.append(unpacker.unpack())
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"undecodable stored message ({type(e).__name__}: {e})") from e
+    if any(type(m) is not dict for m in out):
+        raise ProtocolError("a stored message is not a msgpack map")
+    return out
 
 
 def _encode_generic(msg: Message) -> bytes:
@@ -595,7 +642,7 @@ def encode(msg: Message) -> bytes:
         if type(msg) not in _MESSAGE_CLASSES:
             return _encode_generic(msg)
         encoder = _ENCODERS[type(msg)] = fastcodec.build_encoder(
-            type(msg), PROTOCOL_VERSION, _packer.pack, _pack, _struct_fields
+            type(msg), PROTOCOL_VERSION, _packer.pack, _pack, _struct_fields, pack_message
         )
     return encoder(msg)
 

@@ -147,8 +147,14 @@ class BrokerServer:
         poller.register(self._workers, zmq.POLLIN)
         poller.register(self._control, zmq.POLLIN)
         try:
+            registry, compact = self.registry, self.config.compact_idle
             while not self.should_exit:
-                events = dict(poller.poll(self._poll_timeout_ms()))
+                # Idle time compresses older session logs, one bounded step per loop (`compact_step`):
+                # a frame waiting always goes first, so this costs the commit path nothing.
+                idle_work = compact and registry.compaction_pending
+                events = dict(poller.poll(0 if idle_work else self._poll_timeout_ms()))
+                if idle_work and not events:
+                    registry.compact_step()
                 if self._workers in events:
                     self._drain(self._workers, self._handle_worker_frame)
                 if self._control in events:

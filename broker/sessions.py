@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from broker import protocol
 from broker.trajectory import TurnRecord
-from broker.turn_store import TurnStore
+from broker.turn_store import TurnStore, packed_messages
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,8 @@ _SESSION_ID_RE = re.compile(r"[!-~]{1,256}")
 _MAX_TURN_ID_LEN = 256
 _MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
 _MINTED_KEY_PREFIX = "rg-"
+# Raw log bytes one idle-time compaction step compresses at most (~0.5 ms of zlib level 1 here).
+COMPACT_STEP_BYTES = 16 * 1024
 
 State = Literal["open", "closing"]
 # Who finished a session: named in the refusal the later finishers get.
@@ -75,6 +77,7 @@ def _check_delta_shape(msg: protocol.CommitTurn) -> None:
         )
     if msg.base_tokens > msg.prompt_len + len(msg.output_ids):
         raise Refusal("bad_request", f"base_tokens {msg.base_tokens} exceeds the turn's own context")
+    raise AssertionError("the delta's shape failed the fast check but passes every named one")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,7 @@ class SessionRegistry:
         self._max_sessions = max_sessions
         self._max_turns_cap = max_turns_cap
         self._finished_memory = finished_memory
+        self._compactable: dict[str, None] = {}  # sessions that committed since their last compaction (FIFO)
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "sessions_opened",
@@ -247,7 +251,8 @@ class SessionRegistry:
 
     def commit_turn(self, msg: protocol.CommitTurn) -> str:
         """Store a committed turn; returns the outcome: stored, duplicate or discarded."""
-        session = self._sessions.get(msg.session_id)
+        sid = msg.session_id
+        session = self._sessions.get(sid)
         counters = self.counters
         if session is None:  # finished, dropped or never known: ACK so the worker stops retrying
             counters["commits_discarded"] += 1
@@ -260,18 +265,26 @@ class SessionRegistry:
         seq = in_flight.get(turn_id)
         if seq is None:
             what = "was aborted" if turn_id in session.aborted else "was never opened"
-            raise Refusal("bad_request", f"turn {turn_id!r} of session {msg.session_id!r} {what}")
-        for m in msg.prompt_messages:  # a delta sends one or two
-            if type(m) is not dict:
-                raise Refusal("bad_request", "prompt_messages must be a list of maps")
-        if len(msg.logprobs) != len(msg.output_ids):
-            raise Refusal("bad_request", f"{len(msg.logprobs)} logprobs for {len(msg.output_ids)} output ids")
+            raise Refusal("bad_request", f"turn {turn_id!r} of session {sid!r} {what}")
+        try:
+            messages = packed_messages(msg.prompt_messages, msg.response_message)
+        except ValueError as e:
+            raise Refusal("bad_request", f"prompt_messages and response_message must be maps: {e}") from None
+        n_out = len(msg.output_ids)
+        if len(msg.logprobs) != n_out:
+            raise Refusal("bad_request", f"{len(msg.logprobs)} logprobs for {n_out} output ids")
         if msg.base_turn_id:
-            _check_delta_shape(msg)
-            problem = store.add_delta(msg, seq)
+            n, plen = msg.base_tokens, msg.prompt_len
+            # the delta's own numbers (see protocol.CommitTurn), checked at once; `_check_delta_shape` says which failed
+            if not (
+                msg.base_turn_id != turn_id and n >= 0 and msg.base_messages >= 0 and plen >= 0
+                and len(msg.prompt_ids) == (plen - n if plen > n else 0) and n <= plen + n_out
+            ):  # fmt: skip
+                _check_delta_shape(msg)
+            problem = store.add_delta(msg, seq, messages)
             if problem is not None:
                 counters["commits_unknown_base"] += 1
-                raise Refusal("unknown_base", f"session {msg.session_id!r}: {problem}; resend the turn in full")
+                raise Refusal("unknown_base", f"session {sid!r}: {problem}; resend the turn in full")
             counters["commits_delta"] += 1
         elif msg.base_tokens or msg.base_messages or msg.prompt_len not in (0, len(msg.prompt_ids)):
             raise Refusal(
@@ -280,10 +293,33 @@ class SessionRegistry:
                 "and prompt_len = 0 or len(prompt_ids)",
             )
         else:
-            store.add_full(msg, seq)
+            store.add_full(msg, seq, messages)
         del in_flight[turn_id]
         counters["commits_stored"] += 1
+        self._compactable[sid] = None
         return "stored"
+
+    @property
+    def compaction_pending(self) -> bool:
+        """Whether some session may have older log bytes to compress (`compact_step`)."""
+        return bool(self._compactable)
+
+    def compact_step(self, max_bytes: int = COMPACT_STEP_BYTES) -> bool:
+        """Compress (at most `max_bytes` of) one session's older log bytes; False when nothing is due.
+
+        The server calls it when a poll finds no frame waiting, so it costs the commit path nothing.
+        """
+        pending = self._compactable
+        while pending:
+            sid = next(iter(pending))
+            session = self._sessions.get(sid)
+            if session is None or not session.committed.compact(max_bytes):
+                del pending[sid]  # gone, or less than a chunk due: its next commit puts it back
+                continue
+            if not session.committed.compactable():
+                del pending[sid]
+            return True
+        return False
 
     def abort_turn(self, sid: str, turn_id: str) -> Session | None:
         """Forget an in-flight turn. Unknown sessions and turns are fine: the turn is gone either way."""

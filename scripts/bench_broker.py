@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 import random
 import re
 import statistics
@@ -41,6 +42,7 @@ from trainer_client import TrainerClient  # noqa: E402
 
 READY_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 30.0
+IDLE_SETTLE_S = 0.5  # after the memory sessions: ample idle time for the broker's compaction to catch up
 CHARS_PER_TOKEN = 4  # English BPE: message text size tracks token count like this
 _READY = re.compile(r"BROKER READY worker=(\S+) control=(\S+)")
 
@@ -105,7 +107,7 @@ def as_sent(bases: CommitBases | None, commit: protocol.CommitTurn) -> protocol.
 # --- broker subprocess -------------------------------------------------------------------
 
 
-def start_broker(extra: list[str]) -> tuple[subprocess.Popen[str], str, str]:
+def start_broker(extra: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "broker", "--worker-endpoint", "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0"]
         + ["--log-level", "WARNING", *extra],
@@ -113,6 +115,7 @@ def start_broker(extra: list[str]) -> tuple[subprocess.Popen[str], str, str]:
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -409,6 +412,10 @@ def bench_finish(args: argparse.Namespace) -> dict[str, float]:
 
 def bench_memory(args: argparse.Namespace) -> dict[str, float]:
     out = memory_run(args, full=False)
+    # the same sessions with the broker's idle-time compaction off: its memory and CPU side by side
+    plain = memory_run(args, full=False, compact=False)
+    for key in ("rss_bytes_per_token", "gauge_bytes_per_token", "broker_cpu_us_per_commit"):
+        out[f"no_compaction_{key}"] = plain[key]
     if args.full_commits:
         full = memory_run(args, full=True)
         for key in ("rss_bytes_per_token", "gauge_bytes_per_token", "tokens_held_per_session"):
@@ -416,19 +423,21 @@ def bench_memory(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def memory_run(args: argparse.Namespace, full: bool) -> dict[str, float]:
-    proc, worker_ep, control_ep = start_broker([])
+def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> dict[str, float]:
+    proc, worker_ep, control_ep = start_broker([], {"ROLLOUT_BROKER_COMPACT_IDLE": "1" if compact else "0"})
     ctx = zmq.Context()
     try:
         client = TrainerClient(control_ep, timeout=60)
         w = Worker(ctx, worker_ep)
         sid, _ = long_session(client, w, 1, args, full)  # warm up allocator and code paths
         client.drop_session(sid)
-        base = rss_bytes(proc.pid)
+        base, cpu0 = rss_bytes(proc.pid), cpu_seconds(proc.pid)
         final = 0
         for i in range(args.memory_sessions):
             _, final = long_session(client, w, 2000 + i, args, full)
+        time.sleep(IDLE_SETTLE_S)  # idle time: the broker compacts what the last turns left due
         grown = rss_bytes(proc.pid) - base
+        cpu = cpu_seconds(proc.pid) - cpu0
         held = client.stats()
         per_session = grown / args.memory_sessions
         client.close()
@@ -440,6 +449,8 @@ def memory_run(args: argparse.Namespace, full: bool) -> dict[str, float]:
             "goal_bytes_per_token": 8.0,
             "gauge_bytes_per_token": held["bytes_held"] / args.memory_sessions / final,
             "tokens_held_per_session": held["tokens_held"] / args.memory_sessions,
+            # everything the broker spent on these sessions' turns (OPEN + COMMIT + idle-time compaction)
+            "broker_cpu_us_per_commit": 1e6 * cpu / (args.memory_sessions * args.long_turns),
         }
     finally:
         ctx.term()

@@ -15,6 +15,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_protocol import unpacked
 
 from broker import protocol
 from broker.sessions import Refusal, SessionRegistry
@@ -49,12 +50,12 @@ def registry(turn_ids) -> SessionRegistry:
 
 def test_delta_fields_round_trip_and_default_to_a_full_commit():
     full = full_commit("s", "t1", [5, 6, 7], [8], [{"role": "user", "content": "q"}], {"role": "assistant"})
-    assert protocol.decode_worker_to_broker(protocol.encode(full)) == full
+    assert unpacked(protocol.decode_worker_to_broker(protocol.encode(full))) == full
     assert (full.base_turn_id, full.base_tokens, full.base_messages, full.prompt_len) == ("", 0, 0, 0)
     delta = dataclasses.replace(full, prompt_ids=protocol.ids_array([7]), base_turn_id="t0", base_tokens=2,
                                 base_messages=1, prompt_len=3, prompt_messages=[], base_crc32=99)  # fmt: skip
     decoded = protocol.decode_worker_to_broker(protocol.encode(delta))
-    assert decoded == delta
+    assert unpacked(decoded) == delta
     assert (decoded.base_turn_id, decoded.base_tokens, decoded.base_messages, decoded.prompt_len) == ("t0", 2, 1, 3)
     # the new fields go last, after timings: an older broker's positional layout is untouched
     items = msgpack.unpackb(protocol.encode(delta), raw=False)
@@ -212,7 +213,7 @@ def test_a_growing_session_of_deltas_holds_each_token_once():
     store = reg.get("s").committed
     final = len(prompt) - 500
     assert store.tokens_held == final  # every token exactly once, as with full commits
-    assert len(store.messages) == len(messages) - 1
+    assert store.messages_held == len(messages) - 1
     assert reg.counters["commits_delta"] == 49
 
 

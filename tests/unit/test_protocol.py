@@ -174,12 +174,25 @@ def test_every_message_of_every_direction_is_covered():
         assert {type(m) for m in msgs} == _union_classes(direction)
 
 
+def unpacked(msg: protocol.Message) -> protocol.Message:
+    """`msg` with a CommitTurn's packed messages (bytes, as decoded) as dicts again."""
+    if not isinstance(msg, CommitTurn):
+        return msg
+    prompt = [m if isinstance(m, dict) else protocol.unpack_messages(m)[0] for m in msg.prompt_messages]
+    response = msg.response_message
+    return dataclasses.replace(
+        msg,
+        prompt_messages=prompt,
+        response_message=response if isinstance(response, dict) else protocol.unpack_messages(response)[0],
+    )
+
+
 @pytest.mark.parametrize(("direction", "msg"), ALL, ids=lambda v: getattr(v, "TAG", v))
 def test_round_trip(direction, msg):
     frame = protocol.encode(msg)
     assert isinstance(frame, bytes)
     decoded = DECODERS[direction](frame)
-    assert decoded == msg
+    assert unpacked(decoded) == msg
     assert type(decoded) is type(msg)
     for f in dataclasses.fields(msg):  # packed fields come back as arrays of the same typecode
         value = getattr(msg, f.name)
@@ -192,6 +205,30 @@ def test_frame_layout_and_packed_arrays_are_little_endian():
     assert items[:5] == [protocol.PROTOCOL_VERSION, "commit_turn", 2, "sess", "turn-1"]
     assert items[5] == b"".join(v.to_bytes(4, "little", signed=True) for v in IDS)  # bytes, not a list
     assert isinstance(items[7], bytes) and len(items[7]) == 8  # two float32
+
+
+def test_commit_messages_travel_as_packed_bins_and_decode_as_bytes_and_older_maps_still_decode():
+    commit = MESSAGES["worker_to_broker"][1]
+    items = msgpack.unpackb(protocol.encode(commit), raw=False)
+    assert all(isinstance(m, bytes) for m in items[9]) and isinstance(items[10], bytes)
+    assert [msgpack.unpackb(m, raw=False) for m in items[9]] == commit.prompt_messages
+    assert msgpack.unpackb(items[10], raw=False) == commit.response_message
+    decoded = protocol.decode_worker_to_broker(protocol.encode(commit))
+    assert decoded.prompt_messages == [protocol.pack_message(m) for m in commit.prompt_messages]
+    assert all(protocol.is_packed_map(m) for m in [*decoded.prompt_messages, decoded.response_message])
+    assert protocol.unpack_messages(b"".join(decoded.prompt_messages)) == commit.prompt_messages
+    # an older worker's frame, messages as maps: still a commit, the maps as dicts
+    items[9], items[10] = commit.prompt_messages, commit.response_message
+    older = protocol.decode_worker_to_broker(msgpack.packb(items, use_bin_type=True))
+    assert older == commit
+    # encoding an already packed commit sends the same frame (bytes pass through)
+    assert protocol.encode(decoded) == protocol.encode(commit)
+
+
+@pytest.mark.parametrize("buf", [b"\x01", b"\x81\xa1a", b"\x81\xa1a\x01\x02", b"\x92\x01\x02"])
+def test_unpack_messages_refuses_what_is_not_whole_maps(buf):
+    with pytest.raises(ProtocolError):
+        protocol.unpack_messages(buf)
 
 
 def test_an_older_trainer_without_client_id_and_group_still_opens_sessions():

@@ -1,0 +1,97 @@
+"""TurnStore idle-time compaction: compressed logs give back exactly what uncompressed ones hold.
+
+Two registries take the same commits (full and delta, growing, forked, out of order); one
+compacts after every commit with tiny chunks, so every read path (a delta's prefix check, a full
+commit's comparison, GET, finish) meets cold bytes. Records and turn messages must be equal.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import protocol, turn_store
+from broker.sessions import SessionRegistry
+from gateway_workers.commit_bases import CommitBases
+
+
+@pytest.fixture(autouse=True)
+def tiny_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(turn_store, "MIN_CHUNK", 8)
+
+
+def _commit(turn_id: str, prompt: list[int], output: list[int], messages: list[dict], response: dict):
+    return protocol.CommitTurn(
+        0, "s", turn_id, protocol.ids_array(prompt), protocol.ids_array(output),
+        protocol.logprobs_array([-k / 8 for k in range(len(output))]), "stop", messages, response,
+    )  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32), st.integers(2, 14), st.booleans())
+def test_compacted_sessions_materialize_exactly_like_uncompacted_ones(seed, n_turns, deltas):
+    rng = random.Random(seed)
+    plain, cold = SessionRegistry(max_sessions=1), SessionRegistry(max_sessions=1)
+    for reg in (plain, cold):
+        reg.open_session("s", {}, None, None, {})
+        for k in range(n_turns):
+            reg.open_turn("s", f"t{k}")
+    bases = CommitBases()
+    contexts: list[tuple[list[int], list[dict]]] = [([], [])]
+    order = list(range(n_turns))
+    if not deltas:
+        rng.shuffle(order)  # full commits may arrive in any order
+    compacted = 0
+    for k in order:
+        base_ids, base_msgs = contexts[-1] if rng.random() < 0.8 else rng.choice(contexts)
+        cut = len(base_ids) if rng.random() < 0.7 else rng.randrange(len(base_ids) + 1)
+        prompt = base_ids[:cut] + [rng.randrange(60) for _ in range(rng.randrange(1, 40))]
+        user = {"role": "user", "content": "u" * rng.randrange(30)}
+        messages = base_msgs[: rng.randrange(len(base_msgs) + 1)] + [user]
+        output = [rng.randrange(60) for _ in range(rng.randrange(0, 12))]
+        response = {"role": "assistant", "content": f"r{k}", "tool_calls": [{"name": "f", "arguments": {"k": k}}]}
+        full = _commit(f"t{k}", prompt, output, messages, response)
+        sent = (bases.delta(full) if deltas else None) or full
+        wire = protocol.decode_worker_to_broker(protocol.encode(sent))  # messages as the broker gets them
+        assert plain.commit_turn(wire) == cold.commit_turn(wire) == "stored"
+        bases.remember(full)
+        contexts.append((prompt + output, messages + [response]))
+        while cold.compact_step(max_bytes=rng.choice([8, 64, 1 << 20])):
+            compacted += 1
+        t = f"t{rng.choice(order[: order.index(k) + 1])}"
+        assert cold.turn_messages("s", t) == plain.turn_messages("s", t)
+    assert plain.stats()["tokens_held"] == cold.stats()["tokens_held"]
+    assert compacted > 0 or n_turns < 4 or len(cold.get("s").committed.tokens) < 8 * 4  # cold bytes were met
+    for a, b in zip(plain.finish("s").turns, cold.finish("s").turns, strict=True):
+        assert a == b
+
+
+def test_a_long_session_compacts_to_fewer_bytes_and_keeps_the_recent_tail_hot():
+    reg = SessionRegistry(max_sessions=1)
+    reg.open_session("s", {}, None, None, {})
+    rng = random.Random(5)
+    bases = CommitBases()
+    prompt, messages = [rng.randrange(1000) for _ in range(500)], [{"role": "user", "content": "x" * 2000}]
+    for k in range(20):
+        reg.open_turn("s", f"t{k}")
+        output = [rng.randrange(1000) for _ in range(50)]
+        response = {"role": "assistant", "content": "y" * 400}
+        full = _commit(f"t{k}", prompt, output, messages, response)
+        assert reg.commit_turn(protocol.decode_worker_to_broker(protocol.encode(bases.delta(full) or full))) == "stored"
+        bases.remember(full)
+        prompt = prompt + output + [rng.randrange(1000) for _ in range(100)]
+        messages = [*messages, response, {"role": "user", "content": "z" * 300}]
+    before = reg.stats()["bytes_held"]
+    steps = 0
+    while reg.compact_step():
+        steps += 1
+    store = reg.get("s").committed
+    assert steps > 0 and reg.stats()["bytes_held"] < before / 2  # text of one letter compresses well
+    assert len(store.tokens) > 0 and store.msgs  # the last commits' bytes stay uncompressed
+    assert not reg.compaction_pending
+    records = reg.finish("s").turns
+    assert records[-1].response_message == {"role": "assistant", "content": "y" * 400}
+    assert records[-1].prompt_messages[0] == {"role": "user", "content": "x" * 2000}
