@@ -26,12 +26,12 @@ from broker.trajectory import TurnRecord
 _ID_BYTES = 4  # int32 token ids
 _LP_BYTES = 4  # float32 logprobs
 _TURN_OVERHEAD = 320  # a turn's tuple, range tuples, id and dict slots: for the bytes_held gauge
-_MESSAGE_OVERHEAD = 8  # its end offset
+_MESSAGE_OVERHEAD = 8  # its list slot (hot) or end offset (cold)
 
 # A stored turn is a tuple (built in one step, untracked by the collector once it has seen it):
 # id, OPEN seq, token ranges (flat (start, stop, ...) in ids), prompt length, output logprobs (the
-# commit's own float32 array: keeping it copies nothing), output length, finish reason, message ranges (flat, in messages), prompt
-# message count, flags, context length (prompt + output ids).
+# commit's own float32 array: keeping it copies nothing), output length, finish reason, message
+# ranges (flat, in messages), prompt message count, flags, context length (prompt + output ids).
 _SEQ, _TOKS, _PLEN, _LPS, _NOUT, _FINISH, _MSGS, _NPM, _FLAGS, _NTOK = range(1, 11)
 Ranges = tuple[int, ...]
 Turn = tuple[str, int, Ranges, int, array, int, str, Ranges, int, dict[str, Any], int]
