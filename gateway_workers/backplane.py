@@ -1,7 +1,7 @@
-"""The worker side of the backplane: one zmq.asyncio DEALER from this worker to the broker.
+"""The worker side of the backplane: one ZeroMQ DEALER from this worker to the broker.
 
-Owns the socket (created in the Starlette lifespan, never at import), a reader task
-that resolves futures keyed by request id, and the turn requests: OPEN (before
+Owns the socket (created in the Starlette lifespan, never at import), a reader on the
+event loop that resolves futures keyed by request id, and the turn requests: OPEN (before
 rendering), COMMIT (after the reply was sent; retried until ACKed, the broker
 de-duplicates by turn id; sent as a delta against the session's last ACKed turn when
 `commit_bases` has one, in full if the broker no longer holds that base), ABORT, GET
@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from broker import protocol
 from gateway_workers.commit_bases import CommitBases
@@ -51,10 +50,16 @@ class TurnRefused(Exception):
 
 
 class Backplane:
-    """DEALER socket to the broker with request/reply matching by request id."""
+    """DEALER socket to the broker with request/reply matching by request id.
+
+    A plain (blocking-API) pyzmq socket used without ever blocking: sends are NOBLOCK (a full
+    queue, 100k frames behind, counts as an unanswered attempt), and replies are read by a
+    callback on the socket's file descriptor. zmq.asyncio did the same with a future per send
+    and per receive, which was a visible part of a turn's CPU.
+    """
 
     def __init__(self, endpoint: str, bases: CommitBases | None = None) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -62,18 +67,22 @@ class Backplane:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.BrokerToWorker]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._commits: set[asyncio.Task[Any]] = set()
         self.endpoint = endpoint
         self.bases = bases if bases is not None else CommitBases()
         self.counters: dict[str, int] = dict.fromkeys(("commits_full", "commits_delta", "delta_refused"), 0)
 
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.FD, self._read_replies)
 
-    async def _read_replies(self) -> None:
-        while True:
-            frame = await self._sock.recv()
+    def _read_replies(self) -> None:
+        # The descriptor is edge-triggered (it signals a change, not a level): read until EVENTS says
+        # nothing is left, here and after every send (a send can consume the signal of a reply).
+        sock = self._sock
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frame = sock.recv(zmq.NOBLOCK)
             try:
                 reply = protocol.decode_broker_to_worker(frame)
             except protocol.ProtocolError:
@@ -86,14 +95,23 @@ class Backplane:
     async def _request(
         self, build: Callable[[int], protocol.WorkerToBroker], timeout: float
     ) -> protocol.BrokerToWorker:
-        """Send `build(request_id)` and wait for the reply with that id."""
+        """Send `build(request_id)` and wait for the reply with that id; asyncio.TimeoutError if none came."""
+        loop = self._loop
+        assert loop is not None, "Backplane.start() was not called"
         request_id = next(self._ids)
-        future: asyncio.Future[protocol.BrokerToWorker] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[protocol.BrokerToWorker] = loop.create_future()
         self._pending[request_id] = future
+        expiry = loop.call_later(timeout, _expire, future)
         try:
-            await self._sock.send(protocol.encode(build(request_id)))
-            return await asyncio.wait_for(future, timeout)
+            try:
+                self._sock.send(protocol.encode(build(request_id)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # 100k frames queued: the broker is not reading; this attempt times out
+            if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                loop.call_soon(self._read_replies)
+            return await future
         finally:
+            expiry.cancel()
             self._pending.pop(request_id, None)
 
     async def _call(
@@ -236,11 +254,12 @@ class Backplane:
                 logger.error("%d commits/aborts still unacknowledged at shutdown", len(pending))
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
+        if self._loop is not None:
+            self._loop.remove_reader(self._sock.FD)
         self._sock.close(linger=LINGER_MS)
         self._ctx.term()
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(asyncio.TimeoutError())
