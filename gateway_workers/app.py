@@ -1,12 +1,13 @@
-"""The Starlette app of one gateway worker: routes, lifespan, and the reply-then-commit rule.
+"""The ASGI app of one gateway worker: routes, lifespan, and the reply-then-commit rule.
 
 The lifespan builds this process's tokenizer, renderer, parser, engine client and
 backplane socket (never at import, never in the uvicorn parent) and closes them with
 bounded waits. Every dialect (Chat Completions, Anthropic Messages, Responses) goes
-through one handler and one `CapturedReply`, which sends the reply (one body, or SSE
-events while the engine generates) and only then commits the turn; a reply that did not
-reach the agent aborts it, and a stream the agent left stops the engine. uvicorn starts
-workers through `create_app_from_env` (factory=True), which reads the CLI's WorkerConfig.
+through one plain-ASGI handler, `serve_turn`, and one `send_reply`, which sends the reply
+(one body, or SSE events while the engine generates) and only then commits the turn; a
+reply that did not reach the agent aborts it, and a stream the agent left stops the engine.
+The other routes are Starlette's. uvicorn starts workers through `create_app_from_env`
+(factory=True), which reads the CLI's WorkerConfig.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from typing import Any, Protocol, TypedDict
 
 import orjson
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
+from gateway_workers.agent_connection import AgentConnection, session_key
 from gateway_workers.backplane import Backplane
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
@@ -35,7 +38,7 @@ from gateway_workers.formats import PLAIN_TEXT, detect_parser
 from gateway_workers.live import start_live_turn
 from gateway_workers.render import Renderer
 from gateway_workers.tokenizer import load_tokenizer
-from gateway_workers.turns import ApiError, TurnPipeline
+from gateway_workers.turns import ApiError, CapturedTurn, TurnPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -61,110 +64,54 @@ class ReplySource(Protocol):
     async def close(self) -> None: ...
 
 
-def session_key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return request.headers.get("x-api-key") or None
-
-
-class DisconnectWatcher:
-    """Sets `gone` when the agent's connection drops; runs until the reply is sent."""
-
-    def __init__(self, request: Request) -> None:
-        self.gone = asyncio.Event()
-        self._task = asyncio.ensure_future(self._watch(request))
-
-    async def _watch(self, request: Request) -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                self.gone.set()
-                return
-
-    def stop(self) -> None:
-        self._task.cancel()
-
-
 async def _once(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
 
-class CapturedReply(Response):
-    """Sends a turn's reply, one body or SSE events as they are produced, then commits the turn.
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+_JSON_TYPE = (b"content-type", b"application/json")
 
-    uvicorn's `send` silently drops data once the client is gone, so the watcher is checked
-    before every chunk, and a disconnect cancels the sending (and with it the engine stream).
-    A turn whose reply the agent did not get entirely is aborted, never trained on. An
+
+async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]],
+                     send: Send, connection: AgentConnection, counters: Counter[str]) -> None:
+    """Send a turn's reply, one body or SSE events as they are produced, then commit the turn.
+
+    uvicorn's `send` silently drops data once the client is gone, so a disconnect cancels the
+    sending (and with it the engine stream) and the turn is aborted, never trained on. An
     `ApiError` from the body (the engine failed mid-stream, after the adapter sent its error
     event) ends the stream and aborts the turn.
     """
-
-    def __init__(self, source: ReplySource, body: AsyncIterator[bytes], media_type: str, watcher: DisconnectWatcher,
-                 counters: Counter[str], length: int | None = None) -> None:
-        self.status_code = 200
-        self.background = None
-        self.source = source
-        self.body_iterator = body
-        self.watcher = watcher
-        self.counters = counters
-        if media_type == "text/event-stream":
-            self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        else:
-            self.raw_headers = [(b"content-type", media_type.encode())]
-            if length is not None:
-                self.raw_headers.append((b"content-length", str(length).encode()))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sender = asyncio.ensure_future(self._send_all(send))
-        gone = asyncio.ensure_future(self.watcher.gone.wait())
-        sent = False
-        try:
-            await asyncio.wait({sender, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            self.watcher.stop()
-            if not sender.done():
-                sender.cancel()  # the agent left mid-reply: stop generating and sending
-            try:
-                sent = await sender
-            except asyncio.CancelledError:
-                pass
-            except ApiError as e:
-                self.counters[f"stream_{e.status}"] += 1
-            except Exception:
-                logger.exception("sending the reply of turn %s (session %s) failed", self.source.turn_id,
-                                 self.source.session_id)
-            await self._settle(sent)
-
-    async def _send_all(self, send: Send) -> bool:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        try:
-            async for chunk in self.body_iterator:
-                if self.watcher.gone.is_set():
-                    return False
+    sent = False
+    try:
+        with connection.cancelled_on_disconnect():
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for chunk in body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except ApiError:
-            # The adapter already sent the error event; end the stream so the agent is not left waiting.
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            sent = True
+    except asyncio.CancelledError:
+        if not connection.took_cancel():
             raise
-        if self.watcher.gone.is_set():
-            return False
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return True
-
-    async def _settle(self, sent: bool) -> None:
-        aclose = getattr(self.body_iterator, "aclose", None)
+    except ApiError as e:
+        # The adapter already sent the error event; end the stream so the agent is not left waiting.
+        counters[f"stream_{e.status}"] += 1
+        with contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except Exception:
+        logger.exception("sending the reply of turn %s (session %s) failed", source.turn_id, source.session_id)
+    finally:
+        connection.stop()
+        aclose = getattr(body, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):
                 await aclose()
-        await self.source.close()
+        await source.close()
         if sent:
-            self.source.commit()
-            self.counters["turns_committed"] += 1
+            source.commit()
+            counters["turns_committed"] += 1
         else:
-            self.source.abort("client disconnected before the reply was sent")
-            self.counters["turns_aborted"] += 1
+            source.abort("client disconnected before the reply was sent")
+            counters["turns_aborted"] += 1
 
 
 def _error(adapter: Any, error: ApiError, counters: Counter[str]) -> Response:
@@ -174,15 +121,26 @@ def _error(adapter: Any, error: ApiError, counters: Counter[str]) -> Response:
     return Response(orjson.dumps(adapter.error_body(error)), status_code=error.status, media_type="application/json")
 
 
-async def _body(request: Request) -> Any:
+def _json(raw: bytes) -> Any:
     try:
-        return orjson.loads(await request.body())
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, "invalid_request", f"the body is not valid JSON: {e}") from None
 
 
-def _key(request: Request) -> str:
-    sid = session_key(request)
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(499, "invalid_request", "client disconnected")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _key(headers: Headers) -> str:
+    sid = session_key(headers)
     if sid is None:
         raise ApiError(401, "authentication", "missing API key (the session key)", code="invalid_api_key")
     return sid
@@ -216,55 +174,84 @@ def _check_tools_parseable(parser: Any, tools: Any) -> None:
     raise ApiError(400, "invalid_request", reason, code="tools_unsupported", param="tools")
 
 
-async def serve_turn(request: Request, adapter: Any) -> Response:
-    """One turn in any dialect: validate, run (live when streaming), reply, commit."""
-    state = request.state
-    counters: Counter[str] = state.counters
+async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Any) -> None:
+    """One turn in any dialect: validate, run (live when streaming), reply, commit.
+
+    A plain ASGI handler: turns are nearly all of a worker's requests, and Starlette's
+    middleware and routing cost more per request than the rest of this function.
+    """
+    state: WorkerState = scope["state"]
+    counters = state["counters"]
+    pipeline = state["pipeline"]
     counters["requests"] += 1
     try:
-        sid = _key(request)
-        parsed = adapter.parse_request(await _body(request))
-        parsed = await _with_history(state.pipeline, sid, parsed)
-        _check_tools_parseable(state.pipeline.parser, parsed.turn.tools)
+        sid = _key(Headers(scope=scope))
+        parsed = adapter.parse_request(_json(await _read_body(receive)))
+        parsed = await _with_history(pipeline, sid, parsed)
+        _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
-        return _error(adapter, e, counters)
-    watcher = DisconnectWatcher(request)
-    model = state.config.model_name
+        return await _error(adapter, e, counters)(scope, receive, send)
+    connection = AgentConnection(receive)
+    model = state["config"].model_name
+    turn: CapturedTurn | None = None
     try:
         if parsed.stream:
-            live = await start_live_turn(state.pipeline, sid, parsed.turn, watcher.gone)
-            return CapturedReply(live, adapter.stream_events(live, parsed, model), "text/event-stream", watcher,
-                                 counters)
-        turn = await state.pipeline.run(sid, parsed.turn, watcher.gone)
+            live = await start_live_turn(pipeline, sid, parsed.turn, connection)
+            events = adapter.stream_events(live, parsed, model)
+            return await send_reply(live, events, _SSE_HEADERS, send, connection, counters)
+        turn = await pipeline.run(sid, parsed.turn, connection)
+        body = adapter.response_body(turn, parsed, model)
     except ApiError as e:
-        watcher.stop()
-        return _error(adapter, e, counters)
+        connection.stop()
+        return await _error(adapter, e, counters)(scope, receive, send)
     except Exception:
-        watcher.stop()
+        connection.stop()
+        if turn is not None:
+            turn.abort("the reply could not be built")
         logger.exception("turn of session %s failed", sid)
-        return _error(adapter, ApiError(500, "internal", "internal error in the gateway worker"), counters)
-    body = adapter.response_body(turn, parsed, model)
-    return CapturedReply(turn, _once(body), "application/json", watcher, counters, length=len(body))
+        error = ApiError(500, "internal", "internal error in the gateway worker")
+        return await _error(adapter, error, counters)(scope, receive, send)
+    headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
+    await send_reply(turn, _once(body), headers, send, connection, counters)
 
 
-async def chat_completions(request: Request) -> Response:
-    return await serve_turn(request, openai_chat)
+TURN_ROUTES = {
+    "/v1/chat/completions": openai_chat,
+    "/v1/messages": anthropic_messages,
+    "/v1/responses": openai_responses,
+}
 
 
-async def messages(request: Request) -> Response:
-    return await serve_turn(request, anthropic_messages)
+class TurnEndpoint:
+    """A turn route as Starlette sees it (for what the fast path does not take: 405s, redirects)."""
+
+    def __init__(self, adapter: Any) -> None:
+        self.adapter = adapter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_turn(scope, receive, send, self.adapter)
 
 
-async def responses(request: Request) -> Response:
-    return await serve_turn(request, openai_responses)
+class GatewayApp:
+    """A worker's ASGI app: POSTs to the turn routes go straight to `serve_turn`, the rest to Starlette."""
+
+    def __init__(self, routes: Starlette) -> None:
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            adapter = TURN_ROUTES.get(scope["path"])
+            if adapter is not None:
+                return await serve_turn(scope, receive, send, adapter)
+        await self.routes(scope, receive, send)
 
 
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token counting: the prompt rendered exactly as a turn would be; records nothing."""
     state = request.state
     try:
-        sid = _key(request)
-        parsed = anthropic_messages.parse_request(await _body(request), counting=True)
+        sid = _key(request.headers)
+        parsed = anthropic_messages.parse_request(_json(await request.body()), counting=True)
         await state.pipeline.check_session(sid)
         count = await state.pipeline.count_tokens(parsed.turn)
     except ApiError as e:
@@ -295,7 +282,7 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse("\n".join(lines) + "\n")
 
 
-def create_app(config: WorkerConfig) -> Starlette:
+def create_app(config: WorkerConfig) -> GatewayApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[WorkerState]:
         tokenizer = load_tokenizer(config.tokenizer, chat_template_path=config.chat_template)
@@ -313,22 +300,21 @@ def create_app(config: WorkerConfig) -> Starlette:
             await backplane.close()
             await asyncio.wait_for(engine.aclose(), ENGINE_CLOSE_TIMEOUT_S)
 
-    return Starlette(
+    turn_routes = [Route(path, TurnEndpoint(adapter), methods=["POST"]) for path, adapter in TURN_ROUTES.items()]
+    return GatewayApp(Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/messages", messages, methods=["POST"]),
+            *turn_routes,
             Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-            Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route(FINISH_PATH, finish_session, methods=["POST"]),  # 404 unless --allow-agent-finish
         ],
         lifespan=lifespan,
-    )
+    ))
 
 
-def create_app_from_env() -> Starlette:
+def create_app_from_env() -> GatewayApp:
     """uvicorn factory: the CLI put the WorkerConfig in the environment."""
     config = WorkerConfig.from_env()
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(message)s")

@@ -16,8 +16,8 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar, cast
 
 import zmq
 
@@ -81,7 +81,7 @@ class Backplane:
         # The descriptor is edge-triggered (it signals a change, not a level): read until EVENTS says
         # nothing is left, here and after every send (a send can consume the signal of a reply).
         sock = self._sock
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while _readable(sock):
             frame = sock.recv(zmq.NOBLOCK)
             try:
                 reply = protocol.decode_broker_to_worker(frame)
@@ -92,34 +92,33 @@ class Backplane:
             if future is not None and not future.done():
                 future.set_result(reply)  # a late reply to a retried request finds no future: fine
 
-    async def _request(
-        self, build: Callable[[int], protocol.WorkerToBroker], timeout: float
-    ) -> protocol.BrokerToWorker:
-        """Send `build(request_id)` and wait for the reply with that id; asyncio.TimeoutError if none came."""
+    def _send(self, build: Callable[[int], protocol.WorkerToBroker], timeout: float) -> asyncio.Future[Any]:
+        """Send `build(request_id)` now; the future gets the reply with that id, or asyncio.TimeoutError."""
         loop = self._loop
         assert loop is not None, "Backplane.start() was not called"
         request_id = next(self._ids)
-        future: asyncio.Future[protocol.BrokerToWorker] = loop.create_future()
+        future: asyncio.Future[Any] = loop.create_future()
         self._pending[request_id] = future
         expiry = loop.call_later(timeout, _expire, future)
-        try:
-            try:
-                self._sock.send(protocol.encode(build(request_id)), zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # 100k frames queued: the broker is not reading; this attempt times out
-            if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                loop.call_soon(self._read_replies)
-            return await future
-        finally:
-            expiry.cancel()
-            self._pending.pop(request_id, None)
+        pending = self._pending
 
-    async def _call(
-        self, build: Callable[[int], protocol.WorkerToBroker], expect: type[_Reply], timeout: float = OPEN_TIMEOUT_S
-    ) -> _Reply:
-        """One request whose answer is `expect`: raises TurnRefused on a refusal, BrokerUnavailable otherwise."""
+        def forget(_: asyncio.Future[Any]) -> None:  # answered, timed out or cancelled by its waiter
+            expiry.cancel()
+            pending.pop(request_id, None)
+
+        future.add_done_callback(forget)
         try:
-            reply = await self._request(build, timeout)
+            self._sock.send(protocol.encode(build(request_id)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # 100k frames queued: the broker is not reading; this attempt times out
+        if _readable(self._sock):
+            loop.call_soon(self._read_replies)
+        return future
+
+    async def _answer(self, sent: asyncio.Future[Any], expect: type[_Reply], timeout: float) -> _Reply:
+        """The reply to a request, if it is `expect`: raises TurnRefused on a refusal, BrokerUnavailable otherwise."""
+        try:
+            reply = await sent
         except asyncio.TimeoutError:
             raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {timeout}s") from None
         if isinstance(reply, expect):
@@ -128,11 +127,18 @@ class Backplane:
             raise TurnRefused(reply.code, reply.message)
         raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to {expect.__name__}'s request")
 
-    async def open_turn(self, session_id: str, turn_id: str) -> protocol.TurnOpened:
-        """OPEN: raises TurnRefused (unknown session, closed, cap) or BrokerUnavailable."""
-        return await self._call(
-            lambda rid: protocol.OpenTurn(request_id=rid, session_id=session_id, turn_id=turn_id), protocol.TurnOpened
+    async def _call(
+        self, build: Callable[[int], protocol.WorkerToBroker], expect: type[_Reply], timeout: float = OPEN_TIMEOUT_S
+    ) -> _Reply:
+        return await self._answer(self._send(build, timeout), expect, timeout)
+
+    def open_turn(self, session_id: str, turn_id: str) -> Coroutine[Any, Any, protocol.TurnOpened]:
+        """OPEN, sent before this returns: await the result for the TurnOpened (or TurnRefused: unknown
+        session, closed, cap; or BrokerUnavailable). A caller that gives up must close() it."""
+        sent = self._send(
+            lambda rid: protocol.OpenTurn(request_id=rid, session_id=session_id, turn_id=turn_id), OPEN_TIMEOUT_S
         )
+        return self._answer(sent, protocol.TurnOpened, OPEN_TIMEOUT_S)
 
     async def get_turn(self, session_id: str, turn_id: str) -> protocol.TurnFound:
         """A committed turn's canonical messages (`previous_response_id`); raises TurnRefused or BrokerUnavailable.
@@ -225,7 +231,7 @@ class Backplane:
         while True:
             attempt += 1
             try:
-                reply = await self._request(lambda rid: dataclasses.replace(message, request_id=rid), ATTEMPT_TIMEOUT_S)
+                reply = await self._send(lambda rid: dataclasses.replace(message, request_id=rid), ATTEMPT_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except asyncio.TimeoutError:
@@ -258,6 +264,10 @@ class Backplane:
             self._loop.remove_reader(self._sock.FD)
         self._sock.close(linger=LINGER_MS)
         self._ctx.term()
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _expire(future: asyncio.Future[Any]) -> None:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway_workers.adapters import openai_chat
+from gateway_workers.agent_connection import session_key
 from gateway_workers.backplane import BrokerUnavailable, TurnRefused
 from gateway_workers.turns import ApiError
 
@@ -41,14 +42,6 @@ _REFUSALS = {
     "busy": (503, "unavailable", "outbox_full"),
     "bad_request": (400, "invalid_request", None),
 }
-
-
-def _session_key(request: Request) -> str | None:
-    # The same headers as the turn endpoints (app.session_key), read here to keep imports one-way.
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return request.headers.get("x-api-key") or None
 
 
 def _error(error: ApiError, counters: Counter[str], headers: dict[str, str] | None = None) -> Response:
@@ -106,7 +99,7 @@ async def finish_session(request: Request) -> Response:
             ),
             counters,
         )
-    sid = _session_key(request)
+    sid = session_key(request.headers)
     if sid is None:
         return _error(ApiError(401, "authentication", "missing API key (the session key)", "invalid_api_key"), counters)
     try:

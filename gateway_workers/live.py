@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from gateway_workers.agent_connection import AgentConnection
 from gateway_workers.engines.base import EngineChunk, EngineError, EngineResult, FinishReason
 from gateway_workers.streaming import IncrementalDecoder, LiveDelta, StreamTracker, live_splitter
 from gateway_workers.turns import ApiError, CapturedTurn, PreparedTurn, TurnPipeline, engine_error
@@ -27,13 +28,13 @@ CLOSE_TIMEOUT_S = 5.0  # bound on closing an engine stream (an SGLang abort call
 
 
 async def start_live_turn(
-    pipeline: TurnPipeline, session_id: str, request: Any, disconnected: asyncio.Event
+    pipeline: TurnPipeline, session_id: str, request: Any, connection: AgentConnection
 ) -> LiveTurn:
     """OPEN, render and start generating; raises ApiError. The caller must commit() or abort(), then close()."""
     prepared = await pipeline.prepare(session_id, request)
     live = LiveTurn(pipeline, prepared)
     try:
-        await live.start(disconnected)
+        await live.start(connection)
     except BaseException as e:
         live.abort(type(e).__name__)
         await live.close()
@@ -68,7 +69,7 @@ class LiveTurn:
         self._splitter = live_splitter(pipeline.parser.format_name, prepared.prompt_text)
         self._tracker = StreamTracker()
 
-    async def start(self, disconnected: asyncio.Event) -> None:
+    async def start(self, connection: AgentConnection) -> None:
         """Start the engine and wait for its first chunk (or the agent leaving)."""
         prepared = self.prepared
         if prepared.over_budget:
@@ -78,18 +79,13 @@ class LiveTurn:
         self._stream = self.pipeline.engine.stream(
             prepared.prompt_ids, prepared.params, session_id=self.session_id, request_id=self.turn_id
         ).__aiter__()
-        first = asyncio.ensure_future(self._next())
-        gone = asyncio.ensure_future(disconnected.wait())
         try:
-            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not first.done():
-                first.cancel()  # the agent left (or we are cancelled): the engine stream closes and aborts
-                await asyncio.wait({first}, timeout=CLOSE_TIMEOUT_S)
-        if first.cancelled():
-            raise ApiError(499, "invalid_request", "client disconnected")
-        self._first = first.result()
+            with connection.cancelled_on_disconnect():
+                self._first = await self._next()
+        except asyncio.CancelledError:  # the caller closes the engine stream, which aborts the request
+            if connection.took_cancel():
+                raise ApiError(499, "invalid_request", "client disconnected") from None
+            raise
 
     async def _next(self) -> EngineChunk:
         assert self._stream is not None

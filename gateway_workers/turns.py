@@ -22,6 +22,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from broker import protocol
+from gateway_workers.agent_connection import AgentConnection
 from gateway_workers.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
 from gateway_workers.formats import ParsedResponse, ResponseParser
@@ -188,13 +189,12 @@ class TurnPipeline:
         """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened)."""
         turn_id = uuid.uuid4().hex
         t0 = time.perf_counter()
-        # The broker's answer and the render overlap; the broker's verdict still comes first, so a
-        # refused session gets its refusal, not a template error.
-        opening = asyncio.ensure_future(self.backplane.open_turn(session_id, turn_id))
+        # The OPEN is on its way before the render starts, and awaited after it; the broker's verdict
+        # still comes first, so a refused session gets its refusal, not a template error.
+        opening = self.backplane.open_turn(session_id, turn_id)
         begun: RenderedPrompt | Callable[[], RenderedPrompt] | RenderError
         rendering: asyncio.Future[RenderedPrompt] | None = None
         try:
-            await asyncio.sleep(0)  # let the OPEN leave before rendering on this thread
             try:
                 begun = self.renderer.begin_render(request.messages, request.tools)
             except RenderError as e:
@@ -203,7 +203,7 @@ class TurnPipeline:
                 rendering = asyncio.ensure_future(run_in_threadpool(begun))
             opened = await opening
         except BaseException as e:
-            opening.cancel()
+            opening.close()
             if rendering is not None:
                 rendering.cancel()
                 rendering.add_done_callback(_discard)  # a render that failed meanwhile is moot
@@ -230,7 +230,7 @@ class TurnPipeline:
             session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0, time.perf_counter()
         )
 
-    async def run(self, session_id: str, request: TurnRequest, disconnected: asyncio.Event) -> CapturedTurn:
+    async def run(self, session_id: str, request: TurnRequest, connection: AgentConnection) -> CapturedTurn:
         """Generate one whole turn; raises ApiError. The caller must commit() or abort() the result."""
         prepared = await self.prepare(session_id, request)
         try:
@@ -238,7 +238,7 @@ class TurnPipeline:
                 # DESIGN: a prompt already over the context budget yields an empty `length` turn.
                 result = EngineResult(output_ids=[], logprobs=[], finish_reason="length")
             else:
-                result = await self._call_engine(prepared, disconnected)
+                result = await self._call_engine(prepared, connection)
             t_engine = time.perf_counter()
             parsed = self.parser.parse(result.output_ids, prepared.prompt_text, request.tools)
             return self.captured(prepared, result, parsed, t_engine)
@@ -293,28 +293,18 @@ class TurnPipeline:
             raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
         return len(rendered.prompt_ids)
 
-    async def _call_engine(self, prepared: PreparedTurn, disconnected: asyncio.Event) -> EngineResult:
+    async def _call_engine(self, prepared: PreparedTurn, connection: AgentConnection) -> EngineResult:
         session_id, turn_id = prepared.session_id, prepared.turn_id
-        generate = asyncio.ensure_future(
-            self.engine.generate(prepared.prompt_ids, prepared.params, session_id=session_id, request_id=turn_id)
-        )
-        gone = asyncio.ensure_future(disconnected.wait())
         try:
-            await asyncio.wait({generate, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not generate.done():
-                # The agent left (or we are being cancelled): cancelling makes the engine
-                # backend abort the request on the engine side.
-                generate.cancel()
-                try:
-                    await generate
-                except (asyncio.CancelledError, EngineError):
-                    pass
-        if generate.cancelled():
-            raise ApiError(499, "invalid_request", "client disconnected")
-        try:
-            return generate.result()
+            # An agent that leaves cancels the call, which makes the engine backend abort the request.
+            with connection.cancelled_on_disconnect():
+                return await self.engine.generate(
+                    prepared.prompt_ids, prepared.params, session_id=session_id, request_id=turn_id
+                )
+        except asyncio.CancelledError:
+            if connection.took_cancel():
+                raise ApiError(499, "invalid_request", "client disconnected") from None
+            raise
         except EngineError as e:
             raise engine_error(e, session_id, turn_id) from None
 
