@@ -3,25 +3,24 @@
 Owns the records every backend shares (`SamplingParams`, `EngineResult`, `EngineChunk`,
 `EngineConfig`), the two failures the app maps to HTTP (`EngineError` -> 502,
 `EngineTimeout` -> 504) and the pooled-HTTP plumbing the vLLM and SGLang backends share
-(one aiohttp session per engine object, bounded timeouts, orjson bodies, an SSE reader
-for streamed generations). Backends (vllm, sglang, mock) implement `Engine`: `generate`
+(one keep-alive `http_client.HttpPool` per engine object, bounded timeouts, orjson bodies,
+an SSE reader for streamed generations). Backends (vllm, sglang, mock) implement `Engine`: `generate`
 returns a whole generation, `stream` yields it as it is sampled.
 Must not import the app, adapters, backplane or transformers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import aiohttp
 import numpy
 import orjson
 
+from gateway_workers.engines.http_client import HttpConnectionError, HttpPool, HttpTimeout, parse_url
 from gateway_workers.engines.routing import choose_replica, routing_headers, routing_key
 
 logger = logging.getLogger(__name__)
@@ -117,6 +116,9 @@ class EngineConfig:
             raise ValueError("mock delays must be >= 0 and mock_output_tokens >= 1")
         if self.mock_tool_call_every < 0:
             raise ValueError("mock_tool_call_every must be >= 0")
+        if self.kind != "mock":
+            for url in self.urls:
+                parse_url(url)  # http:// only: an https or malformed URL fails at startup, naming the URL
 
 
 class Engine(Protocol):
@@ -155,10 +157,10 @@ def ids_json(ids: Sequence[int]) -> Any:
 
 
 class HttpEngineBase:
-    """Plumbing shared by the HTTP engines: replica choice, one pooled client, JSON POSTs with bounds.
+    """Plumbing shared by the HTTP engines: replica choice, one keep-alive pool, JSON POSTs with bounds.
 
-    The aiohttp session is created lazily on first use, inside the running loop (an engine object
-    may be built before the worker's loop starts), and keeps connections alive between calls.
+    The pool is created lazily on first use and binds to the running loop then (an engine object
+    may be built before the worker's loop starts); `aclose` closes every connection.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -166,41 +168,38 @@ class HttpEngineBase:
             raise ValueError(f"{config.kind} engine needs at least one URL")
         self._config = config
         self._urls = tuple(url.rstrip("/") for url in config.urls)
-        self._client: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=config.connect_timeout_s)
+        for url in self._urls:
+            parse_url(url)
+        self._pool: HttpPool | None = None
 
     def route(self, session_id: str) -> tuple[str, dict[str, str]]:
         """(replica base url, routing headers) for a session."""
         key = routing_key(session_id)
         return choose_replica(self._urls, key), routing_headers(key)
 
-    def client(self) -> aiohttp.ClientSession:
-        if self._client is None or self._client.closed:
-            # limit=0: the engine, not our pool, decides how many requests run at once.
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0)
-            self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
-        return self._client
+    def pool(self) -> HttpPool:
+        if self._pool is None:
+            self._pool = HttpPool(self._config.connect_timeout_s)
+        return self._pool
 
     async def post_json(
-        self, url: str, body: dict[str, Any], headers: dict[str, str], timeout: aiohttp.ClientTimeout | None = None
+        self, url: str, body: dict[str, Any], headers: dict[str, str], timeout: float | None = None
     ) -> Any:
-        """POST `body` as JSON and return the decoded JSON answer; failures become EngineError/EngineTimeout."""
-        limit = timeout or self._timeout
+        """POST `body` as JSON and return the decoded JSON answer; failures become EngineError/EngineTimeout.
+
+        `timeout` (seconds, default the config's request_timeout_s) bounds the whole call, connecting included.
+        """
+        limit = timeout or self._config.request_timeout_s
+        data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         try:
-            async with self.client().post(
-                url,
-                data=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-                headers={"Content-Type": "application/json", **headers},
-                timeout=limit,
-            ) as resp:
-                raw = await resp.read()
-                if resp.status >= 300:
-                    snippet = raw[:_BODY_SNIPPET].decode("utf-8", "replace")
-                    raise EngineError(f"engine {url} answered HTTP {resp.status}: {snippet}", status=resp.status)
-        except asyncio.TimeoutError as e:  # aiohttp's timeouts subclass it
-            raise EngineTimeout(f"engine {url} did not answer within {limit.total}s") from e
-        except aiohttp.ClientError as e:
+            status, raw = await self.pool().post(url, data, headers, limit)
+        except HttpTimeout as e:
+            raise EngineTimeout(f"engine {url} did not answer within {limit}s") from e
+        except HttpConnectionError as e:
             raise EngineError(f"engine {url} request failed: {type(e).__name__}: {e}") from e
+        if status >= 300:
+            snippet = raw[:_BODY_SNIPPET].decode("utf-8", "replace")
+            raise EngineError(f"engine {url} answered HTTP {status}: {snippet}", status=status)
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -210,41 +209,47 @@ class HttpEngineBase:
         """POST `body` and yield each SSE `data:` event decoded as JSON, until `[DONE]` or the end of the body.
 
         Closing the iterator closes the connection, which is how vLLM learns the client went away.
-        Failures become EngineError/EngineTimeout, like `post_json`.
+        The config's request_timeout_s bounds the whole stream. Failures become EngineError/EngineTimeout.
         """
+        limit = self._config.request_timeout_s
+        data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        resp = None
         try:
-            async with self.client().post(
-                url,
-                data=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-                headers={"Content-Type": "application/json", **headers},
-            ) as resp:
-                if resp.status >= 300:
-                    snippet = (await resp.read())[:_BODY_SNIPPET].decode("utf-8", "replace")
-                    raise EngineError(f"engine {url} answered HTTP {resp.status}: {snippet}", status=resp.status)
-                async for data in _sse_events(resp.content, url):
-                    if data == b"[DONE]":
-                        return
-                    try:
-                        event = orjson.loads(data)
-                    except orjson.JSONDecodeError as e:
-                        raise EngineError(f"engine {url} streamed non-JSON: {data[:_BODY_SNIPPET]!r}") from e
-                    yield event
-        except asyncio.TimeoutError as e:
-            raise EngineTimeout(f"engine {url} did not finish within {self._timeout.total}s") from e
-        except aiohttp.ClientError as e:
+            resp = await self.pool().open_stream(url, data, headers, limit)
+            if resp.status >= 300:
+                snippet = (await resp.read())[:_BODY_SNIPPET].decode("utf-8", "replace")
+                raise EngineError(f"engine {url} answered HTTP {resp.status}: {snippet}", status=resp.status)
+            async for event in _sse_events(resp, url):
+                if event == b"[DONE]":
+                    return
+                try:
+                    decoded = orjson.loads(event)
+                except orjson.JSONDecodeError as e:
+                    raise EngineError(f"engine {url} streamed non-JSON: {event[:_BODY_SNIPPET]!r}") from e
+                yield decoded
+        except HttpTimeout as e:
+            raise EngineTimeout(f"engine {url} did not finish within {limit}s") from e
+        except HttpConnectionError as e:
             raise EngineError(f"engine {url} stream failed: {type(e).__name__}: {e}") from e
+        finally:
+            if resp is not None:
+                resp.close()  # a body not read to its end closes the connection; a finished one is pooled already
 
     async def aclose(self) -> None:
-        if self._client is not None and not self._client.closed:
-            await self._client.close()
-        self._client = None
+        if self._pool is not None:
+            await self._pool.aclose()
+        self._pool = None
 
 
-async def _sse_events(content: aiohttp.StreamReader, url: str) -> AsyncIterator[bytes]:
+class _ChunkSource(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+async def _sse_events(content: _ChunkSource, url: str) -> AsyncIterator[bytes]:
     """The `data` of each server-sent event (multi-line data joined with newlines); other fields are ignored.
 
-    Reads raw chunks rather than lines: aiohttp's line reader refuses lines over 64 KiB, and a
-    cumulative SGLang event holds every logprob so far.
+    Reads raw chunks rather than lines: a cumulative SGLang event holds every logprob so far, so
+    one line may be megabytes (bounded by MAX_SSE_EVENT_BYTES).
     """
     buffer = b""
     data: list[bytes] = []

@@ -21,8 +21,6 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import aiohttp
-
 from gateway_workers.engines.base import (
     ABORT_TIMEOUT_S,
     EngineChunk,
@@ -49,7 +47,6 @@ class SglangEngine(HttpEngineBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._aborts: set[asyncio.Task[None]] = set()
-        self._abort_timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
@@ -113,7 +110,7 @@ class SglangEngine(HttpEngineBase):
 
     async def _send_abort(self, base: str, rid: str, headers: dict[str, str]) -> None:
         try:
-            await self.post_json(base + ABORT_PATH, {"rid": rid}, headers, timeout=self._abort_timeout)
+            await self.post_json(base + ABORT_PATH, {"rid": rid}, headers, timeout=ABORT_TIMEOUT_S)
         except EngineError as e:
             logger.warning("abort of SGLang request %s failed: %s", rid, e)
 
