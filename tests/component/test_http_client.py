@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from gateway_workers.engines import http_connection
 from gateway_workers.engines.base import EngineConfig, EngineError, EngineTimeout
 from gateway_workers.engines.http_client import HttpConnectionError, HttpPool, parse_url
 from gateway_workers.engines.vllm import VllmEngine
@@ -140,6 +141,11 @@ class TinyServer:
             for part in [head] + [payload[i : i + 50_000] for i in range(0, len(payload), 50_000)]:
                 sock.sendall(part)
                 time.sleep(0.002)
+        elif path == "/bytes":  # a large plain body in many writes, for read back-pressure
+            payload = bytes(range(256)) * 8192
+            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload))
+            for i in range(0, len(payload), 65536):
+                sock.sendall(payload[i : i + 65536])
         elif path in ("/sse", "/sse-slow"):
             return self._stream(sock, slow=path == "/sse-slow")
         elif path == "/rst-next":  # answer, then close with the next request unread: the kernel sends a reset
@@ -397,6 +403,30 @@ def test_body_over_many_reads_and_non_2xx_snippet(server):
     big, connections = run(scenario())
     assert big == {"ids": list(range(200_000))}
     assert connections == 1 and server.connections == 1  # error answers with a body keep the connection
+
+
+def test_a_slow_stream_reader_pauses_the_socket_and_loses_nothing(server, monkeypatch):
+    monkeypatch.setattr(http_connection, "STREAM_HIGH_WATER", 64 * 1024)
+    monkeypatch.setattr(http_connection, "STREAM_LOW_WATER", 16 * 1024)
+
+    async def scenario() -> tuple[bytes, bool, bool]:
+        pool = HttpPool(CONNECT_S)
+        try:
+            resp = await pool.open_stream(server.url + "/bytes", b"{}", {}, WAIT_S)
+            (conn,) = pool._all
+            chunks = []
+            async for chunk in resp.iter_any():
+                if not chunks:
+                    await asyncio.sleep(0.2)  # the server keeps writing; we must stop reading, not buffer it all
+                    paused = conn._paused
+                chunks.append(chunk)
+            return b"".join(chunks), paused, conn._paused
+        finally:
+            await pool.aclose()
+
+    data, paused_while_slow, paused_at_end = run(scenario())
+    assert data == bytes(range(256)) * 8192
+    assert paused_while_slow and not paused_at_end
 
 
 def test_idle_connections_expire(server):
