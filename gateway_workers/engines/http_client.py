@@ -131,7 +131,7 @@ class HttpPool:
                 conn = None
                 continue
             except asyncio.CancelledError:
-                conn.abort()  # the caller went away: closing the connection is how vLLM learns to stop
+                conn.cancel(waiter)  # the caller went away: closing the connection is how vLLM learns to stop
                 raise
             if sink is None:
                 return answer

@@ -122,6 +122,7 @@ class StreamResponse:
     def close(self) -> None:
         self._body.close()
 
+
 class Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one exchange at a time; httptools calls the on_* methods."""
 
@@ -171,6 +172,22 @@ class Connection(asyncio.Protocol):
         return not (self._poll is not None and self._poll.poll(0))
 
     def abort(self) -> None:
+        """Close the connection now; an exchange in progress fails with HttpConnectionError (never hangs)."""
+        if self._active:
+            self._fail(HttpConnectionError("the connection was closed by the client"))
+        else:
+            self._kill()
+
+    def cancel(self, waiter: asyncio.Future[Any]) -> None:
+        """The caller of the exchange `waiter` belongs to went away: close the connection if it is still ours.
+
+        The answer may have completed (and the connection gone back to the pool, even to another request)
+        between the waiter's result and the cancellation reaching its caller; that connection is left alone.
+        """
+        if self._waiter is waiter:
+            self.abort()
+
+    def _kill(self) -> None:
         self._active = False
         if self._timer is not None:
             self._timer.cancel()
@@ -241,7 +258,7 @@ class Connection(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         waiter, stream = self._waiter, self._stream
         self._stream = None
-        self.abort()
+        self._kill()
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
         if stream is not None:

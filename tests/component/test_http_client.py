@@ -429,6 +429,19 @@ def test_a_slow_stream_reader_pauses_the_socket_and_loses_nothing(server, monkey
     assert paused_while_slow and not paused_at_end
 
 
+def test_closing_the_pool_fails_requests_in_flight(server):
+    async def scenario() -> None:
+        pool = HttpPool(CONNECT_S)
+        busy = asyncio.create_task(pool.post(server.url + "/hang", b"{}", {}, WAIT_S * 10))
+        assert await asyncio.to_thread(server.wait_for, lambda: server.requests)
+        await pool.aclose()
+        with pytest.raises(HttpConnectionError, match="closed by the client"):
+            await asyncio.wait_for(busy, WAIT_S)  # fails at once, not at its own (long) deadline
+
+    run(scenario())
+    assert server.wait_for(lambda: server.disconnects == 1)
+
+
 def test_idle_connections_expire(server):
     async def scenario() -> None:
         pool = HttpPool(CONNECT_S, idle_timeout_s=0.05)
