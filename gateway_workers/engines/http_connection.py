@@ -243,8 +243,8 @@ class Connection(asyncio.Protocol):
     def _end_of_input(self, exc: Exception | None) -> None:
         if not self._active:
             return
-        if self._status >= 200 and not self._framed:
-            self._complete(False)  # no Content-Length, not chunked: the body ends when the server closes
+        if self._status >= 200 and not self._framed and exc is None:
+            self._complete(False)  # no Content-Length, not chunked: a clean close ends the body (HTTP/1.0 style)
         elif self.reused and not self._got_bytes and isinstance(exc, _RESET_ERRORS):
             self._fail(StaleConnection(f"reused connection reset before any response byte: {exc}"))
         else:
