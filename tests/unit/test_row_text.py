@@ -2,7 +2,8 @@
 
 Property-tested on the real Qwen BPE over any id sequence: sampled text, special tokens anywhere,
 single ids that are partial UTF-8 (so the whole is invalid and the tokenizer's run-by-run lossy
-decode must decide), and ids past the vocabulary.
+decode must decide), and ids past the vocabulary. The table's one-gather join equals joining each id's
+bytes, negative and out-of-range ids included (they index, or raise IndexError, as a list does).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from broker import rows as rows_module
 from broker.rows import RowBuilder
 
 SPECIAL_IDS = [151643, 151644, 151645, 151657, 151658, 151667, 151668]
@@ -55,3 +57,43 @@ def test_partial_utf8_next_to_special_tokens_decodes_like_the_tokenizer(rows, to
 
 def test_without_a_tokenizer_the_text_is_empty():
     assert RowBuilder(None).decode(array("i", [1, 2, 3])) == ""
+
+
+@pytest.fixture(scope="module")
+def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
+    table = rows_module.token_bytes_list(tokenizer)
+    assert table is not None and len(table) > 151_000
+    return table
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(0, 151_668), st.integers(-151_669, -1), st.sampled_from(SPECIAL_IDS))))
+def test_the_table_gather_joins_exactly_the_ids_bytes(rows, token_bytes, ids):
+    table = rows._token_bytes
+    assert len(table) == len(token_bytes) == 151_669
+    expected = b"".join(token_bytes[i] for i in ids)
+    assert table.raw(array("i", ids)) == expected
+    assert table.raw(array("q", ids)) == expected  # any integer array
+    try:
+        text = expected.decode("utf-8")
+    except UnicodeDecodeError:
+        with pytest.raises(UnicodeDecodeError):
+            table.decode(array("i", ids))
+    else:
+        assert table.decode(array("i", ids)) == text
+
+
+@pytest.mark.parametrize("bad", [151_700_000, -151_700_000, len(SPECIAL_IDS) - 2**31])
+def test_the_table_refuses_ids_a_list_refuses(rows, token_bytes, bad):
+    with pytest.raises(IndexError):
+        token_bytes[bad]
+    with pytest.raises(IndexError):
+        rows._token_bytes.raw(array("i", [5, bad]))
+    if bad > 0:
+        assert rows.decode(array("i", [bad])) == ""  # the tokenizer decides, as before
+
+
+def test_empty_tokens_join_to_nothing(rows, token_bytes):
+    holes = [i for i, b in enumerate(token_bytes) if not b]
+    ids = [9707, *holes[:3], 1879]
+    assert rows._token_bytes.raw(array("i", ids)) == b"".join(token_bytes[i] for i in ids)
