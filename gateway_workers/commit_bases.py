@@ -31,7 +31,7 @@ class CommitBase:
 
     turn_id: str
     context: bytes
-    messages: list[dict[str, Any]]  # prompt messages + the response message (read-only)
+    messages: list[Any]  # prompt messages + the response message, as the worker built them (read-only)
 
 
 class CommitBases:

@@ -136,7 +136,7 @@ class CapturedTurn:
                 output_ids=array("i", self.result.output_ids),
                 logprobs=array("f", self.result.logprobs),
                 finish_reason=self.result.finish_reason,
-                prompt_messages=self.request.messages,
+                prompt_messages=[*self.request.messages],  # the wire type also admits packed bytes
                 response_message=self.parsed.canonical_message(),
                 flags=flags,
                 timings=self.timings,
