@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
 from gateway_workers.agent_connection import AgentConnection, session_key
 from gateway_workers.backplane import Backplane
+from gateway_workers.commit_bases import CommitBases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
 from gateway_workers.finish_route import FINISH_PATH, finish_session
@@ -287,7 +288,8 @@ def create_app(config: WorkerConfig) -> GatewayApp:
     async def lifespan(app: Starlette) -> AsyncIterator[WorkerState]:
         tokenizer = load_tokenizer(config.tokenizer, chat_template_path=config.chat_template)
         engine = create_engine(config.engine, tokenizer)
-        backplane = Backplane(config.broker_endpoint)
+        bases = CommitBases(config.commit_base_sessions, config.commit_base_mib << 20)
+        backplane = Backplane(config.broker_endpoint, bases)
         backplane.start()
         # The CLI ran the same decision before spawning us; an unknown template fails here only if it did not.
         parser = detect_parser(tokenizer, config.response_format, config.allow_plain_text)

@@ -25,6 +25,7 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 from broker import protocol
+from gateway_workers import commit_bases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines.base import EngineConfig
 
@@ -53,6 +54,11 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="reply format to parse with instead of detecting it from the chat template's sha256: "
                         "a registered name (qwen3, qwen2_5, qwen3_5, nemotron3, glm4_moe, gpt_oss, llama3_json, "
                         "deepseek_r1) or 'package.module:factory' for your own parser")
+    p.add_argument("--commit-base-sessions", type=int, default=commit_bases.MAX_SESSIONS, metavar="N",
+                   help="per worker, the last commit of this many recent sessions is kept so the next one travels "
+                        "as a delta (only the new tail); 0: every commit in full")
+    p.add_argument("--commit-base-mib", type=int, default=commit_bases.MAX_CONTEXT_BYTES >> 20, metavar="MIB",
+                   help="bound on the token ids those kept commits hold, per worker")
     p.add_argument("--allow-plain-text", action="store_true",
                    help="with an unrecognized chat template and no --response-format, serve replies as plain text "
                         "(requests that declare tools get a 400) instead of refusing to start")
@@ -81,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
 def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir: str | None) -> WorkerConfig:
     if args.engine_kind != "mock" and not args.engine_url:
         raise SystemExit(f"--engine-kind {args.engine_kind} needs at least one --engine-url")
+    if args.commit_base_sessions < 0 or args.commit_base_mib < 0:
+        raise SystemExit("--commit-base-sessions and --commit-base-mib must be >= 0")
     engine = replace(EngineConfig(), kind=args.engine_kind, urls=tuple(args.engine_url),
                      request_timeout_s=args.engine_timeout, mock_delay_s=args.mock_delay)
     return WorkerConfig(
@@ -93,6 +101,8 @@ def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir
         response_format=args.response_format,
         allow_plain_text=args.allow_plain_text,
         allow_agent_finish=args.allow_agent_finish,
+        commit_base_sessions=args.commit_base_sessions,
+        commit_base_mib=args.commit_base_mib,
     )
 
 

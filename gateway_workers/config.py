@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from broker import protocol
+from gateway_workers import commit_bases
 from gateway_workers.engines.base import EngineConfig
 
 CONFIG_ENV = "ROLLOUT_GATEWAY_WORKER_CONFIG"
@@ -30,6 +31,8 @@ class WorkerConfig:
         model_name: the model id served on /v1/models and echoed in replies.
         default_max_tokens: output cap when neither the request nor the context budget sets one.
         commit_drain_s: how long a stopping worker waits for unacknowledged commits.
+        commit_base_sessions, commit_base_mib: bounds on the per-session last commits kept so the next
+            commit can be a delta (commit_bases.py); 0 sessions sends every commit in full.
         response_format: parse replies with this format (a registry name or 'package.module:factory')
             instead of detecting it from the chat template's sha256.
         allow_plain_text: with an unrecognized template and no format, serve content only (requests
@@ -45,6 +48,8 @@ class WorkerConfig:
     model_name: str = "rollout-gateway"
     default_max_tokens: int = 4096
     commit_drain_s: float = 10.0
+    commit_base_sessions: int = commit_bases.MAX_SESSIONS
+    commit_base_mib: int = commit_bases.MAX_CONTEXT_BYTES >> 20
     log_level: str = "info"
     response_format: str | None = None
     allow_plain_text: bool = False

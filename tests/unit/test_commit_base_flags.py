@@ -1,0 +1,44 @@
+"""The commit-base bounds are flags: they reach the worker's config, and 0 sessions means full commits only."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker import protocol
+from gateway_workers import cli
+from gateway_workers.commit_bases import MAX_CONTEXT_BYTES, MAX_SESSIONS, CommitBases
+from gateway_workers.config import WorkerConfig
+
+
+def _config(*flags: str) -> WorkerConfig:
+    args = cli._parser().parse_args(["serve", *flags])
+    return cli._worker_config(args, "tcp://127.0.0.1:1", None)
+
+
+def _commit(turn_id: str, prompt: list[int]) -> protocol.CommitTurn:
+    return protocol.CommitTurn(
+        0, "s", turn_id, protocol.ids_array(prompt), protocol.ids_array([7, 8]), protocol.ids_array(), "stop",
+        [{"role": "user", "content": "hi"}], {"role": "assistant", "content": "ok"}, {"ill_formed": False},
+    )  # fmt: skip
+
+
+def test_the_flags_reach_the_worker_config_and_survive_its_trip_through_the_environment(monkeypatch):
+    config = _config("--commit-base-sessions", "0", "--commit-base-mib", "7")
+    assert (config.commit_base_sessions, config.commit_base_mib) == (0, 7)
+    monkeypatch.setenv(*next(iter(config.to_env().items())))
+    assert WorkerConfig.from_env() == config
+    default = _config()
+    assert (default.commit_base_sessions, default.commit_base_mib << 20) == (MAX_SESSIONS, MAX_CONTEXT_BYTES)
+
+
+def test_negative_bounds_are_refused():
+    with pytest.raises(SystemExit, match="commit-base"):
+        _config("--commit-base-sessions", "-1")
+
+
+@pytest.mark.parametrize(("sessions", "deltas"), [(0, False), (1, True)])
+def test_without_room_for_a_base_every_commit_travels_in_full(sessions: int, deltas: bool):
+    bases = CommitBases(max_sessions=sessions)
+    bases.remember(_commit("t0", [1, 2, 3]))
+    follow_up = bases.delta(_commit("t1", [1, 2, 3, 7, 8, 4]))
+    assert (follow_up is not None) == deltas
