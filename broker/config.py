@@ -41,6 +41,8 @@ OUTBOX_MAX_BYTES = 2 * 1024**3
 MAX_POLL_WAIT_S = 60.0
 MAX_LEASE_S = 3_600.0
 MAX_CREDIT = 1_024
+# Sessions are compressed in idle time only once their logs hold this many raw bytes (see `sessions`).
+COMPACT_MIN_SESSION_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,8 @@ class BrokerConfig:
         max_lease: ceiling on a subscriber's lease, seconds.
         max_credit: episodes one FetchEpisodes reply carries at most.
         compact_idle: compress older session log bytes (zlib) while no frame waits.
+        compact_min_bytes: only sessions holding at least this many raw log bytes (token ids plus
+            message bytes) are compressed; smaller ones hold little and usually finish first.
     """
 
     worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -85,6 +89,7 @@ class BrokerConfig:
     max_lease: float = MAX_LEASE_S
     max_credit: int = MAX_CREDIT
     compact_idle: bool = True
+    compact_min_bytes: int = COMPACT_MIN_SESSION_BYTES
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,8 +107,8 @@ class BrokerConfig:
                 raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_turns_cap is not None and self.max_turns_cap <= 0:
             raise ValueError(f"BrokerConfig.max_turns_cap must be > 0 or None, got {self.max_turns_cap!r}")
-        if self.max_wait_timeout < 0 or self.shutdown_linger_ms < 0:
-            raise ValueError("BrokerConfig.max_wait_timeout and shutdown_linger_ms must be >= 0")
+        if self.max_wait_timeout < 0 or self.shutdown_linger_ms < 0 or self.compact_min_bytes < 0:
+            raise ValueError("BrokerConfig.max_wait_timeout, shutdown_linger_ms and compact_min_bytes must be >= 0")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"BrokerConfig.log_level: unknown level {self.log_level!r}")
 
@@ -146,6 +151,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_lease": float,
     "max_credit": int,
     "compact_idle": lambda text: text.strip().lower() not in ("0", "false", "no", "off"),
+    "compact_min_bytes": int,
 }
 
 

@@ -67,6 +67,7 @@ class BrokerServer:
             max_sessions=config.max_sessions,
             max_turns_cap=config.max_turns_cap,
             finished_memory=config.finished_memory,
+            compact_min_bytes=config.compact_min_bytes,
         )
         self._ctx: zmq.Context | None = None
         self._workers: zmq.Socket | None = None

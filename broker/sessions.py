@@ -97,13 +97,24 @@ class FinishedSession:
 class SessionRegistry:
     """Every live session, keyed by id, and the lifecycle rules applied to them."""
 
-    def __init__(self, *, max_sessions: int, max_turns_cap: int | None = None, finished_memory: int = 65_536) -> None:
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        max_turns_cap: int | None = None,
+        finished_memory: int = 65_536,
+        compact_min_bytes: int = 0,
+    ) -> None:
         self._sessions: dict[str, Session] = {}
         self._finished: OrderedDict[str, FinishOrigin] = OrderedDict()
         self._max_sessions = max_sessions
         self._max_turns_cap = max_turns_cap
         self._finished_memory = finished_memory
         self._compactable: dict[str, None] = {}  # sessions that committed since their last compaction (FIFO)
+        # Smaller sessions are never compacted (the broker sets `config.COMPACT_MIN_SESSION_BYTES`):
+        # compressing costs ~100 instructions a byte and their finish decompresses it again (~30),
+        # which for short sessions, which hold little and finish soon, was +40% broker CPU per turn.
+        self._compact_min_bytes = compact_min_bytes
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "sessions_opened",
@@ -296,7 +307,8 @@ class SessionRegistry:
             store.add_full(msg, seq, messages)
         del in_flight[turn_id]
         counters["commits_stored"] += 1
-        self._compactable[sid] = None
+        if store.raw_bytes >= self._compact_min_bytes:
+            self._compactable[sid] = None
         return "stored"
 
     @property

@@ -42,7 +42,7 @@ class TurnStore:
 
     __slots__ = (
         "tokens", "_tok_cold", "msgs", "_msg_cold", "_cold_ends", "logprob_bytes", "_turns", "_crc",
-        "_by_seq", "_seqs", "_last", "_mark", "_prev_mark",
+        "_by_seq", "_seqs", "_last", "_mark", "_prev_mark", "msg_bytes",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -57,6 +57,7 @@ class TurnStore:
         self.msgs: list[bytes] = []
         self._msg_cold = ColdLog()
         self._cold_ends = array("q")
+        self.msg_bytes = 0  # raw (uncompressed) bytes of every distinct message held
         self.logprob_bytes = 0
         self._turns: dict[str, Turn] = {}
         # turn id -> (CRC-32, length) of a checked prefix of its context (a delta's prefix, or the whole
@@ -78,6 +79,11 @@ class TurnStore:
     @property
     def tokens_held(self) -> int:
         return (self._tok_cold.size + len(self.tokens)) // _ID_BYTES
+
+    @property
+    def raw_bytes(self) -> int:
+        """Token log and message bytes as if none were compressed (what compaction policy weighs)."""
+        return self._tok_cold.size + len(self.tokens) + self.msg_bytes
 
     @property
     def messages_held(self) -> int:
@@ -141,6 +147,7 @@ class TurnStore:
             ranges = ranges[:-1] + (stop,) if ranges and ranges[-1] == start else ranges + (start, stop)
 
         hot += messages
+        self.msg_bytes += sum(map(len, messages))
         last = first + len(messages)
         msg_ranges = base[_MSGS] if n_msgs == n_base_msgs else _cut(base[_MSGS], n_msgs)
         if msg_ranges and msg_ranges[-1] == first:  # the base's messages end where this turn's begin
@@ -186,6 +193,7 @@ class TurnStore:
             shared, msg_ranges = _common_prefix(len(messages), same_msgs, base[_MSGS])
         first = self.messages_held
         self.msgs += messages[shared:]
+        self.msg_bytes += sum(map(len, messages[shared:]))
         msg_ranges = _extend(msg_ranges, first, self.messages_held)
         prompt_len, n_out = len(msg.prompt_ids), len(msg.output_ids)
         self.logprob_bytes += n_out * _LP_BYTES

@@ -3,10 +3,12 @@
 Two registries take the same commits (full and delta, growing, forked, out of order); one
 compacts after every commit with tiny chunks, so every read path (a delta's prefix check, a full
 commit's comparison, GET, finish) meets cold bytes. Records and turn messages must be equal.
+Sessions under the registry's size threshold are never compacted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -95,3 +97,55 @@ def test_a_long_session_compacts_to_fewer_bytes_and_keeps_the_recent_tail_hot():
     records = reg.finish("s").turns
     assert records[-1].response_message == {"role": "assistant", "content": "y" * 400}
     assert records[-1].prompt_messages[0] == {"role": "user", "content": "x" * 2000}
+
+
+def _grow(reg: SessionRegistry, sid: str, n_turns: int, tokens_per_turn: int) -> None:
+    """`n_turns` delta commits, each adding `tokens_per_turn` ids and a 1 KB message."""
+    reg.open_session(sid, {}, None, None, {})
+    rng = random.Random(sid)
+    bases = CommitBases()
+    prompt, messages = [rng.randrange(1000) for _ in range(tokens_per_turn)], [{"role": "user", "content": "x"}]
+    for k in range(n_turns):
+        reg.open_turn(sid, f"t{k}")
+        output = [rng.randrange(1000) for _ in range(20)]
+        response = {"role": "assistant", "content": "y" * 1000}
+        full = _commit(f"t{k}", prompt, output, messages, response)
+        full = protocol.CommitTurn(0, sid, *dataclasses.astuple(full)[2:])
+        wire = protocol.decode_worker_to_broker(protocol.encode(bases.delta(full) or full))
+        assert reg.commit_turn(wire) == "stored"
+        bases.remember(full)
+        prompt = prompt + output + [rng.randrange(1000) for _ in range(tokens_per_turn)]
+        messages = [*messages, response, {"role": "user", "content": "z" * 100}]
+
+
+def test_sessions_under_the_size_threshold_are_never_compacted_and_larger_ones_are():
+    reg = SessionRegistry(max_sessions=4, compact_min_bytes=200_000)
+    _grow(reg, "small", 12, 500)  # ~12 x (2 KB ids + 1.1 KB messages): under the threshold
+    small = reg.get("small").committed
+    assert 0 < small.raw_bytes < 200_000
+    assert small.compactable()  # chunks are due, but the session is too small to be worth it
+    assert not reg.compaction_pending and not reg.compact_step()
+    assert small.bytes_held() >= small.raw_bytes  # nothing compressed
+
+    _grow(reg, "large", 40, 1000)  # ~40 x (4 KB ids + 1.1 KB messages): past it
+    large = reg.get("large").committed
+    assert large.raw_bytes >= 200_000 and reg.compaction_pending
+    steps = 0
+    while reg.compact_step():
+        steps += 1
+    assert steps > 0 and large.bytes_held() < large.raw_bytes  # the large one was compressed...
+    assert small.bytes_held() >= small.raw_bytes  # ...and the small one still was not
+    before = [r.prompt_ids for r in reg.finish("large").turns]
+    plain = SessionRegistry(max_sessions=1)
+    _grow(plain, "large", 40, 1000)
+    assert before == [r.prompt_ids for r in plain.finish("large").turns]
+
+
+def test_raw_bytes_count_ids_and_distinct_messages_once():
+    reg = SessionRegistry(max_sessions=1)
+    _grow(reg, "s", 5, 100)
+    store = reg.get("s").committed
+    assert store.raw_bytes == 4 * store.tokens_held + sum(map(len, store.msgs))
+    while reg.compact_step(max_bytes=8):
+        pass
+    assert store.raw_bytes == 4 * store.tokens_held + store._msg_cold.size + sum(map(len, store.msgs))
