@@ -254,14 +254,20 @@ def _has_tool_calls(message: Any) -> bool:
 def _label_from_tree(turns: list[_Turn]) -> None:
     """Walk each prompt (seq order) down the tree of earlier turns' messages; set `parent` and `rewrites`."""
     root = _Node()
-    memo: list[tuple[Any, tuple[Any, ...]]] = []  # (raw message, key) of the previous prompt, by position
+    # Message id -> key. The turn store hands every turn the same dict for a message its prompts share,
+    # and a reply's dict is its echo in the next prompt: each distinct message is normalised once. The
+    # messages outlive this call (the records hold them), so an id is never reused meanwhile.
+    keys_by_id: dict[int, tuple[Any, ...]] = {}
+
+    def key_of(m: Any) -> tuple[Any, ...]:
+        key = keys_by_id.get(id(m))
+        if key is None:
+            key = keys_by_id[id(m)] = _message_key(m)
+        return key
+
     for t in turns:
         msgs = t.rec.prompt_messages if isinstance(t.rec.prompt_messages, list) else []
-        keys = []
-        for i, m in enumerate(msgs):
-            # Prompts repeat the previous prompt's messages; equal raw dicts (a C-speed compare) reuse its key.
-            keys.append(memo[i][1] if i < len(memo) and memo[i][0] == m else _message_key(m))
-        memo = list(zip(msgs, keys, strict=True))
+        keys = list(map(key_of, msgs))
         node = root
         depth = 0
         for key in keys:
@@ -283,7 +289,7 @@ def _label_from_tree(turns: list[_Turn]) -> None:
                 child = node.children[key] = _Node()
             node = child
         if t.keep:
-            key = _message_key(t.rec.response_message)
+            key = key_of(t.rec.response_message)
             reply = node.children.get(key)
             if reply is None:
                 reply = node.children[key] = _Node()
@@ -313,9 +319,13 @@ def _text(content: Any) -> str:
     return _canonical_json(content)
 
 
+# What json.dumps(value, sort_keys=True, separators=(",", ":"), default=str) builds on every call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+
+
 def _canonical_json(value: Any) -> str:
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+        return _CANONICAL.encode(value)
     except (TypeError, ValueError):  # mixed-type keys cannot be sorted: labels only, so any stable text will do
         return repr(value)
 
