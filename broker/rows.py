@@ -97,7 +97,7 @@ class _ByteTable:
     the way a list does: negative ones from the end, anything else out of range raises IndexError.
     """
 
-    __slots__ = ("_np", "_bytes", "_starts", "_lens")
+    __slots__ = ("_np", "_bytes", "_starts", "_lens", "_positions")
 
     def __init__(self, token_bytes: list[bytes]) -> None:
         import numpy as np  # lazy: only a broker with a byte-level tokenizer needs it
@@ -106,6 +106,7 @@ class _ByteTable:
         self._lens = np.fromiter(map(len, token_bytes), dtype=np.intp, count=len(token_bytes))
         self._starts = np.cumsum(self._lens) - self._lens
         self._bytes = np.frombuffer(b"".join(token_bytes), dtype=np.uint8)
+        self._positions = np.arange(0)  # 0, 1, 2, ...: grown to the longest row's byte count, then reused
 
     def __len__(self) -> int:
         return len(self._lens)
@@ -126,7 +127,10 @@ class _ByteTable:
         # Output byte k of id j comes from table byte starts[j] + (k - its first output byte): one
         # offset repeated over each id's bytes, plus the output position.
         index = np.repeat(self._starts.take(which) - (ends - lens), lens)
-        index += np.arange(len(index))
+        n = len(index)
+        if n > len(self._positions):
+            self._positions = np.arange(max(n, 2 * len(self._positions)))
+        index += self._positions[:n]
         return self._bytes.take(index)
 
 
