@@ -574,7 +574,7 @@ def _struct_decoder(cls: type) -> Callable[[object], object]:
 
 
 _packer = msgpack.Packer(use_bin_type=True)
-_PACKED_MAP_FIELDS = {
+_PACKED_MAP_FIELDS: dict[type, frozenset[str]] = {
     cls: frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("packed_maps"))
     for cls in (CommitTurn,)
 }

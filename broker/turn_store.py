@@ -17,7 +17,7 @@ import zlib
 from array import array
 from bisect import bisect_left, insort
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from broker import protocol
 from broker.cold_log import MIN_CHUNK, ColdLog
@@ -32,8 +32,19 @@ _MESSAGE_OVERHEAD = 8  # its list slot (hot) or end offset (cold)
 # id, OPEN seq, token ranges (flat (start, stop, ...) in ids), prompt length, output logprobs (the
 # commit's own float32 array: keeping it copies nothing), output length, finish reason, message
 # ranges (flat, in messages), prompt message count, flags, context length (prompt + output ids).
-_SEQ, _TOKS, _PLEN, _LPS, _NOUT, _FINISH, _MSGS, _NPM, _FLAGS, _NTOK = range(1, 11)
+# (Final literals: mypy types each field of the tuple by its index.)
+_SEQ: Final = 1
+_TOKS: Final = 2
+_PLEN: Final = 3
+_LPS: Final = 4
+_NOUT: Final = 5
+_FINISH: Final = 6
+_MSGS: Final = 7
+_NPM: Final = 8
+_FLAGS: Final = 9
+_NTOK: Final = 10
 Ranges = tuple[int, ...]
+_NO_RANGES: Ranges = ()
 Turn = tuple[str, int, Ranges, int, array, int, str, Ranges, int, dict[str, Any], int]
 
 
@@ -184,7 +195,7 @@ class TurnStore:
         )  # fmt: skip
         with memoryview(msg.prompt_ids) as p, memoryview(msg.output_ids) as o, p.cast("B") as pb, o.cast("B") as ob:
             tok_ranges, base = self._add_ids(pb, ob, seq)
-        shared, msg_ranges = 0, ()
+        shared, msg_ranges = 0, _NO_RANGES
         if base is not None:
 
             def same_msgs(i: int, j: int, n: int) -> bool:
@@ -239,7 +250,7 @@ class TurnStore:
             candidates = [self._by_seq[seqs[i]] for i in (pos - 1, pos) if 0 <= i < len(seqs)]
             if last is not None and all(c is not last for c in candidates):
                 candidates.append(last)
-        best_len, best_ranges, base = 0, (), None
+        best_len, best_ranges, base = 0, _NO_RANGES, None
         for cand in candidates:
             n, ranges = _common_prefix(n_ctx, same, cand[_TOKS])
             if n > best_len or base is None:
