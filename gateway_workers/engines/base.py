@@ -11,6 +11,8 @@ Must not import the app, adapters, backplane or transformers.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from array import array
 from collections.abc import AsyncIterator, Sequence
@@ -143,6 +145,8 @@ class Engine(Protocol):
 _BODY_SNIPPET = 300  # bytes of an engine's error body quoted in our error message
 # One SSE event may carry a whole generation's logprobs (SGLang's cumulative streaming): bound, don't trust.
 MAX_SSE_EVENT_BYTES = 64 * 1024 * 1024
+# After an SSE stream's [DONE], how long its body's end may take to arrive before the connection is dropped.
+SSE_TAIL_WAIT_S = 0.5
 
 
 def ids_json(ids: Sequence[int]) -> Any:
@@ -221,6 +225,9 @@ class HttpEngineBase:
                 raise EngineError(f"engine {url} answered HTTP {resp.status}: {snippet}", status=resp.status)
             async for event in _sse_events(resp, url):
                 if event == b"[DONE]":
+                    # The body's end follows at once: reading it lets the connection go back to the pool.
+                    with contextlib.suppress(asyncio.TimeoutError, HttpConnectionError, HttpTimeout):
+                        await asyncio.wait_for(resp.read(), SSE_TAIL_WAIT_S)
                     return
                 try:
                     decoded = orjson.loads(event)
