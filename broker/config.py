@@ -42,7 +42,7 @@ MAX_POLL_WAIT_S = 60.0
 MAX_LEASE_S = 3_600.0
 MAX_CREDIT = 1_024
 # Sessions are compressed in idle time only once their logs hold this many raw bytes (see `sessions`).
-COMPACT_MIN_SESSION_BYTES = 128 * 1024
+COMPACT_MIN_SESSION_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
