@@ -28,6 +28,7 @@ from broker import protocol
 from gateway_workers import commit_bases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines.base import EngineConfig
+from gateway_workers.engines.http_client import tls_context
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ BROKER_START_TIMEOUT_S = 30.0
 WORKERS_START_TIMEOUT_S = 180.0
 WORKER_HEALTHCHECK_S = 60  # a worker loads its tokenizer before it answers uvicorn's pings
 BROKER_STOP_TIMEOUT_S = 10.0
+ENGINE_CA_FILE_ENV = "ROLLOUT_ENGINE_CA_FILE"  # the --engine-ca-file default
 _BROKER_READY = re.compile(r"BROKER READY worker=(\S+) control=(\S+)")
 
 
@@ -45,6 +47,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-kind", choices=["mock", "vllm", "sglang"], default="mock")
     p.add_argument("--engine-url", action="append", default=[], help="engine base URL; repeat for replicas")
     p.add_argument("--engine-timeout", type=float, default=600.0, help="seconds one engine call may take")
+    p.add_argument("--engine-ca-file", default=None, metavar="PEM",
+                   help="https:// engine URLs: trust only the CAs in this PEM bundle (a private CA or the engine's "
+                        f"self-signed certificate) instead of the system's; env {ENGINE_CA_FILE_ENV}. Certificates "
+                        "and host names are always verified")
     p.add_argument("--mock-delay", type=float, default=0.0, help="mock engine: seconds per call")
     p.add_argument("--tokenizer", default=None, help="local tokenizer dir or hub id (default: built-in Qwen BPE)")
     p.add_argument("--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template")
@@ -89,8 +95,12 @@ def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir
         raise SystemExit(f"--engine-kind {args.engine_kind} needs at least one --engine-url")
     if args.commit_base_sessions < 0 or args.commit_base_mib < 0:
         raise SystemExit("--commit-base-sessions and --commit-base-mib must be >= 0")
-    engine = replace(EngineConfig(), kind=args.engine_kind, urls=tuple(args.engine_url),
-                     request_timeout_s=args.engine_timeout, mock_delay_s=args.mock_delay)
+    ca_file = _engine_ca_file(args)
+    try:
+        engine = replace(EngineConfig(), kind=args.engine_kind, urls=tuple(args.engine_url),
+                         request_timeout_s=args.engine_timeout, mock_delay_s=args.mock_delay, ca_file=ca_file)
+    except ValueError as e:
+        raise SystemExit(f"rollout-gateway: {e}") from None
     return WorkerConfig(
         broker_endpoint=broker_endpoint,
         engine=engine,
@@ -104,6 +114,21 @@ def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir
         commit_base_sessions=args.commit_base_sessions,
         commit_base_mib=args.commit_base_mib,
     )
+
+
+def _engine_ca_file(args: argparse.Namespace) -> str | None:
+    """--engine-ca-file, else $ROLLOUT_ENGINE_CA_FILE: an absolute path, checked loadable before workers start."""
+    path = args.engine_ca_file or os.environ.get(ENGINE_CA_FILE_ENV) or None
+    if path is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        tls_context(path)
+    except ValueError as e:
+        raise SystemExit(f"rollout-gateway: --engine-ca-file: {e}") from None
+    if not any(url.lower().startswith("https://") for url in args.engine_url):
+        logger.warning("an engine CA file is set but no --engine-url is https://; it is not used")
+    return path
 
 
 def _start_broker(args: argparse.Namespace, tokenizer_dir: str | None) -> tuple[subprocess.Popen[str], str, str]:

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 import numpy
 import orjson
 
-from gateway_workers.engines.http_client import HttpConnectionError, HttpPool, HttpTimeout, parse_url
+from gateway_workers.engines.http_client import HttpConnectionError, HttpPool, HttpTimeout, parse_url, tls_context
 from gateway_workers.engines.routing import choose_replica, routing_headers, routing_key
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class EngineConfig:
         mock_tool_call_every: mock engine: every Nth reply (when tools are offered) is a tool call; 0 = never.
         seed: mock engine: base seed; the output is a function of (seed, prompt ids, params).
         model: model name sent to engines that accept one (vLLM's optional `model` field).
+        ca_file: PEM bundle of the CAs trusted for https:// engine URLs instead of the system's.
     """
 
     kind: EngineKind = "mock"
@@ -106,6 +107,7 @@ class EngineConfig:
     mock_tool_call_every: int = 0
     seed: int = 0
     model: str | None = None
+    ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("mock", "vllm", "sglang"):
@@ -120,7 +122,7 @@ class EngineConfig:
             raise ValueError("mock_tool_call_every must be >= 0")
         if self.kind != "mock":
             for url in self.urls:
-                parse_url(url)  # http:// only: an https or malformed URL fails at startup, naming the URL
+                parse_url(url)  # http:// or https:// only: another scheme or a malformed URL fails at startup
 
 
 class Engine(Protocol):
@@ -172,8 +174,9 @@ class HttpEngineBase:
             raise ValueError(f"{config.kind} engine needs at least one URL")
         self._config = config
         self._urls = tuple(url.rstrip("/") for url in config.urls)
-        for url in self._urls:
-            parse_url(url)
+        tls = [parse_url(url).tls for url in self._urls]
+        # Built here, at worker startup, so an unusable CA file fails the start rather than each request.
+        self._tls = tls_context(config.ca_file) if any(tls) else None
         self._pool: HttpPool | None = None
 
     def route(self, session_id: str) -> tuple[str, dict[str, str]]:
@@ -183,7 +186,7 @@ class HttpEngineBase:
 
     def pool(self) -> HttpPool:
         if self._pool is None:
-            self._pool = HttpPool(self._config.connect_timeout_s)
+            self._pool = HttpPool(self._config.connect_timeout_s, tls=self._tls)
         return self._pool
 
     async def post_json(

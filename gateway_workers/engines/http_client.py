@@ -1,11 +1,12 @@
 """A small HTTP/1.1 client for the engine backends: keep-alive pools on asyncio Protocols.
 
 Owns the worker's connections to engine replicas (one unbounded keep-alive pool per host:port),
-URL checks, request framing, deadlines, cancellation and the stale-connection retry; each
-connection's protocol and httptools parsing is engines/http_connection.py. It replaces aiohttp,
+URL checks, TLS contexts, request framing, deadlines, cancellation and the stale-connection retry;
+each connection's protocol and httptools parsing is engines/http_connection.py. It replaces aiohttp,
 whose generality cost ~3x the CPU per engine call (scripts/bench_engine_client.py). Deliberately
-narrow: http:// only, POST with a body, no redirects, proxies, compression or pipelining. Failures
-are `HttpTimeout` and `HttpConnectionError`, which engines/base.py maps to EngineTimeout/EngineError.
+narrow: http:// and https:// (verified), POST with a body, no redirects, proxies, compression or
+pipelining. Failures are `HttpTimeout` and `HttpConnectionError`, which engines/base.py maps to
+EngineTimeout/EngineError.
 Must not import anything from gateway_workers but engines/http_connection.py.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,29 +35,40 @@ IDLE_SWEEP_S = 15.0  # how often expired idle connections are closed while any a
 CLOSE_WAIT_S = 1.0  # bound on waiting for transports to report closed in `aclose`
 _TARGET_CACHE_MAX = 1024  # distinct URLs remembered parsed (replicas x routes: a handful in practice)
 
-__all__ = ["HttpConnectionError", "HttpPool", "HttpTimeout", "StreamResponse", "Target", "parse_url"]
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_CA_HINT = "a private CA or a self-signed engine certificate: pass it with --engine-ca-file"
+_NAME_HINT = "the engine URL must use a host name or IP address the certificate was issued for"
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH: a CA file would not help there.
+_VERIFY_HINTS = {62: _NAME_HINT, 64: _NAME_HINT}
+
+__all__ = ["HttpConnectionError", "HttpPool", "HttpTimeout", "StreamResponse", "Target", "parse_url", "tls_context"]
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where a URL points: the pool key (host, port), the request path and the Host header."""
+    """Where a URL points: the pool key (host, port, tls), the request path and the Host header."""
 
     host: str
     port: int
     path: str
     host_header: str
+    tls: bool = False
+
+    @property
+    def key(self) -> tuple[str, int, bool]:
+        return (self.host, self.port, self.tls)
 
 
 def parse_url(url: str) -> Target:
-    """A `Target` for an http:// URL; ValueError names the URL for anything else (https included)."""
+    """A `Target` for an http:// or https:// URL; ValueError names the URL for anything else."""
     try:
         parts = urlsplit(url)
-        port = parts.port or 80
+        scheme = parts.scheme.lower()
+        port = parts.port or _DEFAULT_PORTS.get(scheme, 0)
     except ValueError as e:
         raise ValueError(f"engine URL {url!r} is malformed: {e}") from e
-    if parts.scheme != "http":
-        why = "TLS is not supported: reach the engine over a private network" if parts.scheme == "https" else ""
-        raise ValueError(f"engine URL {url!r} must start with http:// {('(' + why + ')') if why else ''}".rstrip())
+    if scheme not in _DEFAULT_PORTS:
+        raise ValueError(f"engine URL {url!r} must start with http:// or https://")
     if not parts.hostname:
         raise ValueError(f"engine URL {url!r} has no host")
     if parts.username is not None or parts.fragment:
@@ -63,22 +76,42 @@ def parse_url(url: str) -> Target:
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     if not (path + parts.netloc).isascii() or any(c in path for c in " \r\n"):
         raise ValueError(f"engine URL {url!r} has characters that need percent-encoding")
-    return Target(parts.hostname, port, path, parts.netloc)
+    return Target(parts.hostname, port, path, parts.netloc, scheme == "https")
+
+
+def tls_context(ca_file: str | None = None) -> ssl.SSLContext:
+    """The client context for https:// engines: certificate chain and host name always verified.
+
+    Trusts the system's CA store, or, with `ca_file` (a PEM bundle), only the CAs in that file (as
+    curl's --cacert does): a private CA or a self-signed engine certificate goes there. There is
+    deliberately no switch that turns verification off. ValueError names a file that cannot be used.
+    """
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:  # a missing file is an OSError, a file without a PEM certificate an SSLError
+        raise ValueError(f"engine CA file {ca_file!r} cannot be loaded: {e}") from e
+    # Say HTTP/1.1 explicitly: a proxy that defaults to HTTP/2 when ALPN is absent would speak a framing we don't.
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 class HttpPool:
-    """Keep-alive connections per (host, port), unbounded: the engine, not our pool, limits concurrency.
+    """Keep-alive connections per (host, port, tls), unbounded: the engine, not our pool, limits concurrency.
 
     Bound to the running loop on first use. A request takes the most recently used idle connection
     that is still alive or opens one; a connection returns to the pool only after a complete
-    response the server allows to keep alive (HTTP/1.1 without `Connection: close`).
+    response the server allows to keep alive (HTTP/1.1 without `Connection: close`). https://
+    targets use `tls` (default: `tls_context()`, the system's CAs, built on first use).
     """
 
-    def __init__(self, connect_timeout_s: float, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    def __init__(
+        self, connect_timeout_s: float, idle_timeout_s: float = IDLE_TIMEOUT_S, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.tls = tls
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._idle: dict[tuple[str, int], list[Connection]] = {}
+        self._idle: dict[tuple[str, int, bool], list[Connection]] = {}
         self._all: set[Connection] = set()
         self._targets: dict[str, Target] = {}
         self._sweeper: asyncio.TimerHandle | None = None
@@ -146,7 +179,7 @@ class HttpPool:
         return target
 
     def _take(self, target: Target, now: float) -> Connection | None:
-        idle = self._idle.get((target.host, target.port))
+        idle = self._idle.get(target.key)
         while idle:
             conn = idle.pop()
             conn.in_pool = False
@@ -157,12 +190,29 @@ class HttpPool:
 
     async def _connect(self, target: Target, deadline: float) -> Connection:
         assert self.loop is not None
-        conn = Connection(self, self.loop, (target.host, target.port))
+        conn = Connection(self, self.loop, target.key)
         limit = min(self.connect_timeout_s, deadline - self.loop.time())
+        tls = None
+        if target.tls:
+            if self.tls is None:
+                self.tls = tls_context()
+            tls = self.tls
+        # server_hostname is what the certificate is checked against (and the SNI sent): the URL's host.
+        opening = self.loop.create_connection(
+            lambda: conn, target.host, target.port, ssl=tls, server_hostname=target.host if tls else None
+        )
         try:
-            await asyncio.wait_for(self.loop.create_connection(lambda: conn, target.host, target.port), limit)
+            # The limit covers the TLS handshake too: a server that accepts but never answers it is a timeout.
+            await asyncio.wait_for(opening, limit)
         except asyncio.TimeoutError as e:
             raise HttpTimeout(f"connecting to {target.host}:{target.port} took over {limit:.3g}s") from e
+        except ssl.SSLCertVerificationError as e:
+            raise HttpConnectionError(
+                f"the TLS certificate of {target.host}:{target.port} is not trusted: {e.verify_message} "
+                f"({_VERIFY_HINTS.get(e.verify_code, _CA_HINT)})"
+            ) from e
+        except ssl.SSLError as e:
+            raise HttpConnectionError(f"TLS handshake with {target.host}:{target.port} failed: {e}") from e
         except OSError as e:
             raise HttpConnectionError(f"cannot connect to {target.host}:{target.port}: {e}") from e
         if self._closed:

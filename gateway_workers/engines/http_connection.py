@@ -1,4 +1,4 @@
-"""One engine connection: an asyncio Protocol that sends a request and parses the answer with httptools.
+"""One engine connection: an asyncio Protocol (over TCP or TLS) that sends a request, parses the answer with httptools.
 
 Owns the per-connection state machine of engines/http_client.py's pool: one exchange at a time
 (no pipelining), a deadline timer per exchange, buffered or streamed bodies (with read
@@ -126,11 +126,12 @@ class StreamResponse:
 class Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one exchange at a time; httptools calls the on_* methods."""
 
-    def __init__(self, pool: Owner, loop: asyncio.AbstractEventLoop, key: tuple[str, int]) -> None:
+    def __init__(self, pool: Owner, loop: asyncio.AbstractEventLoop, key: tuple[str, int, bool]) -> None:
         self.pool = pool
         self.pool_loop = loop
         self.key = key
         self.transport: asyncio.Transport | None = None
+        self._lost = False  # connection_lost ran: the transport is gone
         self.closed: asyncio.Future[None] = self.pool_loop.create_future()
         self.reused = False  # has completed a response before: a candidate for the stale-connection retry
         self.in_pool = False
@@ -165,6 +166,10 @@ class Connection(asyncio.Protocol):
         An idle connection has nothing owed to it, so anything readable (the server's FIN, a reset,
         stray bytes) means it is dead even if the loop has not processed that event yet. Checking the
         kernel here, before writing, is what makes the usual idle-close race harmless: no byte is sent.
+        Over TLS the poll watches the raw socket under the TLS layer, which holds nothing back: it
+        decrypts whatever the socket delivers as it arrives. A server's close_notify is readable there
+        like a FIN; TLS 1.3 session tickets arrive before the first response ends, so they never make
+        a pooled connection look dead (a rare KeyUpdate would, costing one new connection, not a retry).
         """
         transport = self.transport
         if transport is None or transport.is_closing() or now - self.idle_since >= self.pool.idle_timeout_s:
@@ -192,7 +197,9 @@ class Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.transport is not None and not self.transport.is_closing():
+        # Even a transport already closing: a TLS close() waits for the server's close_notify (up to 30 s),
+        # and abort() is what ends that wait (harmless on a plain transport that is already closing).
+        if self.transport is not None and not self._lost:
             self.transport.abort()
 
     def pause_reading(self) -> None:
@@ -232,6 +239,7 @@ class Connection(asyncio.Protocol):
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._end_of_input(exc)
         if self._timer is not None:
             self._timer.cancel()

@@ -4,6 +4,7 @@ The server is a threaded raw-socket HTTP/1.1 server scripted per path, so each t
 exactly what reaches the socket (split writes, chunking, Connection: close, HTTP/1.0, resets,
 hangs) and counts connections, requests and client disconnects. It runs in its own threads, so
 the client's event loop can be held still while the server closes a connection under it.
+Given a server-side SSLContext it speaks TLS (test_http_client_tls.py runs the scenarios over it).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import json
 import select
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -32,15 +34,18 @@ ACCEPT_POLL_S = 0.05
 class TinyServer:
     """A scripted HTTP/1.1 server on 127.0.0.1; behaviour is chosen by the request path."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, tls: ssl.SSLContext | None = None) -> None:
         self.listener = socket.socket()
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("127.0.0.1", port))
         self.listener.listen(64)
         self.listener.settimeout(ACCEPT_POLL_S)
         self.port = self.listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.lock = threading.Lock()
+        self.handshakes: list[tuple[str | None, str | None]] = []  # TLS: (version, ALPN protocol) per connection
+        self.handshake_errors: list[str] = []
         self.connections = 0
         self.requests: list[tuple[int, str, bytes, dict[str, str]]] = []  # (connection no, path, body, headers)
         self.disconnects = 0  # connections the client closed
@@ -85,7 +90,32 @@ class TinyServer:
                 self.socks.append(sock)
             threading.Thread(target=self._serve, args=(sock, number), daemon=True).start()
 
+    def _handshake(self, sock: socket.socket) -> socket.socket | None:
+        """The TLS side of an accepted connection, or None (recorded) if the handshake failed."""
+        assert self.tls is not None
+        sock.settimeout(WAIT_S)
+        try:
+            tls_sock = self.tls.wrap_socket(sock, server_side=True)
+        except OSError as e:  # ssl.SSLError included: the client refused our certificate, or spoke no TLS
+            with self.lock:
+                self.handshake_errors.append(str(e))
+            sock.close()
+            return None
+        tls_sock.settimeout(None)
+        with self.lock:
+            self.handshakes.append((tls_sock.version(), tls_sock.selected_alpn_protocol()))
+            if sock not in self.socks:  # stop() already ran
+                tls_sock.close()
+                return None
+            self.socks[self.socks.index(sock)] = tls_sock  # wrapping took over the descriptor
+        return tls_sock
+
     def _serve(self, sock: socket.socket, number: int) -> None:
+        if self.tls is not None:
+            wrapped = self._handshake(sock)
+            if wrapped is None:
+                return
+            sock = wrapped
         buffer = b""
         try:
             while True:
@@ -152,6 +182,10 @@ class TinyServer:
             sock.sendall(_response(200, echo.encode()))
             select.select([sock], [], [], WAIT_S)
             return False
+        elif path == "/close-linger":  # Connection: close, then keep the socket open until the client closes it
+            sock.sendall(_response(200, echo.encode(), b"Connection: close\r\n"))
+            self._await_close(sock)
+            return False
         elif path == "/eof-next":  # answer, then read the next request and close without answering it
             sock.sendall(_response(200, echo.encode()))
             data = sock.recv(65536)
@@ -161,6 +195,22 @@ class TinyServer:
         else:
             sock.sendall(_response(404, b"no such path"))
         return True
+
+    def _await_close(self, sock: socket.socket) -> None:
+        """Read raw bytes (a TLS close_notify among them, never answered) until the client's FIN or reset."""
+        raw = socket.socket(fileno=socket.dup(sock.fileno()))  # under the TLS layer, which would stop at close_notify
+        raw.settimeout(WAIT_S)
+        try:
+            while raw.recv(65536):
+                pass
+        except TimeoutError:
+            return
+        except OSError:
+            pass
+        finally:
+            raw.close()
+        with self.lock:
+            self.disconnects += 1
 
     def _stream(self, sock: socket.socket, slow: bool) -> bool:
         sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -456,11 +506,14 @@ def test_idle_connections_expire(server):
     run(scenario())
 
 
-def test_only_plain_http_urls_are_accepted():
-    with pytest.raises(ValueError, match="must start with http://.*TLS"):
-        EngineConfig(kind="vllm", urls=("https://engine:8000",))
-    with pytest.raises(ValueError, match="must start with http://"):
+def test_only_http_and_https_urls_are_accepted():
+    with pytest.raises(ValueError, match="'ftp://engine:8000' must start with http:// or https://"):
+        EngineConfig(kind="vllm", urls=("ftp://engine:8000",))
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
         EngineConfig(kind="sglang", urls=("engine:8000",))
+    secure = parse_url("https://engine/v1")
+    assert (secure.port, secure.tls, secure.key, secure.host_header) == (443, True, ("engine", 443, True), "engine")
+    assert parse_url("HTTPS://engine:8443").port == 8443 and not parse_url("http://engine:443").tls
     with pytest.raises(ValueError, match="no host"):
         parse_url("http:///generate")
     with pytest.raises(ValueError, match="credentials"):
