@@ -41,8 +41,14 @@ OUTBOX_MAX_BYTES = 2 * 1024**3
 MAX_POLL_WAIT_S = 60.0
 MAX_LEASE_S = 3_600.0
 MAX_CREDIT = 1_024
-# Sessions are compressed in idle time only once their logs hold this many raw bytes (see `sessions`).
-COMPACT_MIN_SESSION_BYTES = 256 * 1024
+# Idle-time compaction (see `sessions`) compresses a session's log bytes once they have been held
+# this long: bytes of an episode that finishes sooner are never compressed (its finish would only
+# decompress them again), and uncompressed memory beyond the compressed state stays bounded by
+# what the broker ingests in this time. Real engines take seconds per turn, so a long episode's
+# older turns still compress while it runs.
+COMPACT_AGE_S = 5.0
+# ...and only in sessions whose logs hold this many raw bytes: tiny sessions never pay.
+COMPACT_MIN_SESSION_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +73,11 @@ class BrokerConfig:
         max_poll_wait: ceiling on a subscriber's long-poll wait, seconds.
         max_lease: ceiling on a subscriber's lease, seconds.
         max_credit: episodes one FetchEpisodes reply carries at most.
-        compact_idle: compress older session log bytes (zlib) while no frame waits.
+        compact_idle: compress older session log bytes (raw deflate) while no frame waits.
+        compact_age_s: only log bytes committed at least this many seconds ago are compressed
+            (once they are, the next steps of the loop's idle time do it, a slice at a time).
         compact_min_bytes: only sessions holding at least this many raw log bytes (token ids plus
-            message bytes) are compressed; smaller ones hold little and usually finish first.
+            message bytes) are compressed; smaller ones hold little.
     """
 
     worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -89,6 +97,7 @@ class BrokerConfig:
     max_lease: float = MAX_LEASE_S
     max_credit: int = MAX_CREDIT
     compact_idle: bool = True
+    compact_age_s: float = COMPACT_AGE_S
     compact_min_bytes: int = COMPACT_MIN_SESSION_BYTES
 
     def __post_init__(self) -> None:
@@ -107,8 +116,9 @@ class BrokerConfig:
                 raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_turns_cap is not None and self.max_turns_cap <= 0:
             raise ValueError(f"BrokerConfig.max_turns_cap must be > 0 or None, got {self.max_turns_cap!r}")
-        if self.max_wait_timeout < 0 or self.shutdown_linger_ms < 0 or self.compact_min_bytes < 0:
-            raise ValueError("BrokerConfig.max_wait_timeout, shutdown_linger_ms and compact_min_bytes must be >= 0")
+        for name in ("max_wait_timeout", "shutdown_linger_ms", "compact_age_s", "compact_min_bytes"):
+            if not getattr(self, name) >= 0:  # `not >=`: NaN fails too
+                raise ValueError(f"BrokerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"BrokerConfig.log_level: unknown level {self.log_level!r}")
 
@@ -151,6 +161,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_lease": float,
     "max_credit": int,
     "compact_idle": lambda text: text.strip().lower() not in ("0", "false", "no", "off"),
+    "compact_age_s": float,
     "compact_min_bytes": int,
 }
 

@@ -67,7 +67,9 @@ class BrokerServer:
             max_sessions=config.max_sessions,
             max_turns_cap=config.max_turns_cap,
             finished_memory=config.finished_memory,
+            compact=config.compact_idle,
             compact_min_bytes=config.compact_min_bytes,
+            compact_age_s=config.compact_age_s,
         )
         self._ctx: zmq.Context | None = None
         self._workers: zmq.Socket | None = None

@@ -1,9 +1,10 @@
 """Session registry and turn store: the broker's state, and the lifecycle rules of DESIGN.md.
 
-Pure bookkeeping: no sockets, no clocks, no encoding. `server.py` calls it from its
-single thread and turns `Refusal` into `protocol.Refused`. Each session keeps its
-committed turns in a deduplicated `turn_store.TurnStore` (about its unique tokens);
-`TurnRecord`s are materialized only at finish. Imports only the stdlib and `broker`.
+Pure bookkeeping: no sockets, no encoding; the one clock (injectable) only ages log bytes for
+idle-time compaction. `server.py` calls it from its single thread and turns `Refusal` into
+`protocol.Refused`. Each session keeps its committed turns in a deduplicated
+`turn_store.TurnStore` (about its unique tokens); `TurnRecord`s are materialized only at
+finish. Imports only the stdlib and `broker`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from broker import protocol
+from broker.cold_log import PendingChunk
 from broker.trajectory import TurnRecord
 from broker.turn_store import TurnStore, packed_messages
 
@@ -26,8 +30,14 @@ _SESSION_ID_RE = re.compile(r"[!-~]{1,256}")
 _MAX_TURN_ID_LEN = 256
 _MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
 _MINTED_KEY_PREFIX = "rg-"
-# Raw log bytes one idle-time compaction step compresses at most (~0.5 ms of zlib level 1 here).
-COMPACT_STEP_BYTES = 16 * 1024
+# Idle-time compaction compresses chunks of this many raw log bytes (a cold read decompresses a
+# whole chunk), COMPACT_SLICE_BYTES per step: a frame that arrives during a step waits for it, and
+# 2 KiB of token ids is ~45 us of zlib level 1 here (text ~15 us; a chunk's last step adds its flush).
+COMPACT_CHUNK_BYTES = 16 * 1024
+COMPACT_SLICE_BYTES = 2 * 1024
+# Commits of one session within compact_age_s / AGE_BUCKETS of each other share one aging entry
+# (stamped with the first one's time, due that much later): a few entries per session, not one a commit.
+AGE_BUCKETS = 4
 
 State = Literal["open", "closing"]
 # Who finished a session: named in the refusal the later finishers get.
@@ -60,6 +70,9 @@ class Session:
     in_flight: dict[str, int] = field(default_factory=dict)  # turn_id -> seq
     aborted: set[str] = field(default_factory=set)
     committed: TurnStore = field(default_factory=TurnStore)
+    serial: int = 0  # which opening of `sid` (ids may be reused): aging entries name it
+    aged_to: tuple[int, int] = (0, 0)  # `TurnStore.log_ends` of its last commit that is compact_age_s old
+    aging: list[Any] | None = None  # its newest aging entry, while commits may still join it
 
 
 def _check_delta_shape(msg: protocol.CommitTurn) -> None:
@@ -103,18 +116,30 @@ class SessionRegistry:
         max_sessions: int,
         max_turns_cap: int | None = None,
         finished_memory: int = 65_536,
+        compact: bool = True,
         compact_min_bytes: int = 0,
+        compact_age_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._sessions: dict[str, Session] = {}
         self._finished: OrderedDict[str, FinishOrigin] = OrderedDict()
         self._max_sessions = max_sessions
         self._max_turns_cap = max_turns_cap
         self._finished_memory = finished_memory
-        self._compactable: dict[str, None] = {}  # sessions that committed since their last compaction (FIFO)
-        # Smaller sessions are never compacted (the broker sets `config.COMPACT_MIN_SESSION_BYTES`):
-        # compressing costs ~100 instructions a byte and their finish decompresses it again (~30),
-        # which for short sessions, which hold little and finish soon, was +40% broker CPU per turn.
+        # Idle-time compaction (`compact_step`) compresses log bytes that have been held compact_age_s:
+        # compressing costs ~100 instructions a byte and the finish decompresses it again (~30), so
+        # bytes of a session that finishes sooner are never compressed, and memory that stays long is.
+        # Sessions under compact_min_bytes of raw logs never pay at all (see `config`).
+        self._compact = compact
         self._compact_min_bytes = compact_min_bytes
+        self._compact_age = compact_age_s
+        self._age_bucket = compact_age_s / AGE_BUCKETS
+        self._clock = clock
+        # [due time, sid, serial, token log bytes, messages]: a session's log ends after some commits,
+        # due compact_age_s after the first of them (+ a bucket). Oldest first, so due times ascend.
+        self._aging: deque[list[Any]] = deque()
+        self._ready: dict[str, None] = {}  # sessions with aged bytes to compress (FIFO)
+        self._pending: tuple[Session, PendingChunk] | None = None  # the chunk being compressed
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "sessions_opened",
@@ -128,6 +153,7 @@ class SessionRegistry:
                 "commits_discarded",
                 "commits_delta",
                 "commits_unknown_base",
+                "bytes_compacted",
             ),
             0,
         )
@@ -180,6 +206,7 @@ class SessionRegistry:
             max_turns = self._max_turns_cap if max_turns is None else min(max_turns, self._max_turns_cap)
         self._finished.pop(session_id, None)  # a reused id starts afresh
         session = Session(session_id, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group)
+        session.serial = self.counters["sessions_opened"]
         self._sessions[session_id] = session
         self.counters["sessions_opened"] += 1
         return session
@@ -307,31 +334,79 @@ class SessionRegistry:
             store.add_full(msg, seq, messages)
         del in_flight[turn_id]
         counters["commits_stored"] += 1
-        if store.raw_bytes >= self._compact_min_bytes:
-            self._compactable[sid] = None
+        if self._compact and store.raw_bytes >= self._compact_min_bytes:
+            self._age(session)
         return "stored"
+
+    # --- idle-time compaction ------------------------------------------------------------
+
+    def _age(self, session: Session) -> None:
+        """Note the session's log ends now: they become compressible compact_age_s (+ a bucket) later."""
+        now = self._clock()
+        entry = session.aging
+        if entry is not None and now < entry[0] - self._compact_age:  # within the entry's bucket: join it
+            entry[3], entry[4] = session.committed.log_ends
+        else:
+            due = now + self._age_bucket + self._compact_age  # the last commit to join it is compact_age_s old then
+            entry = [due, session.sid, session.serial, *session.committed.log_ends]
+            session.aging = entry
+            self._aging.append(entry)
 
     @property
     def compaction_pending(self) -> bool:
-        """Whether some session may have older log bytes to compress (`compact_step`)."""
-        return bool(self._compactable)
+        """Whether some session has log bytes held compact_age_s to compress (`compact_step`).
 
-    def compact_step(self, max_bytes: int = COMPACT_STEP_BYTES) -> bool:
-        """Compress (at most `max_bytes` of) one session's older log bytes; False when nothing is due.
-
-        The server calls it when a poll finds no frame waiting, so it costs the commit path nothing.
+        Moves entries that came of age to the sessions they name, so the aging queue holds only
+        the last compact_age_s of commits even when the loop is never idle.
         """
-        pending = self._compactable
-        while pending:
-            sid = next(iter(pending))
-            session = self._sessions.get(sid)
-            if session is None or not session.committed.compact(max_bytes):
-                del pending[sid]  # gone, or less than a chunk due: its next commit puts it back
-                continue
-            if not session.committed.compactable():
-                del pending[sid]
+        aging = self._aging
+        if aging:
+            now = self._clock()
+            if aging[0][0] <= now:
+                self._promote(aging, now)
+        return self._pending is not None or bool(self._ready)
+
+    def _promote(self, aging: deque[list[Any]], now: float) -> None:
+        sessions, ready = self._sessions, self._ready
+        while aging and aging[0][0] <= now:
+            _, sid, serial, tok_end, msg_end = aging.popleft()
+            session = sessions.get(sid)
+            if session is not None and session.serial == serial:  # else finished (or its id reopened)
+                session.aged_to = (tok_end, msg_end)  # a session's entries come of age in commit order
+                ready[sid] = None
+
+    def compact_step(self, slice_bytes: int = COMPACT_SLICE_BYTES, chunk_bytes: int = COMPACT_CHUNK_BYTES) -> bool:
+        """Compress the next `slice_bytes` of aged log bytes (of one chunk of one session); False when none are due.
+
+        The server calls it when a poll finds no frame waiting, so it costs the commit path
+        nothing, and a frame that arrives meanwhile waits for one slice at most.
+        """
+        pending = self._pending
+        if pending is None:
+            pending = self._next_chunk(chunk_bytes) if self.compaction_pending else None
+            if pending is None:
+                return False
+        session, chunk = pending
+        if self._sessions.get(session.sid) is not session:  # finished or dropped meanwhile: drop the chunk
+            self._pending = None
             return True
-        return False
+        if chunk.step(slice_bytes):
+            self._pending = None
+            self.counters["bytes_compacted"] += len(chunk.raw)
+        return True
+
+    def _next_chunk(self, chunk_bytes: int) -> tuple[Session, PendingChunk] | None:
+        ready = self._ready
+        while ready:
+            sid = next(iter(ready))
+            session = self._sessions.get(sid)
+            chunk = None if session is None else session.committed.start_compaction(chunk_bytes, session.aged_to)
+            if session is None or chunk is None:
+                del ready[sid]  # gone, or less than a chunk aged: its next aging entry puts it back
+                continue
+            self._pending = session, chunk
+            return self._pending
+        return None
 
     def abort_turn(self, sid: str, turn_id: str) -> Session | None:
         """Forget an in-flight turn. Unknown sessions and turns are fine: the turn is gone either way."""

@@ -5,7 +5,7 @@ into append-only per-session logs (int32 ids; messages as their msgpack bytes, n
 on the commit path), sharing the longest common prefix with a neighbouring turn, so a session
 costs about its unique tokens. A delta commit (one naming its base turn) is stored without any
 comparison: the base's ranges cut to the shared length, plus the new tail appended. Older log
-bytes can be compressed in the broker's idle time (`compact`, see `cold_log`). Turns are plain
+bytes can be compressed in the broker's idle time (`start_compaction`, see `cold_log`). Turns are plain
 tuples of ints, strs and tuples, which the garbage collector stops tracking. Pure data structure:
 no sockets, no clocks, no lifecycle rules (`sessions.py` owns those). Imports only the stdlib and
 `broker.protocol` / `broker.trajectory` / `broker.cold_log`.
@@ -17,10 +17,11 @@ import zlib
 from array import array
 from bisect import bisect_left, insort
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Final
 
 from broker import protocol
-from broker.cold_log import MIN_CHUNK, ColdLog
+from broker.cold_log import MIN_CHUNK, ColdLog, PendingChunk
 from broker.trajectory import TurnRecord
 
 _ID_BYTES = 4  # int32 token ids
@@ -45,6 +46,7 @@ _FLAGS: Final = 9
 _NTOK: Final = 10
 Ranges = tuple[int, ...]
 _NO_RANGES: Ranges = ()
+_NO_LIMIT = (1 << 62, 1 << 62)  # compaction limited only by the previous commit's mark
 Turn = tuple[str, int, Ranges, int, array, int, str, Ranges, int, dict[str, Any], int]
 
 
@@ -59,7 +61,7 @@ class TurnStore:
     def __init__(self) -> None:
         # The token log's hot (uncompressed) tail as native int32 bytes: a bytearray, because
         # `bytearray.startswith(buffer, offset)` compares against it in place. Ids before
-        # `_tok_cold.size` bytes are compressed (`compact`).
+        # `_tok_cold.size` bytes are compressed (`start_compaction`).
         self.tokens = bytearray()
         self._tok_cold = ColdLog()
         # Every distinct message's msgpack bytes, once: the first `len(_cold_ends)` compressed back to
@@ -347,44 +349,64 @@ class TurnStore:
 
     # --- idle time ---------------------------------------------------------------------------
 
-    def compactable(self) -> bool:
-        """Whether `compact` has a chunk's worth to compress."""
-        tok, msg = self._prev_mark
-        n_cold = len(self._cold_ends)
-        return tok - self._tok_cold.size >= MIN_CHUNK or sum(map(len, self.msgs[: msg - n_cold])) >= MIN_CHUNK
+    @property
+    def log_ends(self) -> tuple[int, int]:
+        """(token log bytes, messages) held: a position that `start_compaction`'s `limit` may name later."""
+        return self._tok_cold.size + len(self.tokens), self.messages_held
 
-    def compact(self, max_bytes: int) -> int:
-        """Compress up to `max_bytes` of the oldest hot log bytes that the next commits will not read.
-
-        Returns the raw bytes compressed (0 when less than a chunk is due). Only bytes appended
-        before the previous commit are eligible: a delta reads its base's newest ids for its prefix
-        check, and anything else that is read later (a full commit's comparison, GET, finish)
-        decompresses what it needs.
-        """
+    def _due(self, limit: tuple[int, int]) -> tuple[int, list[bytes]]:
+        """Hot token log bytes and hot messages that may be compressed: before `limit` and before
+        the previous commit's appends (a delta reads its base's newest ids for its prefix check;
+        anything else read later, a full commit's comparison, GET or finish, decompresses what it needs)."""
         tok_mark, msg_mark = self._prev_mark
-        due = tok_mark - self._tok_cold.size
-        if due >= MIN_CHUNK:
-            n = min(due, max_bytes)
-            self._tok_cold.add(self.tokens[:n])
-            self.tokens = self.tokens[n:]  # a new exact-size buffer: the old one's slack goes too
-            return n
-        hot, ends = self.msgs, self._cold_ends
-        due_msgs = hot[: msg_mark - len(ends)]
+        return (
+            min(tok_mark, limit[0]) - self._tok_cold.size,
+            self.msgs[: max(min(msg_mark, limit[1]) - len(self._cold_ends), 0)],
+        )
+
+    def compactable(self, limit: tuple[int, int] = _NO_LIMIT) -> bool:
+        """Whether a chunk's worth is due before `limit` (`log_ends` of an earlier time)."""
+        due_tok, due_msgs = self._due(limit)
+        return due_tok >= MIN_CHUNK or sum(map(len, due_msgs)) >= MIN_CHUNK
+
+    def start_compaction(self, chunk_bytes: int, limit: tuple[int, int] = _NO_LIMIT) -> PendingChunk | None:
+        """The next chunk (about `chunk_bytes` raw) of the oldest due hot bytes, to compress a slice per step.
+
+        None when less than `MIN_CHUNK` is due. Until its last step the chunk's bytes stay hot, so
+        reads and commits meanwhile see the store as it was; the caller runs one at a time per store.
+        """
+        due_tok, due_msgs = self._due(limit)
+        if due_tok >= MIN_CHUNK:
+            n = min(due_tok, chunk_bytes)
+            return PendingChunk(bytes(self.tokens[:n]), partial(self._add_cold, self._tok_cold.size, 0))
         if sum(map(len, due_msgs)) < MIN_CHUNK:
-            return 0
-        k = n = 0  # the oldest due messages, until max_bytes
+            return None
+        k = n = 0  # the oldest due messages, until chunk_bytes
         for m in due_msgs:
+            if k and n + len(m) > 2 * chunk_bytes:
+                break  # a huge next message starts its own chunk: joining it would copy it here
             k += 1
             n += len(m)
-            if n >= max_bytes:
+            if n >= chunk_bytes:
                 break
-        end = self._msg_cold.size
-        for m in hot[:k]:
+        raw = due_msgs[0] if k == 1 else b"".join(due_msgs[:k])
+        return PendingChunk(raw, partial(self._add_cold, self._msg_cold.size, k))
+
+    def _add_cold(self, cold_size: int, n_msgs: int, raw_len: int, chunk: bytes) -> None:
+        """A chunk's end: it goes cold and its bytes (token ids, or `n_msgs` messages) leave the hot part."""
+        cold = self._msg_cold if n_msgs else self._tok_cold
+        if cold.size != cold_size:  # another compaction of this store ran meanwhile: these bytes moved
+            raise RuntimeError("overlapping compactions of one TurnStore")
+        cold.add_chunk(raw_len, chunk)
+        if not n_msgs:
+            self.tokens = self.tokens[raw_len:]  # a new exact-size buffer: the old one's slack goes too
+            return
+        hot, ends = self.msgs, self._cold_ends
+        end = cold_size
+        for m in hot[:n_msgs]:
             end += len(m)
             ends.append(end)
-        self._msg_cold.add(b"".join(hot[:k]))
-        self.msgs = hot[k:]
-        return n
+        self.msgs = hot[n_msgs:]
 
 
 def packed_messages(prompt: list[Any], response: Any) -> list[bytes]:
