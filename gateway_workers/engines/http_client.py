@@ -1,6 +1,6 @@
 """A small HTTP/1.1 client for the engine backends: keep-alive pools on asyncio Protocols.
 
-Owns the worker's connections to engine replicas (one unbounded keep-alive pool per host:port),
+Owns the worker's connections to engine replicas (one unbounded keep-alive pool per host:port:tls),
 URL checks, TLS contexts, request framing, deadlines, cancellation and the stale-connection retry;
 each connection's protocol and httptools parsing is engines/http_connection.py. It replaces aiohttp,
 whose generality cost ~3x the CPU per engine call (scripts/bench_engine_client.py). Deliberately
