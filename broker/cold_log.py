@@ -42,14 +42,15 @@ class PendingChunk:
         self._parts: list[bytes] = []
 
     def step(self, slice_bytes: int) -> bool:
-        """Compress the next `slice_bytes` raw bytes; True once the chunk is done and handed over."""
+        """Compress the next `slice_bytes` raw bytes, or once all are in, end the chunk and hand it over (True)."""
         pos, raw = self._pos, self.raw
-        end = min(pos + slice_bytes, len(raw))
-        with memoryview(raw) as view:
-            self._parts.append(self._deflate.compress(view[pos:end]))
-        self._pos = end
-        if end < len(raw):
+        if pos < len(raw):
+            end = min(pos + slice_bytes, len(raw))
+            with memoryview(raw) as view:
+                self._parts.append(self._deflate.compress(view[pos:end]))
+            self._pos = end
             return False
+        # The flush codes the last block (up to 4096 symbols): a step of its own, not on top of a slice.
         self._parts.append(self._deflate.flush())
         self._on_done(len(raw), b"".join(self._parts))
         return True

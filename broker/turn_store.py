@@ -399,7 +399,9 @@ class TurnStore:
             raise RuntimeError("overlapping compactions of one TurnStore")
         cold.add_chunk(raw_len, chunk)
         if not n_msgs:
-            self.tokens = self.tokens[raw_len:]  # a new exact-size buffer: the old one's slack goes too
+            # In place: bytearray moves its start, and copies what remains into an exact-size buffer only
+            # once that is under half its allocation; a copy per chunk would cost O(hot bytes) a step.
+            del self.tokens[:raw_len]
             return
         hot, ends = self.msgs, self._cold_ends
         end = cold_size

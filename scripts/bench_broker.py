@@ -9,8 +9,10 @@ the broker's own CPU per commit (publishers share the cores, so commits/s alone 
 the broker), side by side with a bare zmq echo fed the same frames by the same publishers;
 the broker's per-commit hot path in-process (and the worker's cost of building the commit);
 finish_session latency of a 50-turn session whose final context is 32k tokens; broker RSS
-per such session against its final token count. Commits are deltas against the sender's
-previous turn, as a worker sends them (`gateway_workers.commit_bases`); `--full-commits`
+per such session against its final token count (20 sessions interleaved, each living 10x the
+broker's compact_age_s, then a wait for their last bytes to age and be compressed: the
+output says so). Commits are deltas
+against the sender's previous turn, as a worker sends them (`gateway_workers.commit_bases`); `--full-commits`
 also measures whole-turn commits in the same run. Prints medians of --runs runs.
 """
 
@@ -37,12 +39,16 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from broker import protocol  # noqa: E402
+from broker.config import BrokerConfig  # noqa: E402
+from broker.sessions import AGE_BUCKETS  # noqa: E402
 from gateway_workers.commit_bases import CommitBases  # noqa: E402
 from trainer_client import TrainerClient  # noqa: E402
 
 READY_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 30.0
 IDLE_SETTLE_S = 0.5  # after the memory sessions: ample idle time for the broker's compaction to catch up
+COMPACTION_TIMEOUT_S = 60.0  # the broker must have compressed the aged sessions by then
+COMPACTION_POLL_S = 0.2
 CHARS_PER_TOKEN = 4  # English BPE: message text size tracks token count like this
 _READY = re.compile(r"BROKER READY worker=(\S+) control=(\S+)")
 
@@ -364,6 +370,16 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
 def long_session(
     client: TrainerClient, w: Worker, seed: int, args: argparse.Namespace, full: bool = False
 ) -> tuple[str, int]:
+    sid, frames, final = session_frames(client, seed, args, full)
+    for f in frames:  # one turn after the other, like one agent
+        send_turn(w, f)
+    return sid, final
+
+
+def session_frames(
+    client: TrainerClient, seed: int, args: argparse.Namespace, full: bool = False
+) -> tuple[str, list[tuple[bytes, bytes]], int]:
+    """Open a long session; its turns' (OPEN, COMMIT) frames and its final context length."""
     n = args.long_turns
     output = args.output
     first = args.long_first_prompt
@@ -373,14 +389,17 @@ def long_session(
     frames = []
     bases = None if full else CommitBases()
     for k, t in enumerate(ep):
-        frames.append(protocol.encode(protocol.OpenTurn(2 * k, sid, f"t{k}")))
-        frames.append(protocol.encode(as_sent(bases, commit_of(2 * k + 1, sid, f"t{k}", t))))
-    for f in frames:  # one turn after the other, like one agent
+        opened = protocol.encode(protocol.OpenTurn(2 * k, sid, f"t{k}"))
+        frames.append((opened, protocol.encode(as_sent(bases, commit_of(2 * k + 1, sid, f"t{k}", t)))))
+    final = len(ep[-1]["prompt_ids"]) + output
+    return sid, frames, final
+
+
+def send_turn(w: Worker, frames: tuple[bytes, bytes]) -> None:
+    for f in frames:
         w.sock.send(f)
         reply = w.recv()
         assert not isinstance(reply, protocol.Refused), reply
-    final = len(ep[-1]["prompt_ids"]) + output
-    return sid, final
 
 
 def bench_finish(args: argparse.Namespace) -> dict[str, float]:
@@ -424,17 +443,36 @@ def bench_memory(args: argparse.Namespace) -> dict[str, float]:
 
 
 def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> dict[str, float]:
-    proc, worker_ep, control_ep = start_broker([], {"ROLLOUT_BROKER_COMPACT_IDLE": "1" if compact else "0"})
+    env = {
+        "ROLLOUT_BROKER_COMPACT_IDLE": "1" if compact else "0",
+        "ROLLOUT_BROKER_COMPACT_AGE_S": str(args.compact_age),
+    }
+    proc, worker_ep, control_ep = start_broker([], env)
     ctx = zmq.Context()
     try:
         client = TrainerClient(control_ep, timeout=60)
         w = Worker(ctx, worker_ep)
         sid, _ = long_session(client, w, 1, args, full)  # warm up allocator and code paths
         client.drop_session(sid)
+        # Built before the baseline: the frames live in this process, but building them takes time.
+        sessions = [session_frames(client, 2000 + i, args, full) for i in range(args.memory_sessions)]
+        final = sessions[0][2]
+        # Sessions live as long as agents' do, interleaved: the broker compresses a session's bytes
+        # once they are compact_age_s old, so how long a session lives decides what it holds raw.
+        # (Paced the same with compaction off, so that the broker CPU per commit compares like for like.)
+        life = args.session_life * args.compact_age
+        print(
+            f"memory: {len(sessions)} sessions interleaved, each living {life:.1f} s "
+            f"({args.session_life:g} x compact_age_s={args.compact_age:g}), compaction {'on' if compact else 'off'}",
+            file=sys.stderr,
+        )
         base, cpu0 = rss_bytes(proc.pid), cpu_seconds(proc.pid)
-        final = 0
-        for i in range(args.memory_sessions):
-            _, final = long_session(client, w, 2000 + i, args, full)
+        t0 = time.monotonic()
+        for k in range(args.long_turns):
+            for _, frames, _ in sessions:
+                send_turn(w, frames[k])
+            time.sleep(max(0.0, t0 + life * (k + 1) / args.long_turns - time.monotonic()))
+        waited = wait_for_compaction(client, args.compact_age) if compact else 0.0
         time.sleep(IDLE_SETTLE_S)  # idle time: the broker compacts what the last turns left due
         grown = rss_bytes(proc.pid) - base
         cpu = cpu_seconds(proc.pid) - cpu0
@@ -451,10 +489,32 @@ def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> di
             "tokens_held_per_session": held["tokens_held"] / args.memory_sessions,
             # everything the broker spent on these sessions' turns (OPEN + COMMIT + idle-time compaction)
             "broker_cpu_us_per_commit": 1e6 * cpu / (args.memory_sessions * args.long_turns),
+            "session_life_s": life,
+            "waited_for_age_s": waited,
         }
     finally:
         ctx.term()
         stop_broker(proc)
+
+
+def wait_for_compaction(client: TrainerClient, age: float) -> float:
+    """Wait until the sessions' last log bytes are old enough to compress, then until the broker has; returns seconds.
+
+    The broker compresses only bytes held `compact_age_s` (plus up to an aging bucket), so the
+    sessions' last turns are still raw when they end: the measurement waits for them.
+    """
+    t0 = time.monotonic()
+    due = age * (1 + 1 / AGE_BUCKETS)
+    print(f"memory: waiting {due:.2f} s for the last turns' bytes to age past compact_age_s={age:g}", file=sys.stderr)
+    time.sleep(due)
+    deadline = t0 + due + COMPACTION_TIMEOUT_S
+    last = -1
+    while (done := client.stats()["bytes_compacted"]) != last or not done:  # until a poll sees no progress
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the broker was still compressing after {COMPACTION_TIMEOUT_S} s")
+        last = done
+        time.sleep(COMPACTION_POLL_S)
+    return time.monotonic() - t0
 
 
 def bench_hotpath(args: argparse.Namespace) -> dict[str, float]:
@@ -545,6 +605,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-first-prompt", type=int, default=2_000)
     p.add_argument("--finish-sessions", type=int, default=5)
     p.add_argument("--memory-sessions", type=int, default=20)
+    p.add_argument(
+        "--compact-age",
+        type=float,
+        default=BrokerConfig().compact_age_s,
+        help="the broker's compact_age_s for the memory part (default: the broker's); the part waits this long",
+    )
+    p.add_argument(
+        "--session-life",
+        type=float,
+        default=10.0,
+        help="memory part: each session's turns are spread over this many times --compact-age (0: back to back); "
+        "a real 50-turn episode lives minutes. The policy scales with the age: --compact-age 1 runs 5x faster",
+    )
     p.add_argument("--only", choices=["ingest", "hotpath", "finish", "memory"], action="append")
     p.add_argument(
         "--full-commits", action="store_true", help="also measure whole-turn commits (the old way) in the same run"

@@ -177,18 +177,19 @@ def test_a_reopened_session_id_is_not_compacted_on_its_predecessors_schedule():
     assert drain(reg) > 0 and reg.counters["bytes_compacted"] > 0
 
 
-def test_a_step_compresses_one_slice_and_a_chunk_lands_only_at_its_last_step():
+def test_a_step_compresses_one_slice_and_a_chunk_lands_only_at_its_own_last_step():
     reg = SessionRegistry(max_sessions=1)  # age 0: everything is due at once
     ep = Episode(reg, "s")
     for _ in range(3):
         ep.turn(8192)  # 32 KB of ids a turn
     chunk, slc = 16 * 1024, 2 * 1024
-    for step in range(chunk // slc - 1):
+    for step in range(chunk // slc):  # one slice a step...
         assert reg.compact_step(slice_bytes=slc, chunk_bytes=chunk)
         assert cold_bytes(ep.store) == (0, 0), step  # bytes being compressed are still read hot
-    ep.turn(100)  # a commit while a chunk is half done
-    assert reg.turn_messages("s", "t0")[1] == {"role": "assistant", "content": "r0"}
-    assert reg.compact_step(slice_bytes=slc, chunk_bytes=chunk)
+        if step == 3:
+            ep.turn(100)  # a commit while a chunk is half done
+            assert reg.turn_messages("s", "t0")[1] == {"role": "assistant", "content": "r0"}
+    assert reg.compact_step(slice_bytes=slc, chunk_bytes=chunk)  # ...then a step of its own ends the chunk
     assert cold_bytes(ep.store)[0] == chunk and reg.counters["bytes_compacted"] == chunk
     drain(reg, slice_bytes=slc, chunk_bytes=chunk)
     records = reg.finish("s").turns
