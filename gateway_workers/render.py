@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from gateway_workers.bpe_twin import BpeTwin
 from gateway_workers.bpe_twin import bpe_twin as _bpe_twin
 from gateway_workers.native_templates import NativeTemplate, native_template
+from gateway_workers.twin_checks import checked_use
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,6 @@ _ENTRY_OVERHEAD_BYTES = 100  # the OrderedDict slot and links, on top of the str
 # Texts that exercise every boundary effect we know of (leading space markers, NFC across a cut,
 # CRLF, digits, trailing whitespace): a tokenizer that encodes a piece differently alone fails this.
 _PROBE_TEXTS = ("hello world", " x", "  two\n\n", "e\u0301t\u00e9 12345", "\r\n\tz ", "\u0301a", "", "b c\n")
-# A twin's result is compared with the original's on the first renders and then on one in this many.
-VERIFY_FIRST = 16
-VERIFY_EVERY = 1024
 # New text a render may tokenize on the event loop's thread (~0.1 µs per char with the tiktoken twin here).
 INLINE_NEW_CHARS = 8192
 
@@ -228,7 +226,7 @@ class Renderer:
             else:
                 count = self._native_uses
                 self._native_uses = count + 1
-                if _sampled(count):
+                if checked_use(count):
                     return self._verified(native, text, chat, tool_list, kwargs)
                 return text
         return self._jinja(chat, tool_list, kwargs)
@@ -279,13 +277,13 @@ class Renderer:
         due, and the new text to tokenize (by the tiktoken twin) is at most INLINE_NEW_CHARS. That is
         most turns, and it saves the thread hand-off (two wake-ups) on the critical path.
         """
-        if self._native is None or self._splitter is None or _sampled(self._native_uses):
+        if self._native is None or self._splitter is None or checked_use(self._native_uses):
             return functools.partial(self.render, messages, tools)
         text = self.render_text(messages, tools)
         pieces = self._lookup(text)
         if pieces.missing and (
             self._twin is None
-            or _sampled(self._twin_uses)
+            or checked_use(self._twin_uses)
             or sum(len(pieces.texts[i]) for i in pieces.missing) > INLINE_NEW_CHARS
         ):
             return lambda: RenderedPrompt(prompt_ids=self._assemble(pieces), text=text)
@@ -333,7 +331,7 @@ class Renderer:
         ids = [twin.encode(piece) for piece in pieces]
         count = self._twin_uses
         self._twin_uses = count + 1
-        if _sampled(count):
+        if checked_use(count):
             expected = self._encode_pieces_exactly(pieces)
             if expected != ids:
                 at = next(i for i, (a, b) in enumerate(zip(ids, expected, strict=True)) if a != b)
@@ -350,11 +348,6 @@ class Renderer:
         # for the whole encode) and skips offset tracking, which we never read.
         encodings = self._backend.encode_batch_fast(pieces, add_special_tokens=False)  # type: ignore[union-attr]
         return [array("i", e.ids) for e in encodings]
-
-
-def _sampled(count: int) -> bool:
-    """Whether the count-th use of a twin is checked against the original."""
-    return count < VERIFY_FIRST or count % VERIFY_EVERY == 0
 
 
 @dataclass(frozen=True, slots=True)

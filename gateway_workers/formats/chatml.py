@@ -10,11 +10,12 @@ Facts about the grammars only; no code is shared with the engines. Imports only 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
-from gateway_workers.formats.base import ResponseFormat
-from gateway_workers.formats.checks import THINK, check_tagged, fullmatch_check
+from gateway_workers.formats.base import NativeReader, ResponseFormat
+from gateway_workers.formats.checks import THINK, TOOL_CALL, check_tagged, fullmatch_check
 
 ANCHOR = "<|im_start|>assistant\n"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
@@ -84,6 +85,55 @@ QWEN2_5_SCHEMA: dict[str, Any] = {
 }
 
 
+# What the engine's `\s` (the `regex` module's) leaves out of str.isspace(): the ASCII separators.
+_NOT_REGEX_SPACE = frozenset("\x1c\x1d\x1e\x1f")
+
+
+def _json_calls_reader(think: bool) -> NativeReader:
+    r"""The declarative engine's reading of `_think_then_calls(_JSON_CALLS_TEMPLATE)` (think) or QWEN2_5_TEMPLATE.
+
+    Only for bodies that passed `check_tagged`: at most one leading, closed reasoning block, balanced calls.
+    Text outside the blocks is content, except the whitespace right before each `<tool_call>` (the open
+    pattern's `\s*`). A call that is not JSON, or is OpenAI-shaped (`{"function": ...}`, which the engine
+    casts by the tools' schemas), is left to the engine (None), so its verdict and its message stay its own.
+    """
+    (think_open, think_close), (call_open, call_close) = THINK, TOOL_CALL
+
+    def read(body: str) -> dict[str, Any] | None:
+        reasoning: str | None = None
+        content: list[str] = []
+        at = 0
+        start = body.find(think_open) if think else -1
+        if start >= 0:
+            end = body.find(think_close, start)
+            if end < 0:
+                return None
+            content.append(body[:start])
+            reasoning = body[start + len(think_open) : end]
+            at = end + len(think_close)
+        calls = []
+        while (opened := body.find(call_open, at)) >= 0:
+            cut = opened
+            while cut > at and body[cut - 1].isspace() and body[cut - 1] not in _NOT_REGEX_SPACE:
+                cut -= 1
+            content.append(body[at:cut])
+            closed = body.find(call_close, opened)
+            if closed < 0:
+                return None
+            try:
+                call = json.loads(body[opened + len(call_open) : closed])
+            except ValueError:
+                return None
+            if isinstance(call, dict) and "function" in call:
+                return None
+            calls.append(call)
+            at = closed + len(call_close)
+        content.append(body[at:])
+        return {"reasoning": reasoning, "content": "".join(content), "tool_calls": calls}
+
+    return read
+
+
 def _qwen3_finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
     # Exactly what the Qwen3 templates trim on re-render, so the echo renders the same tokens.
     return content.lstrip("\n"), reasoning.strip("\n") if reasoning is not None else None
@@ -101,6 +151,7 @@ QWEN3 = ResponseFormat(
     schema=QWEN3_SCHEMA,
     check=lambda body: check_tagged(body, think=THINK),
     finish=_qwen3_finish,
+    native_reader=_json_calls_reader(think=True),
 )
 QWEN2_5 = ResponseFormat(
     name="qwen2_5",
@@ -111,6 +162,7 @@ QWEN2_5 = ResponseFormat(
     check=lambda body: check_tagged(body, think=None),
     finish=_verbatim,
     reasoning=False,
+    native_reader=_json_calls_reader(think=False),
 )
 
 # --- XML calls (Qwen3.5 / Nemotron-3) ---------------------------------------------------------------

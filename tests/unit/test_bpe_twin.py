@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from gateway_workers import render
+from gateway_workers import twin_checks
 from gateway_workers.bpe_twin import BpeTwin, bpe_twin
 from gateway_workers.render import Renderer
 
@@ -155,8 +155,8 @@ def test_live_encodes_are_checked_on_a_sample(builtin_tokenizer, monkeypatch):
         return exact_encode(pieces)
 
     monkeypatch.setattr(renderer, "_encode_pieces_exactly", counting)
-    monkeypatch.setattr(render, "VERIFY_EVERY", 4)
-    for k in range(render.VERIFY_FIRST + 8):
+    monkeypatch.setattr(twin_checks, "VERIFY_EVERY", 4)
+    for k in range(twin_checks.VERIFY_FIRST + 8):
         renderer.render([{"role": "user", "content": f"question number {k} " * 3}])
-    assert next(calls) == render.VERIFY_FIRST + 2  # the first ones, then 2 of the next 8 (every 4th)
+    assert next(calls) == twin_checks.VERIFY_FIRST + 2  # the first ones, then 2 of the next 8 (every 4th)
     assert renderer.bpe_twin

@@ -22,12 +22,12 @@ from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizer
 
 from gateway_workers.render import (
     INLINE_NEW_CHARS,
-    VERIFY_FIRST,
     Renderer,
     SegmentCache,
     _special_splitter,
     template_messages,
 )
+from gateway_workers.twin_checks import VERIFY_FIRST
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
             "<tool_response>", "</tool_response>", "<|endoftext|>", "<|fim_pad|>"]

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from test_render_incremental import content, conversation
 
 from gateway_workers import native_templates as nt
-from gateway_workers.render import VERIFY_FIRST, Renderer, template_messages
+from gateway_workers.render import Renderer, template_messages
 from gateway_workers.tokenizer import builtin_template_text
+from gateway_workers.twin_checks import VERIFY_FIRST
 
 TWINS = {"builtin": nt.render_builtin, "qwen3": nt.render_qwen3}
 UNICODE_TOOL = {
