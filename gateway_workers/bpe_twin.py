@@ -8,7 +8,9 @@ tiktoken ranks: Qwen, Llama 3, GPT-4 style): split with one regex, map bytes, me
 lowest-ranked pair first, take whole pieces that are in the vocabulary. `bpe_twin` accepts a
 tokenizer only when its structure says so and probe texts agree; the renderer also re-checks
 live encodes against the original on a sample and drops the twin on any difference.
-Imports only tiktoken, orjson and the stdlib; must not import the app or the renderer.
+`token_decoder` is the reverse twin: ids to text by a bytes table (the parser and the live
+stream decode every reply), checked the same way.
+Imports only tiktoken, orjson, `twin_checks` and the stdlib; must not import the app or the renderer.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import logging
 import struct
 import unicodedata
 from array import array
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
+
+from gateway_workers.twin_checks import checked_use
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,9 @@ PROBE_TEXTS = (
 )
 _BUILT_MAX = 8
 _BUILT: dict[int, tuple[Any, BpeTwin | None, str]] = {}
+_DECODERS: dict[int, tuple[Any, Decode]] = {}
+
+Decode = Callable[[Sequence[int]], str]
 
 
 def _byte_alphabet() -> dict[int, int]:
@@ -159,3 +167,92 @@ def _ranks(model: dict[str, Any]) -> tuple[dict[bytes, int] | None, str]:
     if -1 in merged or any(a > b for a, b in zip(merged, merged[1:], strict=False)):
         return None, "the merge order does not follow the token ids"
     return ranks, ""
+
+
+class TableDecoder:
+    """ids -> text as a ByteLevel decoder does it: each token's bytes, joined, decoded as lossy UTF-8.
+
+    Checked against the tokenizer on the first decodes and one in `VERIFY_EVERY`; any difference
+    hands every later decode to the tokenizer. Ids outside the vocabulary (a model's padded
+    embedding rows) are the tokenizer's to decode (it drops them).
+    """
+
+    def __init__(self, table: list[bytes], exact: Decode) -> None:
+        self._table = table
+        self._exact = exact
+        self._uses = 0
+        self._broken = False
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        table = self._table
+        if self._broken or (ids and (min(ids) < 0 or max(ids) >= len(table))):
+            return self._exact(ids)
+        text = b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+        count = self._uses
+        self._uses = count + 1
+        if checked_use(count):
+            expected = self._exact(ids)
+            if expected != text:
+                logger.error("the bytes-table decoder decoded %r as %r, the tokenizer as %r; using the tokenizer "
+                             "from now on", list(ids)[:50], text[:200], expected[:200])
+                self._broken = True
+                return expected
+        return text
+
+
+def token_decoder(tokenizer: Any) -> Decode:
+    """The fastest exact ids -> text (special tokens kept) for this tokenizer: a `TableDecoder` for
+    byte-level BPE whose whole vocabulary decodes alike both ways, else the Rust decoder, else the wrapper.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return lambda ids: _joined(tokenizer.decode(list(ids), skip_special_tokens=False,
+                                                    clean_up_tokenization_spaces=False))
+    key = id(backend)
+    if key not in _DECODERS:
+        if len(_DECODERS) >= _BUILT_MAX:
+            _DECODERS.pop(next(iter(_DECODERS)))
+
+        def exact(ids: Sequence[int]) -> str:
+            return str(backend.decode(list(ids), skip_special_tokens=False))
+
+        table, why = _decode_table(backend, exact)
+        if table is None:
+            logger.info("ids are decoded by the tokenizer: %s", why)
+        _DECODERS[key] = (backend, exact if table is None else TableDecoder(table, exact))
+    return _DECODERS[key][1]
+
+
+def _joined(text: str | list[str]) -> str:
+    return text if isinstance(text, str) else "".join(text)
+
+
+def _decode_table(backend: Any, exact: Decode) -> tuple[list[bytes] | None, str]:
+    """Each id's bytes as the ByteLevel decoder writes them, if decoding the whole vocabulary agrees."""
+    decoder = _state(backend.decoder)
+    if not isinstance(decoder, dict) or decoder.get("type") != "ByteLevel":
+        return None, f"decoder {decoder and decoder.get('type')} is not ByteLevel"
+    alphabet = _byte_alphabet()
+    size = backend.get_vocab_size(with_added_tokens=True)
+    table = [b""] * size
+    added = backend.get_added_tokens_decoder()
+    try:
+        for token_id in range(size):
+            token = backend.id_to_token(token_id)
+            if token is not None and token_id not in added:
+                table[token_id] = token.translate(alphabet).encode("latin-1")
+    except UnicodeEncodeError:
+        return None, "the vocabulary is not byte-level"
+    for token_id, added_token in added.items():
+        if not 0 <= token_id < size:
+            return None, f"added token id {token_id} is outside the vocabulary's {size}"
+        # An added token made only of alphabet chars stands for their bytes; any other for its own UTF-8.
+        text = added_token.content
+        byte_level = all(ord(c) in alphabet for c in text)
+        table[token_id] = text.translate(alphabet).encode("latin-1") if byte_level else text.encode("utf-8")
+    everything = list(range(size))
+    if b"".join(table).decode("utf-8", "replace") != exact(everything):
+        return None, "decoding the whole vocabulary differs from the tokenizer"
+    if any(table[i].decode("utf-8", "replace") != exact([i]) for i in added):
+        return None, "an added token decodes differently"
+    return table, ""

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway_workers.agent_connection import AgentConnection
+from gateway_workers.bpe_twin import token_decoder
 from gateway_workers.engines.base import EngineChunk, EngineError, EngineResult, FinishReason
 from gateway_workers.streaming import IncrementalDecoder, LiveDelta, StreamTracker, live_splitter
 from gateway_workers.turns import ApiError, CapturedTurn, PreparedTurn, TurnPipeline, engine_error
@@ -42,13 +43,6 @@ async def start_live_turn(
     return live
 
 
-def _decoder_of(tokenizer: Any) -> Callable[[list[int]], str]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # the Rust decoder, without the Python wrapper's per-call overhead
-        return lambda ids: str(backend.decode(ids, skip_special_tokens=False))
-    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False))
-
-
 class LiveTurn:
     """One turn whose reply is streamed while it is generated."""
 
@@ -65,7 +59,7 @@ class LiveTurn:
         self._first: EngineChunk | None = None
         self._gen: Any = None
         self._settled = False
-        self._decoder = IncrementalDecoder(_decoder_of(pipeline.renderer.tokenizer))
+        self._decoder = IncrementalDecoder(token_decoder(pipeline.renderer.tokenizer))
         self._splitter = live_splitter(pipeline.parser.format_name, prepared.prompt_text)
         self._tracker = StreamTracker()
 

@@ -23,6 +23,7 @@ import transformers
 from packaging.version import Version
 from transformers import PreTrainedTokenizerBase
 
+from gateway_workers.bpe_twin import token_decoder
 from gateway_workers.twin_checks import checked_use
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class FormatParser:
         self._typed_by_transformers = self.engine == "template" and _typed_tools_supported()
         self._tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_ids = token_decoder(tokenizer)
         anchor_ids = self._encode(fmt.anchor)
         if not anchor_ids:
             raise ParserUnavailable(f"format {fmt.name!r}: the tokenizer encodes its anchor {fmt.anchor!r} to nothing")
@@ -165,7 +167,7 @@ class FormatParser:
         prefix: str | Sequence[int],
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> ParsedResponse:
-        text = strip_end(self._decode(output_ids), self.format.end_markers)
+        text = strip_end(self._decode_ids(output_ids), self.format.end_markers)
         head = self._prefix_head(prefix)
         body = head + text
         verdict = self.format.check(body)
@@ -253,12 +255,6 @@ class FormatParser:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=False)
-        text = self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return text if isinstance(text, str) else "".join(text)
 
     def _prefix_head(self, prefix: str | Sequence[int]) -> str:
         """What the prompt already wrote of the reply after its last assistant anchor (e.g. '<think>\\n').
@@ -275,7 +271,7 @@ class FormatParser:
             tail = ""
             for at in range(len(ids) - 1, -1, -1):
                 if ids[at] == self._anchor_first_id:
-                    tail = self._decode(ids[at:])
+                    tail = self._decode_ids(ids[at:])
                     break
         if not tail.startswith(anchor):
             return ""
