@@ -9,6 +9,8 @@ that valid frames take the fast path (the fallback is not called) and `encode_as
 
 from __future__ import annotations
 
+import copy
+import pickle
 import typing
 
 import msgpack
@@ -140,3 +142,16 @@ def test_encode_as_writes_the_frame_of_the_built_message():
     assert protocol.decode_broker_to_worker(protocol.encode_as(protocol.TurnAborted, 9, "t-3")) == (
         protocol.TurnAborted(9, "t-3")
     )
+
+
+@pytest.mark.parametrize(("direction", "msg"), ALL, ids=lambda v: getattr(v, "TAG", v))
+def test_a_decoded_message_is_an_ordinary_instance_of_its_class(direction, msg):
+    """Filled as a subclass and then re-classed (`fastcodec._fill_class`): nothing of the subclass may show."""
+    decoded = DECODERS[direction](protocol.encode(msg))
+    cls = type(msg)
+    assert decoded.__class__ is cls and not hasattr(decoded, "__dict__")
+    assert protocol.dataclasses.replace(decoded) == decoded and type(protocol.dataclasses.replace(decoded)) is cls
+    assert copy.copy(decoded) == decoded and pickle.loads(pickle.dumps(decoded)) == decoded
+    with pytest.raises(AttributeError):  # frozen: neither set nor deleted
+        del decoded.request_id
+    assert protocol.encode(decoded) == protocol.encode(msg)
