@@ -15,6 +15,7 @@ Must not import the app, adapters, engines or the backplane.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import re
@@ -32,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from gateway_workers.bpe_twin import BpeTwin
 from gateway_workers.bpe_twin import bpe_twin as _bpe_twin
 from gateway_workers.native_templates import NativeTemplate, native_template
+from gateway_workers.session_renders import LastRender, SessionRenders, shared_prefix
 from gateway_workers.twin_checks import checked_use
 
 logger = logging.getLogger(__name__)
@@ -123,6 +125,11 @@ class SegmentCache:
                 self._bytes -= self.cost(piece, ids)
                 self._evictions += 1
 
+    def count_hits(self, hits: int) -> None:
+        """Pieces a render reused without looking them up (`session_renders`) count as hits."""
+        with self._lock:
+            self._hits += hits
+
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self._hits, self._misses, self._evictions, len(self._entries), self._bytes)
@@ -166,6 +173,11 @@ class Renderer:
             if self._twin is None:
                 logger.info("new prompt text is encoded by `tokenizers` (no tiktoken twin: %s)", why_not)
         self._twin_uses = 0  # racy across threads on purpose: a skipped or doubled check is harmless
+        # A session's next render re-cuts only what follows its last render's last shared added token;
+        # that is the same cut only if no added token occurs inside another.
+        self._sessions: SessionRenders | None = None
+        if self._splitter is not None and not _nested(self._splitter.ids):
+            self._sessions = SessionRenders()
         self._native: NativeTemplate | None = native_template(tokenizer.chat_template) if native_templates else None
         self._native_uses = 0
         try:
@@ -268,26 +280,30 @@ class Renderer:
         return text
 
     def begin_render(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        session: str | None = None,
     ) -> RenderedPrompt | Callable[[], RenderedPrompt]:
         """Do the cheap part of a render on the calling thread (the event loop's): the prompt if that was all,
         else a function that does the rest, to run on a worker thread.
 
         Cheap: the template renders through its plain-Python twin, no check against the originals is
         due, and the new text to tokenize (by the tiktoken twin) is at most INLINE_NEW_CHARS. That is
-        most turns, and it saves the thread hand-off (two wake-ups) on the critical path.
+        most turns, and it saves the thread hand-off (two wake-ups) on the critical path. `session`
+        names the conversation, whose previous render spares re-cutting their shared text.
         """
         if self._native is None or self._splitter is None or checked_use(self._native_uses):
             return functools.partial(self.render, messages, tools)
         text = self.render_text(messages, tools)
-        pieces = self._lookup(text)
+        pieces = self._lookup(text, session)
         if pieces.missing and (
             self._twin is None
             or checked_use(self._twin_uses)
             or sum(len(pieces.texts[i]) for i in pieces.missing) > INLINE_NEW_CHARS
         ):
-            return lambda: RenderedPrompt(prompt_ids=self._assemble(pieces), text=text)
-        return RenderedPrompt(prompt_ids=self._assemble(pieces), text=text)
+            return lambda: RenderedPrompt(prompt_ids=self._assemble(pieces, session), text=text)
+        return RenderedPrompt(prompt_ids=self._assemble(pieces, session), text=text)
 
     def encode_prompt(self, text: str) -> array:
         """Ids of rendered template text, equal to a full encode; only pieces not seen before are tokenized."""
@@ -295,14 +311,20 @@ class Renderer:
             return array("i", self.encode(text))
         return self._assemble(self._lookup(text))
 
-    def _lookup(self, text: str) -> _Pieces:
+    def _lookup(self, text: str, session: str | None = None) -> _Pieces:
+        """Cut the text at added tokens and look its pieces up. A session's last render lends the ids of the
+        text the two share, up to an added token: only what follows is cut and looked up."""
         assert self._splitter is not None
-        parts = self._splitter.pattern.split(text)  # [piece, special, piece, special, ..., piece]
+        last = self._sessions.get(session) if session is not None and self._sessions is not None else None
+        at, head = shared_prefix(text, last) if last is not None else (0, None)
+        # [piece, added token, piece, ..., piece]; cutting from just after an added token cuts as the whole does
+        parts = self._splitter.pattern.split(text[at:] if at else text)
         texts = parts[0::2]
         cached = self.cache.get_many(texts)
-        return _Pieces(parts, texts, cached, [i for i, ids in enumerate(cached) if ids is None])
+        missing = [i for i, ids in enumerate(cached) if ids is None]
+        return _Pieces(text, at, head, last if head is not None else None, parts, texts, cached, missing)
 
-    def _assemble(self, pieces: _Pieces) -> array:
+    def _assemble(self, pieces: _Pieces, session: str | None = None) -> array:
         """Encode the missing pieces (caching them), then join every piece's ids with the added tokens' ids."""
         assert self._splitter is not None
         cached, missing, texts = pieces.cached, pieces.missing, pieces.texts
@@ -312,10 +334,25 @@ class Renderer:
                 cached[i] = ids
             self.cache.put_many([(texts[i], ids) for i, ids in zip(missing, fresh, strict=True)])
         special, parts = self._splitter.ids, pieces.parts
-        out = array("i", cached[0])  # type: ignore[arg-type]  # every miss was filled above
+        out = array("i", pieces.head) if pieces.head is not None else array("i")
+        out.extend(cached[0])  # type: ignore[arg-type]  # every miss was filled above
+        if session is None or self._sessions is None:
+            for k in range(1, len(parts), 2):
+                out.append(special[parts[k]])
+                out.extend(cached[(k + 1) // 2])  # type: ignore[arg-type]
+            return out
+        token_ends, id_ends = _ends_before(pieces.lender, pieces.at) if pieces.lender is not None else ([], [])
+        at = pieces.at + len(parts[0])
         for k in range(1, len(parts), 2):
-            out.append(special[parts[k]])
+            token = parts[k]
+            out.append(special[token])
+            at += len(token)
+            token_ends.append(at)
+            id_ends.append(len(out))
             out.extend(cached[(k + 1) // 2])  # type: ignore[arg-type]
+            at += len(parts[k + 1])
+        # a copy: what later renders of the session reuse must not change with the prompt handed out
+        self._sessions.put(session, LastRender(pieces.text, out[:], token_ends, id_ends))
         return out
 
     def encode(self, text: str) -> list[int]:
@@ -354,6 +391,10 @@ class Renderer:
 class _Pieces:
     """Rendered text cut at added tokens, with each piece's cached ids (None where missing)."""
 
+    text: str
+    at: int  # parts cut text[at:]; what comes before, the session's last render lends
+    head: array | None  # the ids of text[:at]
+    lender: LastRender | None  # the session's last render, if it lent `head`
     parts: list[str]  # [piece, added token, piece, ..., piece]
     texts: list[str]  # the pieces: parts[0::2]
     cached: list[array | None]
@@ -366,6 +407,17 @@ class _Splitter:
 
     pattern: re.Pattern[str]  # one capturing group, so pattern.split keeps the tokens
     ids: dict[str, int]
+
+
+def _ends_before(last: LastRender, at: int) -> tuple[list[int], list[int]]:
+    """`last`'s token and id ends up to character `at` (where a render that reused them starts cutting)."""
+    count = bisect.bisect_right(last.token_ends, at)
+    return last.token_ends[:count], last.id_ends[:count]
+
+
+def _nested(tokens: Mapping[str, int]) -> bool:
+    """Whether some added token occurs inside another (then a cut cannot be resumed after a token)."""
+    return any(a != b and a in b for a in tokens for b in tokens)
 
 
 def _special_splitter(backend: Any) -> tuple[_Splitter | None, str]:

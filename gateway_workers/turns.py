@@ -196,7 +196,7 @@ class TurnPipeline:
         rendering: asyncio.Future[RenderedPrompt] | None = None
         try:
             try:
-                begun = self.renderer.begin_render(request.messages, request.tools)
+                begun = self.renderer.begin_render(request.messages, request.tools, session_id)
             except RenderError as e:
                 begun = e
             if callable(begun):

@@ -27,6 +27,7 @@ from gateway_workers.render import (
     _special_splitter,
     template_messages,
 )
+from gateway_workers.session_renders import LastRender, shared_prefix
 from gateway_workers.twin_checks import VERIFY_FIRST
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -105,6 +106,59 @@ def test_a_growing_episode_equals_full_renders_at_every_turn(tokenizer, renderer
     for cut in range(1, len(messages) + 1):
         rendered = renderer.render(messages[:cut], TOOLS)
         assert list(rendered.prompt_ids) == expected_ids(tokenizer, messages[:cut], TOOLS), cut
+
+
+def session_render(renderer, messages, tools, session):
+    begun = renderer.begin_render(messages, tools, session)
+    return begun() if callable(begun) else begun
+
+
+@PROPERTY
+@given(messages=conversation(), edits=st.lists(st.tuples(st.integers(0, 9), content), max_size=3),
+       other=conversation())
+def test_a_session_renders_every_turn_as_a_full_render(tokenizer, renderer, messages, edits, other):
+    """Each render of a session starts from its previous one: as the episode grows, after an earlier
+    message is rewritten (a template re-rendering history), and for another conversation under the key."""
+    renderer._native_uses = VERIFY_FIRST + 1  # past the renders that go wholly to Jinja
+    session = f"s{id(messages)}-{len(messages)}"
+    turns = [messages[:cut] for cut in range(1, len(messages) + 1)]
+    for at, text in edits:
+        rewritten = [dict(m) for m in messages]
+        rewritten[at % len(rewritten)]["content"] = text
+        turns.append(rewritten)
+    turns += [other, [*other, *messages[1:]]]
+    for k, turn in enumerate(turns):
+        rendered = session_render(renderer, turn, TOOLS, session)
+        assert list(rendered.prompt_ids) == expected_ids(tokenizer, turn, TOOLS), k
+    assert renderer.bpe_twin
+
+
+def test_a_session_render_reuses_the_shared_prefix(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    renderer._native_uses = VERIFY_FIRST + 1
+    episode = [{"role": "system", "content": "sys " * 500}, {"role": "user", "content": "question " * 800}]
+    session_render(renderer, episode, TOOLS, "s1")
+    episode += [{"role": "assistant", "content": "", "tool_calls": [{"name": "search", "arguments": {"q": 1}}]},
+                {"role": "tool", "content": "result " * 300}]
+    lookups = []
+    get_many = renderer.cache.get_many
+    renderer.cache.get_many = lambda pieces: lookups.append(list(pieces)) or get_many(pieces)
+    rendered = session_render(renderer, episode, TOOLS, "s1")
+    assert list(rendered.prompt_ids) == expected_ids(builtin_tokenizer, episode, TOOLS)
+    looked_up = "".join(lookups[0])
+    assert "result" in looked_up and "question" not in looked_up and "sys" not in looked_up
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.text(st.sampled_from("ab<>|"), max_size=40), b=st.text(st.sampled_from("ab<>|"), max_size=40))
+def test_shared_prefix_ends_after_the_last_shared_token(a, b):
+    ends = [i + 2 for i in range(len(a) - 1) if a[i : i + 2] == "<>"]  # "<>" plays an added token here
+    last = LastRender(a, array("i", range(len(ends))), ends, list(range(1, len(ends) + 1)))
+    at, head = shared_prefix(b, last)
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    expected = [e for e in ends if e <= common]
+    assert at == (expected[-1] if expected else 0)
+    assert (head is None) == (not expected) and (head is None or len(head) == len(expected))
 
 
 @settings(max_examples=400, deadline=None)
