@@ -360,6 +360,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--source", nargs="+", default=[str(REPO)], help="checkouts to measure (the first is the base)")
     p.add_argument("--out", help="write every pass and the summary here as JSON")
+    p.add_argument("--keep-dumps", metavar="DIR", help="keep the callgrind dumps here (for callgrind_annotate)")
     args = p.parse_args()
     missing = [tool for tool in ("valgrind", "callgrind_control", "vgdb") if shutil.which(tool) is None]
     if missing:
@@ -386,7 +387,11 @@ def main() -> None:
     passes: list[Pass] = []
     try:
         with contextlib.ExitStack() as stack:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-cg-")))
+            if args.keep_dumps:
+                workdir = Path(args.keep_dumps)
+                workdir.mkdir(parents=True, exist_ok=True)
+            else:
+                workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-cg-")))
             engine = Service(
                 "engine", [sys.executable, str(HERE / "bench_engine.py"), "--tokenizer", tokenizer_dir], ENGINE_READY
             )
