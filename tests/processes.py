@@ -172,3 +172,26 @@ class TestProcess:
         self.stop()
         if exc_type is not None:
             self.dump()
+
+
+BROKER_READY = r"BROKER READY worker=(\S+) control=(\S+)"
+
+
+def start_broker(
+    *extra: str,
+    worker: str = "tcp://127.0.0.1:0",
+    control: str = "tcp://127.0.0.1:0",
+    env: Mapping[str, str] | None = None,
+) -> tuple[TestProcess, str, str]:
+    """A bare `python -m broker` (ephemeral ports by default), ready: (process, worker endpoint, control endpoint)."""
+    proc = TestProcess(
+        [sys.executable, "-m", "broker", "--worker-endpoint", worker, "--control", control, *extra],
+        env=env,
+        name="broker",
+    ).start()
+    try:
+        m = proc.expect(BROKER_READY, EXPECT_TIMEOUT_S)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, m.group(1), m.group(2)

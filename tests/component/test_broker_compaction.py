@@ -9,41 +9,24 @@ broker that never compressed anything.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import zmq
 from component.peers import WorkerPeer, assert_linear_rows, conversation
-from processes import TestProcess
+from processes import start_broker
 
 from broker import protocol
 from trainer_client import TrainerClient
 
-READY = r"BROKER READY worker=(\S+) control=(\S+)"
-START_TIMEOUT_S = 30.0
 AGE_S = 2.0  # long enough that the commits and the first stats call surely fit before it
 COMPACTED_TIMEOUT_S = 20.0
 POLL_S = 0.1
 
 
-def start_broker(env: dict[str, str]) -> tuple[TestProcess, str, str]:
-    proc = TestProcess(
-        [sys.executable, "-m", "broker", "--worker-endpoint", "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0"],
-        env=env,
-        name="broker",
-    ).start()
-    try:
-        m = proc.expect(READY, START_TIMEOUT_S)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, m.group(1), m.group(2)
-
-
 def test_an_old_session_is_compressed_by_the_broker_and_finishes_byte_identical():
     turns = conversation(7, 12, first_prompt=3000, tail=1500, output=200)  # ~22k tokens, ~0.3 MB of logs
-    plain = start_broker({"ROLLOUT_BROKER_COMPACT_IDLE": "0"})
-    cold = start_broker({"ROLLOUT_BROKER_COMPACT_AGE_S": str(AGE_S), "ROLLOUT_BROKER_COMPACT_MIN_BYTES": "65536"})
+    plain = start_broker(env={"ROLLOUT_BROKER_COMPACT_IDLE": "0"})
+    cold = start_broker(env={"ROLLOUT_BROKER_COMPACT_AGE_S": str(AGE_S), "ROLLOUT_BROKER_COMPACT_MIN_BYTES": "65536"})
     ctx = zmq.Context()
     try:
         records = []

@@ -18,25 +18,10 @@ import time
 import pytest
 import zmq
 from component.peers import WorkerPeer, assert_linear_rows, conversation
-from processes import TestProcess
+from processes import TestProcess, start_broker
 
 from broker import protocol
 from trainer_client import BrokerTimeout, TrainerClient, UnknownSession
-
-READY = r"BROKER READY worker=(\S+) control=(\S+)"
-START_TIMEOUT_S = 30.0
-
-
-def start_broker(*extra: str, worker: str = "tcp://127.0.0.1:0", control: str = "tcp://127.0.0.1:0"):
-    proc = TestProcess(
-        [sys.executable, "-m", "broker", "--worker-endpoint", worker, "--control", control, *extra], name="broker"
-    ).start()
-    try:
-        m = proc.expect(READY, START_TIMEOUT_S)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, m.group(1), m.group(2)
 
 
 @pytest.fixture

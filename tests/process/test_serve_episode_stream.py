@@ -30,7 +30,7 @@ import pytest
 import zmq
 from assets import TOOLS, FakeEngine
 from component.peers import WorkerPeer, conversation
-from processes import TestProcess
+from processes import TestProcess, start_broker
 
 from trainer_client import (
     BrokerBusy,
@@ -51,7 +51,6 @@ MAX_TURNS = 6
 FINISH_DEADLINE_S = 60.0
 BUSY_RETRY_S = 0.25
 CONSUME_DELAY_S = 0.01  # each consumer "trains" a little, so all three take part
-BROKER_READY = r"BROKER READY worker=(\S+) control=(\S+)"
 
 
 @pytest.fixture
@@ -318,18 +317,6 @@ def test_through_serve_a_second_finish_is_a_final_410_the_sdk_does_not_retry(gat
 
 
 # --- a bare broker process ---------------------------------------------------------------------
-
-
-def start_broker(worker: str = "tcp://127.0.0.1:0", control: str = "tcp://127.0.0.1:0") -> tuple[Any, str, str]:
-    proc = TestProcess(
-        [sys.executable, "-m", "broker", "--worker-endpoint", worker, "--control", control], name="broker"
-    ).start()
-    try:
-        m = proc.expect(BROKER_READY, 30)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, m.group(1), m.group(2)
 
 
 def finished_sessions(client: TrainerClient, worker: WorkerPeer, n: int, seed: int = 0) -> list[str]:
