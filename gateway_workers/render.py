@@ -15,7 +15,6 @@ Must not import the app, adapters, engines or the backplane.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import re
@@ -336,12 +335,7 @@ class Renderer:
         special, parts = self._splitter.ids, pieces.parts
         out = array("i", pieces.head) if pieces.head is not None else array("i")
         out.extend(cached[0])  # type: ignore[arg-type]  # every miss was filled above
-        if session is None or self._sessions is None:
-            for k in range(1, len(parts), 2):
-                out.append(special[parts[k]])
-                out.extend(cached[(k + 1) // 2])  # type: ignore[arg-type]
-            return out
-        token_ends, id_ends = _ends_before(pieces.lender, pieces.at) if pieces.lender is not None else ([], [])
+        token_ends, id_ends = pieces.lender.ends_before(pieces.at) if pieces.lender is not None else ([], [])
         at = pieces.at + len(parts[0])
         for k in range(1, len(parts), 2):
             token = parts[k]
@@ -351,8 +345,9 @@ class Renderer:
             id_ends.append(len(out))
             out.extend(cached[(k + 1) // 2])  # type: ignore[arg-type]
             at += len(parts[k + 1])
-        # a copy: what later renders of the session reuse must not change with the prompt handed out
-        self._sessions.put(session, LastRender(pieces.text, out[:], token_ends, id_ends))
+        if session is not None and self._sessions is not None:
+            # a copy: what later renders of the session reuse must not change with the prompt handed out
+            self._sessions.put(session, LastRender(pieces.text, out[:], token_ends, id_ends))
         return out
 
     def encode(self, text: str) -> list[int]:
@@ -407,12 +402,6 @@ class _Splitter:
 
     pattern: re.Pattern[str]  # one capturing group, so pattern.split keeps the tokens
     ids: dict[str, int]
-
-
-def _ends_before(last: LastRender, at: int) -> tuple[list[int], list[int]]:
-    """`last`'s token and id ends up to character `at` (where a render that reused them starts cutting)."""
-    count = bisect.bisect_right(last.token_ends, at)
-    return last.token_ends[:count], last.id_ends[:count]
 
 
 def _nested(tokens: Mapping[str, int]) -> bool:

@@ -31,6 +31,11 @@ class LastRender:
     token_ends: list[int]
     id_ends: list[int]
 
+    def ends_before(self, at: int) -> tuple[list[int], list[int]]:
+        """The token and id ends up to character `at` (where a render that reused them starts cutting)."""
+        count = bisect.bisect_right(self.token_ends, at)
+        return self.token_ends[:count], self.id_ends[:count]
+
 
 def shared_prefix(text: str, last: LastRender) -> tuple[int, array | None]:
     """(characters, their ids) of `last` that `text` starts with, ending just after an added token;

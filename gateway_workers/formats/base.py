@@ -98,8 +98,8 @@ class ResponseFormat:
         finish: trims content/reasoning the way the family's template re-renders them.
         string_arguments: argument values are untyped text (XML formats): cast by the tool's JSON schema.
         supports_tools / reasoning / parallel_calls: what the family can express (README coverage table).
-        native_reader: reads a checked body exactly as the declarative engine does, ~10x faster; used in
-            place of that engine while sampled comparisons with it agree (`twin_checks`).
+        native_reader: reads a checked body exactly as the declarative engine does, in a fraction of its
+            time; used in place of that engine while sampled comparisons with it agree (`twin_checks`).
     """
 
     name: str
@@ -254,7 +254,6 @@ class FormatParser:
         if self._backend is not None:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
-
 
     def _prefix_head(self, prefix: str | Sequence[int]) -> str:
         """What the prompt already wrote of the reply after its last assistant anchor (e.g. '<think>\\n').
