@@ -20,7 +20,7 @@ import struct
 import unicodedata
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -38,11 +38,22 @@ PROBE_TEXTS = (
     "def f(x):\n    return {\"a\": [1, 2.5e-3, None], 'b': x ** 2}  # ok\n",
     "aaaaaaaaaaaaaaaa ababababab ,,,,,,;;;;;; ...... ---- ____ 0000000",
 )
-_BUILT_MAX = 8
-_BUILT: dict[int, tuple[Any, BpeTwin | None, str]] = {}
+_BUILT_MAX = 8  # tokenizer objects whose twins are kept (per kind), oldest dropped first
+_TWINS: dict[int, tuple[Any, tuple[BpeTwin | None, str]]] = {}
 _DECODERS: dict[int, tuple[Any, Decode]] = {}
 
 Decode = Callable[[Sequence[int]], str]
+_Built = TypeVar("_Built")
+
+
+def _per_backend(cache: dict[int, tuple[Any, _Built]], backend: Any, build: Callable[[Any], _Built]) -> _Built:
+    """`build(backend)`, once per tokenizer object: kept with the object, so its id is not reused meanwhile."""
+    key = id(backend)
+    if key not in cache:
+        if len(cache) >= _BUILT_MAX:
+            cache.pop(next(iter(cache)))
+        cache[key] = (backend, build(backend))
+    return cache[key][1]
 
 
 def _byte_alphabet() -> dict[int, int]:
@@ -80,13 +91,7 @@ def bpe_twin(backend: Any) -> tuple[BpeTwin | None, str]:
 
     Building one reads the whole vocabulary and merges (~1 s): the result is kept per tokenizer object.
     """
-    key = id(backend)
-    if key not in _BUILT:
-        if len(_BUILT) >= _BUILT_MAX:
-            _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = (backend, *_build(backend))  # holding the backend keeps its id from being reused
-    _, twin, why = _BUILT[key]
-    return twin, why
+    return _per_backend(_TWINS, backend, _build)
 
 
 def _build(backend: Any) -> tuple[BpeTwin | None, str]:
@@ -208,19 +213,18 @@ def token_decoder(tokenizer: Any) -> Decode:
     if backend is None:
         return lambda ids: _joined(tokenizer.decode(list(ids), skip_special_tokens=False,
                                                     clean_up_tokenization_spaces=False))
-    key = id(backend)
-    if key not in _DECODERS:
-        if len(_DECODERS) >= _BUILT_MAX:
-            _DECODERS.pop(next(iter(_DECODERS)))
+    return _per_backend(_DECODERS, backend, _build_decoder)
 
-        def exact(ids: Sequence[int]) -> str:
-            return str(backend.decode(list(ids), skip_special_tokens=False))
 
-        table, why = _decode_table(backend, exact)
-        if table is None:
-            logger.info("ids are decoded by the tokenizer: %s", why)
-        _DECODERS[key] = (backend, exact if table is None else TableDecoder(table, exact))
-    return _DECODERS[key][1]
+def _build_decoder(backend: Any) -> Decode:
+    def exact(ids: Sequence[int]) -> str:
+        return str(backend.decode(list(ids), skip_special_tokens=False))
+
+    table, why = _decode_table(backend, exact)
+    if table is None:
+        logger.info("ids are decoded by the tokenizer: %s", why)
+        return exact
+    return TableDecoder(table, exact)
 
 
 def _joined(text: str | list[str]) -> str:
