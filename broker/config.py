@@ -49,6 +49,12 @@ MAX_CREDIT = 1_024
 COMPACT_AGE_S = 5.0
 # ...and only in sessions whose logs hold this many raw bytes: tiny sessions never pay.
 COMPACT_MIN_SESSION_BYTES = 64 * 1024
+# Heap trimming (see `heap_trim`): once the broker has freed this many bytes since its last trim
+# (compacted log bytes, finished sessions), glibc's malloc_trim(0) gives the free pages back in the
+# loop's idle time, at most once per TRIM_INTERVAL_S (and never more than ~1% of the time: see
+# `heap_trim.PAUSE_SPACING`). TODO-why
+TRIM_MIN_BYTES = 8 * 1024 * 1024
+TRIM_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,9 @@ class BrokerConfig:
             (once they are, the next steps of the loop's idle time do it, a slice at a time).
         compact_min_bytes: only sessions holding at least this many raw log bytes (token ids plus
             message bytes) are compressed; smaller ones hold little.
+        trim_min_bytes: give free heap pages back to the OS (glibc `malloc_trim`, in idle time) once
+            this many bytes were freed since the last trim; 0 never trims.
+        trim_interval_s: at least this many seconds between two trims.
     """
 
     worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -99,6 +108,8 @@ class BrokerConfig:
     compact_idle: bool = True
     compact_age_s: float = COMPACT_AGE_S
     compact_min_bytes: int = COMPACT_MIN_SESSION_BYTES
+    trim_min_bytes: int = TRIM_MIN_BYTES
+    trim_interval_s: float = TRIM_INTERVAL_S
 
     def __post_init__(self) -> None:
         for name in (
@@ -116,7 +127,14 @@ class BrokerConfig:
                 raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_turns_cap is not None and self.max_turns_cap <= 0:
             raise ValueError(f"BrokerConfig.max_turns_cap must be > 0 or None, got {self.max_turns_cap!r}")
-        for name in ("max_wait_timeout", "shutdown_linger_ms", "compact_age_s", "compact_min_bytes"):
+        for name in (
+            "max_wait_timeout",
+            "shutdown_linger_ms",
+            "compact_age_s",
+            "compact_min_bytes",
+            "trim_min_bytes",
+            "trim_interval_s",
+        ):
             if not getattr(self, name) >= 0:  # `not >=`: NaN fails too
                 raise ValueError(f"BrokerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
@@ -163,6 +181,8 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "compact_idle": lambda text: text.strip().lower() not in ("0", "false", "no", "off"),
     "compact_age_s": float,
     "compact_min_bytes": int,
+    "trim_min_bytes": int,
+    "trim_interval_s": float,
 }
 
 

@@ -27,6 +27,7 @@ import zmq
 from broker import protocol
 from broker.config import BrokerConfig
 from broker.finishes import Finishes
+from broker.heap_trim import HeapTrimmer, glibc_malloc_trim
 from broker.outbox import Outbox, Reply
 from broker.rows import RowBuilder
 from broker.sessions import Refusal, SessionRegistry
@@ -70,6 +71,11 @@ class BrokerServer:
             compact=config.compact_idle,
             compact_min_bytes=config.compact_min_bytes,
             compact_age_s=config.compact_age_s,
+        )
+        self.trimmer = HeapTrimmer(
+            min_bytes=config.trim_min_bytes,
+            interval_s=config.trim_interval_s,
+            trim=glibc_malloc_trim() if config.trim_min_bytes > 0 else None,
         )
         self._ctx: zmq.Context | None = None
         self._workers: zmq.Socket | None = None
@@ -150,14 +156,20 @@ class BrokerServer:
         poller.register(self._workers, zmq.POLLIN)
         poller.register(self._control, zmq.POLLIN)
         try:
-            registry, compact = self.registry, self.config.compact_idle
+            registry, compact, trimmer = self.registry, self.config.compact_idle, self.trimmer
+            counters = registry.counters
             while not self.should_exit:
-                # Idle time compresses older session logs, one bounded step per loop (`compact_step`):
+                # Idle time compresses older session logs, one bounded step per loop (`compact_step`),
+                # and gives freed heap pages back to the OS (`heap_trim`: rate-limited, one call):
                 # a frame waiting always goes first, so this costs the commit path nothing.
-                idle_work = compact and registry.compaction_pending
+                trim = trimmer.due(counters["bytes_freed"])
+                idle_work = trim or (compact and registry.compaction_pending)
                 events = dict(poller.poll(0 if idle_work else self._poll_timeout_ms()))
                 if idle_work and not events:
-                    registry.compact_step()
+                    if trim:
+                        trimmer.trim(counters["bytes_freed"])
+                    else:
+                        registry.compact_step()
                 if self._workers in events:
                     self._drain(self._workers, self._handle_worker_frame)
                 if self._control in events:
@@ -350,6 +362,7 @@ class BrokerServer:
             **self.registry.stats(),
             **self.outbox.stats(),
             **self.finishes.stats(),
+            **self.trimmer.stats(self.registry.counters["bytes_freed"]),
             "refusals": dict(self._refusals),
             "protocol_errors": self._counters["protocol_errors"],
             "replies_dropped": self._counters["replies_dropped"],

@@ -140,6 +140,8 @@ class SessionRegistry:
         self._aging: deque[list[Any]] = deque()
         self._ready: dict[str, None] = {}  # sessions with aged bytes to compress (FIFO)
         self._pending: tuple[Session, PendingChunk] | None = None  # the chunk being compressed
+        # bytes_freed: what the registry let go to the allocator (compressed chunks' raw bytes, finished
+        # and dropped sessions' logs); the server trims the C heap by it (`heap_trim`).
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "sessions_opened",
@@ -154,6 +156,7 @@ class SessionRegistry:
                 "commits_delta",
                 "commits_unknown_base",
                 "bytes_compacted",
+                "bytes_freed",
             ),
             0,
         )
@@ -238,6 +241,7 @@ class SessionRegistry:
         abandoned = len(session.in_flight)
         self.counters["sessions_finished"] += 1
         self.counters["turns_abandoned"] += abandoned
+        self.counters["bytes_freed"] += session.committed.bytes_held()
         turns = session.committed.records()
         return FinishedSession(
             sid,
@@ -257,6 +261,7 @@ class SessionRegistry:
             return False
         self._remember_finished(sid, "dropped")
         self.counters["sessions_dropped"] += 1
+        self.counters["bytes_freed"] += session.committed.bytes_held()
         return True
 
     def _remember_finished(self, sid: str, origin: FinishOrigin) -> None:
@@ -393,6 +398,7 @@ class SessionRegistry:
         if chunk.step(slice_bytes):
             self._pending = None
             self.counters["bytes_compacted"] += len(chunk.raw)
+            self.counters["bytes_freed"] += len(chunk.raw)  # the raw bytes left the hot logs
         return True
 
     def _next_chunk(self, chunk_bytes: int) -> tuple[Session, PendingChunk] | None:

@@ -10,8 +10,8 @@ the broker), side by side with a bare zmq echo fed the same frames by the same p
 the broker's per-commit hot path in-process (and the worker's cost of building the commit);
 finish_session latency of a 50-turn session whose final context is 32k tokens; broker RSS
 per such session against its final token count (20 sessions interleaved, each living 10x the
-broker's compact_age_s, then a wait for their last bytes to age and be compressed: the
-output says so). Commits are deltas
+broker's compact_age_s, then a wait for their last bytes to age and be compressed, and for the
+broker's next heap trim: the output says so). Commits are deltas
 against the sender's previous turn, as a worker sends them (`gateway_workers.commit_bases`); `--full-commits`
 also measures whole-turn commits in the same run. Prints medians of --runs runs.
 """
@@ -473,7 +473,8 @@ def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> di
                 send_turn(w, frames[k])
             time.sleep(max(0.0, t0 + life * (k + 1) / args.long_turns - time.monotonic()))
         waited = wait_for_compaction(client, args.compact_age) if compact else 0.0
-        time.sleep(IDLE_SETTLE_S)  # idle time: the broker compacts what the last turns left due
+        # idle time: the broker compacts what the last turns left due, and trims its heap after
+        time.sleep(IDLE_SETTLE_S + BrokerConfig().trim_interval_s)
         grown = rss_bytes(proc.pid) - base
         cpu = cpu_seconds(proc.pid) - cpu0
         held = client.stats()
@@ -491,6 +492,9 @@ def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> di
             "broker_cpu_us_per_commit": 1e6 * cpu / (args.memory_sessions * args.long_turns),
             "session_life_s": life,
             "waited_for_age_s": waited,
+            # the broker giving freed heap pages back (ROLLOUT_BROKER_TRIM_MIN_BYTES=0 in the environment: off)
+            "heap_trims": held.get("heap_trims", 0),
+            "heap_trim_pause_ms_max": held.get("heap_trim_pause_ms_max", 0.0),
         }
     finally:
         ctx.term()
