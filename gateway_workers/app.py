@@ -293,11 +293,14 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         backplane.start()
         # The CLI ran the same decision before spawning us; an unknown template fails here only if it did not.
         parser = detect_parser(tokenizer, config.response_format, config.allow_plain_text)
-        pipeline = TurnPipeline(backplane, Renderer(tokenizer), parser, engine, config.default_max_tokens)
+        renderer = Renderer(tokenizer)
+        renderer.prepare_thread()
+        pipeline = TurnPipeline(backplane, renderer, parser, engine, config.default_max_tokens)
         logger.info("worker %d ready: broker %s, engine %s", os.getpid(), config.broker_endpoint, config.engine.kind)
         try:
             yield {"pipeline": pipeline, "config": config, "counters": Counter()}
         finally:
+            renderer.thread.shutdown(wait=False, cancel_futures=True)
             await backplane.drain(config.commit_drain_s)
             await backplane.close()
             await asyncio.wait_for(engine.aclose(), ENGINE_CLOSE_TIMEOUT_S)

@@ -9,7 +9,8 @@ each piece's ids come from a bounded per-process LRU cache (`SegmentCache`); new
 encoded by a tiktoken twin of the tokenizer where one exists (`bpe_twin`). Known templates
 render through their plain-Python twin (`native_templates`). Both twins are checked against
 the original (Jinja, the `tokenizers` encode) on a sample of live renders.
-`Renderer.render` is safe to call from worker threads (the app uses run_in_threadpool).
+`Renderer.render` is safe to call from any thread; the app runs long renders on the renderer's
+own thread (`Renderer.thread`), which keeps a tiktoken encoding of its own.
 Must not import the app, adapters, engines or the backplane.
 """
 
@@ -23,6 +24,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +174,9 @@ class Renderer:
             if self._twin is None:
                 logger.info("new prompt text is encoded by `tokenizers` (no tiktoken twin: %s)", why_not)
         self._twin_uses = 0  # racy across threads on purpose: a skipped or doubled check is harmless
+        # One thread for renders too long for the event loop: the same thread each time keeps the twin's
+        # regex caches its own (`BpeTwin.own_encoding`), and one core's worth of work needs no more.
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
         # A session's next render re-cuts only what follows its last render's last shared added token;
         # that is the same cut only if no added token occurs inside another.
         self._sessions: SessionRenders | None = None
@@ -195,6 +200,11 @@ class Renderer:
         """The name of the template twin in use, if any."""
         native = self._native
         return native.name if native is not None else None
+
+    def prepare_thread(self) -> None:
+        """Give `thread` its twin encoding now, in the background (~0.3 s there), not on the first long render."""
+        if self._twin is not None:
+            self.thread.submit(self._twin.own_encoding)
 
     @property
     def bpe_twin(self) -> bool:

@@ -11,6 +11,7 @@ own error shape. `TurnPipeline.prepare` (OPEN + render) is shared with the live 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -18,8 +19,6 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from starlette.concurrency import run_in_threadpool
 
 from broker import protocol
 from gateway_workers.agent_connection import AgentConnection
@@ -200,7 +199,7 @@ class TurnPipeline:
             except RenderError as e:
                 begun = e
             if callable(begun):
-                rendering = asyncio.ensure_future(run_in_threadpool(begun))
+                rendering = asyncio.get_running_loop().run_in_executor(self.renderer.thread, begun)
             opened = await opening
         except BaseException as e:
             opening.close()
@@ -288,7 +287,8 @@ class TurnPipeline:
     async def count_tokens(self, request: TurnRequest) -> int:
         """Prompt length of a request, rendered exactly as a turn would be."""
         try:
-            rendered = await run_in_threadpool(self.renderer.render, request.messages, request.tools)
+            render = functools.partial(self.renderer.render, request.messages, request.tools)
+            rendered = await asyncio.get_running_loop().run_in_executor(self.renderer.thread, render)
         except RenderError as e:
             raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
         return len(rendered.prompt_ids)

@@ -134,7 +134,7 @@ def test_renderer_drops_a_diverging_twin_and_keeps_exact_ids(builtin_tokenizer, 
             return ids[::-1]
 
     good, _ = bpe_twin(builtin_tokenizer.backend_tokenizer)
-    renderer._twin = Wrong(good._encoding, nfc=True)
+    renderer._twin = Wrong(lambda: good._shared, nfc=True)
     messages = [{"role": "user", "content": "several words that are surely more than one token"}]
     with caplog.at_level(logging.ERROR, logger="gateway_workers.render"):
         ids = renderer.render(messages).prompt_ids
@@ -160,3 +160,23 @@ def test_live_encodes_are_checked_on_a_sample(builtin_tokenizer, monkeypatch):
         renderer.render([{"role": "user", "content": f"question number {k} " * 3}])
     assert next(calls) == twin_checks.VERIFY_FIRST + 2  # the first ones, then 2 of the next 8 (every 4th)
     assert renderer.bpe_twin
+
+
+def test_the_render_thread_encodes_with_its_own_encoding_and_the_same_ids(builtin_tokenizer):
+    """tiktoken serves only the first thread to use an encoding lock-free: the render thread gets its own."""
+    renderer = Renderer(builtin_tokenizer)
+    twin = renderer._twin
+    assert twin is not None
+    texts = ["plain words here", "  indented\n    code()\n", "数字 12345 🙂", "\t\ttabs  and  runs  \n"]
+    try:
+        renderer.prepare_thread()
+
+        def on_thread() -> tuple[object, list[list[int]]]:
+            return twin._own.encoding, [twin.encode(t).tolist() for t in texts]
+
+        own, ids = renderer.thread.submit(on_thread).result(timeout=30)
+    finally:
+        renderer.thread.shutdown(wait=True)
+    assert own is not twin._shared and not hasattr(twin._own, "encoding")  # this thread still shares the first
+    assert ids == [twin.encode(t).tolist() for t in texts]
+    assert ids == [builtin_tokenizer.backend_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
