@@ -53,6 +53,7 @@ class System:
     dialects: tuple[str, ...] = ("chat", "messages", "responses")
     roles: dict[str, str] = field(default_factory=dict)  # sub-group name -> cmdline marker (CPU by role)
     root: int | None = None  # process tree root, for re-pinning
+    workers: int = 1  # processes that share the agents' connections (each must be warmed up)
 
 
 def _role_pids(pids: Callable[[], set[int]], marker: str) -> Callable[[], set[int]]:
@@ -180,6 +181,7 @@ def start_systems(args: argparse.Namespace, tokenizer_dir: str, engine_url: str)
                 functools.partial(_tree, root),
                 root=root,
                 roles={"broker": "-m\0broker", "workers": "multiprocessing.spawn"},
+                workers=workers,
             )
         if not args.no_reference:
             python = reference_gateway.ensure_venv(Path(args.ref_venv))
@@ -228,13 +230,15 @@ def median_of(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], float]
 
 def warm_up(bench: Bench) -> None:
     """A short unrecorded run per system and dialect: lazy imports and loads (the broker's tokenizer on the
-    first finish), compiled templates, pooled connections."""
+    first finish), compiled templates, pooled connections, and each worker's start-up checks of its twins
+    (`twin_checks.VERIFY_FIRST` uses each, compared with the slow originals). Agents land on workers by
+    the kernel's accept race, so each worker gets several agents' turns: past the checks with room to spare."""
     for name, system in bench.systems.items():
         engine = None if name == "direct" else bench.engine_url
         for dialect in system.dialects:
             config = loadgen.LoadConfig(
-                agents=2,
-                turns=3,
+                agents=4 * system.workers,
+                turns=8,
                 context_tokens=2048,
                 progress=False,
                 dialect=dialect,
