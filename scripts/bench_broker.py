@@ -9,7 +9,8 @@ the broker's own CPU per commit (publishers share the cores, so commits/s alone 
 the broker), side by side with a bare zmq echo fed the same frames by the same publishers;
 the broker's per-commit hot path in-process (and the worker's cost of building the commit);
 finish_session latency of a 50-turn session whose final context is 32k tokens; broker RSS
-per such session against its final token count (20 sessions interleaved, each living 10x the
+per such session against its final token count (from the broker at rest after a warm-up session;
+20 sessions interleaved, each living 10x the
 broker's compact_age_s, then a wait for their last bytes to age and be compressed, and for the
 broker's next heap trim: the output says so). Commits are deltas
 against the sender's previous turn, as a worker sends them (`gateway_workers.commit_bases`); `--full-commits`
@@ -457,6 +458,9 @@ def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> di
         # Built before the baseline: the frames live in this process, but building them takes time.
         sessions = [session_frames(client, 2000 + i, args, full) for i in range(args.memory_sessions)]
         final = sessions[0][2]
+        # The baseline is the broker at rest: past its next heap trim, which gives back what the warm-up
+        # freed (else the sessions would first refill those resident free pages, and seem to cost less).
+        time.sleep(IDLE_SETTLE_S + BrokerConfig().trim_interval_s)
         # Sessions live as long as agents' do, interleaved: the broker compresses a session's bytes
         # once they are compact_age_s old, so how long a session lives decides what it holds raw.
         # (Paced the same with compaction off, so that the broker CPU per commit compares like for like.)
@@ -495,6 +499,10 @@ def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> di
             # the broker giving freed heap pages back (ROLLOUT_BROKER_TRIM_MIN_BYTES=0 in the environment: off)
             "heap_trims": held.get("heap_trims", 0),
             "heap_trim_pause_ms_max": held.get("heap_trim_pause_ms_max", 0.0),
+            "heap_trim_released_KiB_per_session": held.get("heap_trim_released_bytes", 0) / 1024 / args.memory_sessions,
+            "freed_KiB_since_trim": held.get("bytes_freed_since_trim", 0) / 1024,
+            "rss_base_MiB": base / 2**20,
+            "rss_end_MiB": (base + grown) / 2**20,
         }
     finally:
         ctx.term()

@@ -38,7 +38,7 @@ GIB = 2**30
 MIB = 2**20
 # RSS per live session at steady state (ages uniform over 50 turns of a 32k-token episode, compacted),
 # measured here: sizes the live set for a --heap-gib target (the output reports the RSS actually held).
-BYTES_PER_LIVE_SESSION = 145_000
+BYTES_PER_LIVE_SESSION = 124_000
 CHILD_TIMEOUT_S = 3_600.0
 
 
