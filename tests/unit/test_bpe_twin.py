@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from gateway_workers import twin_checks
-from gateway_workers.bpe_twin import BpeTwin, bpe_twin
+from gateway_workers.bpe_twin import BpeTwin, _lookahead_cuts, bpe_twin
 from gateway_workers.render import Renderer
 
 ADDED = ("<|", "|>", "<think", "</think", "<tool_", "</tool_")  # text that could form an added token is cut out
@@ -55,6 +55,37 @@ text = st.lists(st.one_of(shapes, st.text(st.characters(codec="utf-8", exclude_c
 @given(text=text)
 def test_twin_encodes_any_text_like_the_tokenizer(backend, twin, text):
     assert twin.encode(text).tolist() == exact(backend, text)
+
+
+# Runs of every kind of space (the engine's \\s, Python's extra \\x1c-\\x1f, newlines) between words,
+# punctuation and digits: where the split pattern's lookahead ends pieces, which the twin restores by cuts.
+SPACES = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2005\u200a\u2028\u2029\u202f\u205f\u3000\x1c\x1f"
+runs = st.text(st.sampled_from(SPACES), min_size=1, max_size=5)
+words = st.sampled_from(["a", "Word", "中", "1", "42", '"key"', "{", "}", "(", ":", "½", "²", "e\u0301", "🙂", "'s"])
+spaced = st.lists(st.one_of(runs, words), max_size=40).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=spaced, repeat=st.sampled_from([1, 1, 60]))
+def test_twin_restores_the_pieces_the_lookahead_ends(backend, twin, text, repeat):
+    """Short pieces find the cuts by `re`, long ones (x60) by numpy; ½ and ² in the text are cut markers too."""
+    text = text * repeat
+    assert twin.encode(text).tolist() == exact(backend, text)
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=spaced)
+def test_numpy_and_re_find_the_same_cuts(text):
+    by_re = _lookahead_cuts(text, numpy_from=len(text) + 1)
+    assert _lookahead_cuts(text, numpy_from=0) == by_re
+
+
+def test_indented_code_and_text_holding_every_cut_marker(backend, twin):
+    code = "def f(x):\n    if x:\n\t\treturn {\n        'a':  [1,  2],\n    }\n  \n" * 40
+    assert twin._cuts is not None  # the Qwen patterns split without their lookahead
+    ends = "a  \rb \t\rc x\r\n  \ry\n\n  \u2028\u2028z"
+    for text in (code, code + "".join(twin._cuts), "".join(twin._cuts) + "  x  \u3000y", ends, ends * 50):
+        assert twin.encode(text).tolist() == exact(backend, text)
 
 
 def test_twin_agrees_on_self_overlapping_tokens(backend, twin):
