@@ -295,7 +295,7 @@ class Renderer:
         session: str | None = None,
     ) -> RenderedPrompt | Callable[[], RenderedPrompt]:
         """Do the cheap part of a render on the calling thread (the event loop's): the prompt if that was all,
-        else a function that does the rest, to run on a worker thread.
+        else a function that does the rest, to run on the render thread (`thread`).
 
         Cheap: the template renders through its plain-Python twin, no check against the originals is
         due, and the new text to tokenize (by the tiktoken twin) is at most INLINE_NEW_CHARS. That is

@@ -5,7 +5,7 @@ text (`render.py`): both cost time in proportion to the whole conversation. A co
 at its end, so the text up to the last added token it shares with the session's previous render
 cuts the same way again (given no added token occurs inside another, which the renderer checks),
 and its ids are a prefix of the previous prompt's: only the rest is cut, looked up and joined.
-Thread-safe (renders also finish on worker threads). Imports only the stdlib.
+Thread-safe (long renders finish on the renderer's own thread). Imports only the stdlib.
 """
 
 from __future__ import annotations
