@@ -49,10 +49,10 @@ _LOOKAHEAD_TAIL = r"|\s+(?!\S)|\s+"
 # What `\s` means to that engine: Unicode White_Space (Python's str.isspace also takes \x1c-\x1f).
 _SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
 _SPACE_CLASS = re.escape(_SPACE)
+_SPACE_NOT_NEWLINE_CLASS = re.escape(_SPACE.replace("\n", "").replace("\r", ""))
 # Where the lookahead ends a piece: before the last character of a run of 2+ spaces, that character not a
 # newline and followed by a non-space (the group's start).
-_LOOKAHEAD_CUT = re.compile(f"[{_SPACE_CLASS}]([{re.escape(_SPACE.replace(chr(10), '').replace(chr(13), ''))}])"
-                            f"(?=[^{_SPACE_CLASS}])")
+_LOOKAHEAD_CUT = re.compile(f"[{_SPACE_CLASS}]([{_SPACE_NOT_NEWLINE_CLASS}])(?=[^{_SPACE_CLASS}])")
 _SPACE_TABLE = np.zeros(ord("\u3000") + 2, dtype=bool)  # indexed by code point, clipped to its last (False) slot
 _SPACE_TABLE[[ord(c) for c in _SPACE]] = True
 _NUMPY_CUTS_FROM = 1024  # chars: below, `re` finds the cuts faster than numpy's fixed costs

@@ -126,11 +126,6 @@ class SegmentCache:
                 self._bytes -= self.cost(piece, ids)
                 self._evictions += 1
 
-    def count_hits(self, hits: int) -> None:
-        """Pieces a render reused without looking them up (`session_renders`) count as hits."""
-        with self._lock:
-            self._hits += hits
-
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self._hits, self._misses, self._evictions, len(self._entries), self._bytes)

@@ -460,7 +460,8 @@ def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> di
         final = sessions[0][2]
         # The baseline is the broker at rest: past its next heap trim, which gives back what the warm-up
         # freed (else the sessions would first refill those resident free pages, and seem to cost less).
-        time.sleep(IDLE_SETTLE_S + BrokerConfig().trim_interval_s)
+        rest_s = IDLE_SETTLE_S + BrokerConfig().trim_interval_s
+        time.sleep(rest_s)
         # Sessions live as long as agents' do, interleaved: the broker compresses a session's bytes
         # once they are compact_age_s old, so how long a session lives decides what it holds raw.
         # (Paced the same with compaction off, so that the broker CPU per commit compares like for like.)
@@ -478,7 +479,7 @@ def memory_run(args: argparse.Namespace, full: bool, compact: bool = True) -> di
             time.sleep(max(0.0, t0 + life * (k + 1) / args.long_turns - time.monotonic()))
         waited = wait_for_compaction(client, args.compact_age) if compact else 0.0
         # idle time: the broker compacts what the last turns left due, and trims its heap after
-        time.sleep(IDLE_SETTLE_S + BrokerConfig().trim_interval_s)
+        time.sleep(rest_s)
         grown = rss_bytes(proc.pid) - base
         cpu = cpu_seconds(proc.pid) - cpu0
         held = client.stats()
