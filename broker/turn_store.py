@@ -63,7 +63,7 @@ class TurnStore:
         # `bytearray.startswith(buffer, offset)` compares against it in place. Ids before
         # `_tok_cold.size` bytes are compressed (`start_compaction`).
         self.tokens = bytearray()
-        self._tok_cold = ColdLog()
+        self._tok_cold = ColdLog(_ID_BYTES)  # byte-shuffled: ids' high bytes compress far better than their low ones
         # Every distinct message's msgpack bytes, once: the first `len(_cold_ends)` compressed back to
         # back in `_msg_cold` (each one's end offset in `_cold_ends`), the rest in `msgs` (a list:
         # appending never copies what is already held, as a growing bytearray's reallocations do).
@@ -377,8 +377,10 @@ class TurnStore:
         """
         due_tok, due_msgs = self._due(limit)
         if due_tok >= MIN_CHUNK:
-            n = min(due_tok, chunk_bytes)
-            return PendingChunk(bytes(self.tokens[:n]), partial(self._add_cold, self._tok_cold.size, 0))
+            n = min(due_tok, max(chunk_bytes - chunk_bytes % _ID_BYTES, _ID_BYTES))  # whole ids: chunks are shuffled
+            return PendingChunk(
+                bytes(self.tokens[:n]), partial(self._add_cold, self._tok_cold.size, 0), self._tok_cold.width
+            )
         if sum(map(len, due_msgs)) < MIN_CHUNK:
             return None
         k = n = 0  # the oldest due messages, until chunk_bytes
