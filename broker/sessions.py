@@ -71,7 +71,7 @@ class Session:
     aborted: set[str] = field(default_factory=set)
     committed: TurnStore = field(default_factory=TurnStore)
     serial: int = 0  # which opening of `sid` (ids may be reused): aging entries name it
-    aged_to: tuple[int, int] = (0, 0)  # `TurnStore.log_ends` of its last commit that is compact_age_s old
+    aged_to: tuple[int, int, int] = (0, 0, 0)  # `TurnStore.log_ends` of its last commit that is compact_age_s old
     aging: list[Any] | None = None  # its newest aging entry, while commits may still join it
 
 
@@ -135,7 +135,7 @@ class SessionRegistry:
         self._compact_age = compact_age_s
         self._age_bucket = compact_age_s / AGE_BUCKETS
         self._clock = clock
-        # [due time, sid, serial, token log bytes, messages]: a session's log ends after some commits,
+        # [due time, sid, serial, `TurnStore.log_ends`]: a session's log ends after some commits,
         # due compact_age_s after the first of them (+ a bucket). Oldest first, so due times ascend.
         self._aging: deque[list[Any]] = deque()
         self._ready: dict[str, None] = {}  # sessions with aged bytes to compress (FIFO)
@@ -350,10 +350,10 @@ class SessionRegistry:
         now = self._clock()
         entry = session.aging
         if entry is not None and now < entry[0] - self._compact_age:  # within the entry's bucket: join it
-            entry[3], entry[4] = session.committed.log_ends
+            entry[3] = session.committed.log_ends
         else:
             due = now + self._age_bucket + self._compact_age  # the last commit to join it is compact_age_s old then
-            entry = [due, session.sid, session.serial, *session.committed.log_ends]
+            entry = [due, session.sid, session.serial, session.committed.log_ends]
             session.aging = entry
             self._aging.append(entry)
 
@@ -374,10 +374,10 @@ class SessionRegistry:
     def _promote(self, aging: deque[list[Any]], now: float) -> None:
         sessions, ready = self._sessions, self._ready
         while aging and aging[0][0] <= now:
-            _, sid, serial, tok_end, msg_end = aging.popleft()
+            _, sid, serial, ends = aging.popleft()
             session = sessions.get(sid)
             if session is not None and session.serial == serial:  # else finished (or its id reopened)
-                session.aged_to = (tok_end, msg_end)  # a session's entries come of age in commit order
+                session.aged_to = ends  # a session's entries come of age in commit order
                 ready[sid] = None
 
     def compact_step(self, slice_bytes: int = COMPACT_SLICE_BYTES, chunk_bytes: int = COMPACT_CHUNK_BYTES) -> bool:

@@ -4,58 +4,63 @@ A turn's tokens (prompt + output) and messages (prompt + response) are kept as r
 into append-only per-session logs (int32 ids; messages as their msgpack bytes, never decoded
 on the commit path), sharing the longest common prefix with a neighbouring turn, so a session
 costs about its unique tokens. A delta commit (one naming its base turn) is stored without any
-comparison: the base's ranges cut to the shared length, plus the new tail appended. Older log
-bytes can be compressed in the broker's idle time (`start_compaction`, see `cold_log`). Turns are plain
-tuples of ints, strs and tuples, which the garbage collector stops tracking. Pure data structure:
-no sockets, no clocks, no lifecycle rules (`sessions.py` owns those). Imports only the stdlib and
-`broker.protocol` / `broker.trajectory` / `broker.cold_log`.
+comparison: the base's ranges cut to the shared length, plus the new tail appended. Output
+logprobs go to a third log. Older log bytes can be compressed in the broker's idle time
+(`start_compaction`, see `cold_log`). A turn is a row of ints in one array per session, its
+ranges in another: no Python object per turn but its id. Pure data structure: no sockets, no
+clocks, no lifecycle rules (`sessions.py` owns those). Imports only the stdlib and `broker`.
 """
 
 from __future__ import annotations
 
 import zlib
 from array import array
-from bisect import bisect_left, insort
-from collections.abc import Callable
+from bisect import bisect_left
 from functools import partial
 from typing import Any, Final
 
 from broker import protocol
 from broker.cold_log import MIN_CHUNK, ColdLog, PendingChunk
+from broker.log_ranges import common_prefix, cut, extend, span
 from broker.trajectory import TurnRecord
 
 _ID_BYTES = 4  # int32 token ids
 _LP_BYTES = 4  # float32 logprobs
-_TURN_OVERHEAD = 320  # a turn's tuple, range tuples, id and dict slots: for the bytes_held gauge
+# A turn's id, its dict slot and its share of the arrays' spare room: for the bytes_held gauge.
+_TURN_OVERHEAD = 120
 _MESSAGE_OVERHEAD = 8  # its list slot (hot) or end offset (cold)
 
-# A stored turn is a tuple (built in one step, untracked by the collector once it has seen it):
-# id, OPEN seq, token ranges (flat (start, stop, ...) in ids), prompt length, output logprobs (the
-# commit's own float32 array: keeping it copies nothing), output length, finish reason, message
-# ranges (flat, in messages), prompt message count, flags, context length (prompt + output ids).
-# (Final literals: mypy types each field of the tuple by its index.)
-_SEQ: Final = 1
-_TOKS: Final = 2
-_PLEN: Final = 3
-_LPS: Final = 4
-_NOUT: Final = 5
-_FINISH: Final = 6
-_MSGS: Final = 7
-_NPM: Final = 8
-_FLAGS: Final = 9
-_NTOK: Final = 10
+# A stored turn is row i (its arrival index; `_index` maps turn id -> i) of `_rec`, _FIELDS ints:
+# OPEN seq, prompt length, output length, prompt message count, where its ranges start in
+# `_ranges` (token ranges, then message ranges: flat (start, stop, ...) in ids and in messages) and
+# how many ints each takes, where its logprobs start in the logprob log, the (CRC-32, length) of a
+# checked prefix of its context (a delta's prefix, or the whole context once a delta used the turn
+# as its base: the next delta reads only ids past it), and its finish reason (index in `_reasons`).
+# Packed, a turn costs ~120 bytes plus its ranges; as a tuple of objects it cost ~800.
+_SEQ: Final = 0
+_PLEN: Final = 1
+_NOUT: Final = 2
+_NPM: Final = 3
+_RANGES: Final = 4
+_NTOKS: Final = 5
+_NMSGS: Final = 6
+_LP: Final = 7
+_CRC: Final = 8
+_CRC_LEN: Final = 9
+_FINISH: Final = 10
+_FIELDS: Final = 11
 Ranges = tuple[int, ...]
 _NO_RANGES: Ranges = ()
-_NO_LIMIT = (1 << 62, 1 << 62)  # compaction limited only by the previous commit's mark
-Turn = tuple[str, int, Ranges, int, array, int, str, Ranges, int, dict[str, Any], int]
+# compaction limited only by the previous commit's mark
+_NO_LIMIT: tuple[int, int, int] = (1 << 62, 1 << 62, 1 << 62)
 
 
 class TurnStore:
     """The committed turns of one session, keyed by turn id and ordered by OPEN sequence."""
 
     __slots__ = (
-        "tokens", "_tok_cold", "msgs", "_msg_cold", "_cold_ends", "logprob_bytes", "_turns", "_crc",
-        "_by_seq", "_seqs", "_last", "_mark", "_prev_mark", "msg_bytes",
+        "tokens", "_tok_cold", "msgs", "_msg_cold", "_cold_ends", "lps", "_lp_cold", "_index", "_rec",
+        "_ranges", "_seqs", "_order", "_reasons", "_flags", "_mark", "_prev_mark", "msg_bytes",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -71,23 +76,25 @@ class TurnStore:
         self._msg_cold = ColdLog()
         self._cold_ends = array("q")
         self.msg_bytes = 0  # raw (uncompressed) bytes of every distinct message held
-        self.logprob_bytes = 0
-        self._turns: dict[str, Turn] = {}
-        # turn id -> (CRC-32, length) of a checked prefix of its context (a delta's prefix, or the whole
-        # context once a delta used the turn as its base): the next delta reads only ids past it.
-        self._crc: dict[str, tuple[int, int]] = {}
-        self._by_seq: dict[int, Turn] = {}
-        self._seqs: list[int] = []  # sorted
-        self._last: Turn | None = None  # most recent by arrival
+        # Every turn's output logprobs (native float32), in arrival order; never read before finish.
+        self.lps = bytearray()
+        self._lp_cold = ColdLog(_LP_BYTES)  # shuffled too: sign and exponent bytes repeat
+        self._index: dict[str, int] = {}  # turn id -> row, in arrival order
+        self._rec = array("q")  # the rows
+        self._ranges = array("q")
+        self._seqs = array("q")  # the OPEN seqs held, sorted...
+        self._order = array("q")  # ...and the row of each
+        self._reasons: list[str] = []  # distinct finish reasons
+        self._flags: dict[int, dict[str, Any]] = {}  # row -> flags, when there are any
         # (token log byte, message index) positions where the last and the previous commit began appending:
         # the next delta reads what the last one added, so only bytes before `_prev_mark` are compressed.
         self._mark = self._prev_mark = (0, 0)
 
     def __contains__(self, turn_id: object) -> bool:
-        return turn_id in self._turns
+        return turn_id in self._index
 
     def __len__(self) -> int:
-        return len(self._turns)
+        return len(self._index)
 
     @property
     def tokens_held(self) -> int:
@@ -104,11 +111,22 @@ class TurnStore:
         return len(self._cold_ends) + len(self.msgs)
 
     def bytes_held(self) -> int:
-        """Approximate payload bytes: token log, logprobs and messages (compressed parts as compressed)."""
+        """Approximate payload bytes: the logs (compressed parts as compressed) and the turns' rows and ranges."""
         return (
-            len(self.tokens) + self._tok_cold.stored + self.logprob_bytes + sum(map(len, self.msgs))
-            + self._msg_cold.stored + _MESSAGE_OVERHEAD * self.messages_held + _TURN_OVERHEAD * len(self._turns)
+            len(self.tokens) + self._tok_cold.stored + len(self.lps) + self._lp_cold.stored + sum(map(len, self.msgs))
+            + self._msg_cold.stored + _MESSAGE_OVERHEAD * self.messages_held
+            + 8 * (len(self._rec) + len(self._ranges)) + _TURN_OVERHEAD * len(self._index)
         )  # fmt: skip
+
+    def _tok_ranges(self, row: int) -> array:
+        rec, at = self._rec, row * _FIELDS
+        start = rec[at + _RANGES]
+        return self._ranges[start : start + rec[at + _NTOKS]]
+
+    def _msg_ranges(self, row: int) -> array:
+        rec, at = self._rec, row * _FIELDS
+        start = rec[at + _RANGES] + rec[at + _NTOKS]
+        return self._ranges[start : start + rec[at + _NMSGS]]
 
     # --- commit path ---------------------------------------------------------------------
 
@@ -123,18 +141,20 @@ class TurnStore:
         turn is its base's ranges cut to the shared length plus the tail appended: no comparison.
         """
         base_id = msg.base_turn_id
-        base = self._turns.get(base_id)
-        if base is None:
+        row = self._index.get(base_id)
+        if row is None:
             return f"no committed turn {base_id!r} to extend"
-        n, n_base = msg.base_tokens, base[_NTOK]
+        rec = self._rec
+        at = row * _FIELDS
+        n, n_base = msg.base_tokens, rec[at + _PLEN] + rec[at + _NOUT]
         if n > n_base:
             return f"base turn {base_id!r} has {n_base} tokens, not {n}"
-        n_msgs, n_base_msgs = msg.base_messages, base[_NPM] + 1
+        n_msgs, n_base_msgs = msg.base_messages, rec[at + _NPM] + 1
         if n_msgs > n_base_msgs:
             return f"base turn {base_id!r} has {n_base_msgs} messages, not {n_msgs}"
-        crc, crc_len = self._crc.get(base_id, (0, 0))
+        crc, crc_len = rec[at + _CRC], rec[at + _CRC_LEN]
         if n != crc_len:
-            crc = self._prefix_crc(base, n, crc, crc_len)
+            crc = self._prefix_crc(row, n, crc, crc_len)
         if crc != msg.base_crc32:
             return f"the first {n} tokens of base turn {base_id!r} are not the ones claimed"
 
@@ -153,38 +173,50 @@ class TurnStore:
             with memoryview(output) as o, o.cast("B") as ob:
                 log += ob[(n - prompt_len) * _ID_BYTES :]
         stop = cold + len(log)
-        ranges = base[_TOKS] if n == n_base else _cut(base[_TOKS], n)
+        flat = self._ranges
+        ranges_at = len(flat)
+        base_at = rec[at + _RANGES]
+        base_toks = rec[at + _NTOKS]
+        if n == n_base:
+            flat += flat[base_at : base_at + base_toks]
+        else:
+            flat.extend(cut(flat[base_at : base_at + base_toks], n))
         if stop > start:
             start //= _ID_BYTES
             stop //= _ID_BYTES
-            ranges = ranges[:-1] + (stop,) if ranges and ranges[-1] == start else ranges + (start, stop)
+            if len(flat) > ranges_at and flat[-1] == start:  # the base ended at the log's end: a plain extension
+                flat[-1] = stop
+            else:
+                flat.extend((start, stop))
+        n_toks = len(flat) - ranges_at
 
         hot += messages
         self.msg_bytes += sum(map(len, messages))
         last = first + len(messages)
-        msg_ranges = base[_MSGS] if n_msgs == n_base_msgs else _cut(base[_MSGS], n_msgs)
-        if msg_ranges and msg_ranges[-1] == first:  # the base's messages end where this turn's begin
-            msg_ranges = msg_ranges[:-1] + (last,)
+        base_at += base_toks
+        if n_msgs == n_base_msgs:
+            flat += flat[base_at : base_at + rec[at + _NMSGS]]
         else:
-            msg_ranges += (first, last)
+            flat.extend(cut(flat[base_at : base_at + rec[at + _NMSGS]], n_msgs))
+        if len(flat) > ranges_at + n_toks and flat[-1] == first:  # the base's messages end where this turn's begin
+            flat[-1] = last
+        else:
+            flat.extend((first, last))
 
-        n_out = len(output)
-        self.logprob_bytes += n_out * _LP_BYTES
-        self._crc[msg.turn_id] = (crc, n)  # the checked prefix: the next delta of this turn reads only what follows
-        self._keep(
-            (msg.turn_id, seq, ranges, prompt_len, msg.logprobs, n_out, msg.finish_reason, msg_ranges,
-             n_msgs + len(messages) - 1, msg.flags, prompt_len + n_out)  # fmt: skip
-        )
+        # the checked prefix (crc, n): the next delta of this turn reads only what follows
+        self._keep(msg, seq, prompt_len, n_msgs + len(messages) - 1, ranges_at, n_toks, crc, n)
         return None
 
-    def _prefix_crc(self, base: Turn, n: int, crc: int, crc_len: int) -> int:
-        """CRC-32 of the first `n` ids of `base`'s context, resumed from its known prefix CRC where that helps."""
+    def _prefix_crc(self, row: int, n: int, crc: int, crc_len: int) -> int:
+        """CRC-32 of the first `n` ids of turn `row`'s context, resumed from its known prefix CRC where that helps."""
         if n < crc_len:
             crc, crc_len = 0, 0
-        for start, stop in _span(base[_TOKS], crc_len, n):
+        for start, stop in span(self._tok_ranges(row), crc_len, n):
             crc = zlib.crc32(self._read_ids(start, stop), crc)
-        if n == base[_NTOK]:  # the usual base: the whole context, which later deltas of it extend too
-            self._crc[base[0]] = (crc, n)
+        rec, at = self._rec, row * _FIELDS
+        if n == rec[at + _PLEN] + rec[at + _NOUT]:  # the usual base: the whole context, which later deltas extend
+            rec[at + _CRC] = crc
+            rec[at + _CRC_LEN] = n
         return crc
 
     def add_full(self, msg: protocol.CommitTurn, seq: int, messages: list[bytes]) -> None:
@@ -203,31 +235,63 @@ class TurnStore:
             def same_msgs(i: int, j: int, n: int) -> bool:
                 return messages[i : i + n] == [self._message_bytes(k) for k in range(j, j + n)]
 
-            shared, msg_ranges = _common_prefix(len(messages), same_msgs, base[_MSGS])
+            shared, msg_ranges = common_prefix(len(messages), same_msgs, self._msg_ranges(base))
         first = self.messages_held
         self.msgs += messages[shared:]
         self.msg_bytes += sum(map(len, messages[shared:]))
-        msg_ranges = _extend(msg_ranges, first, self.messages_held)
-        prompt_len, n_out = len(msg.prompt_ids), len(msg.output_ids)
-        self.logprob_bytes += n_out * _LP_BYTES
-        self._keep(
-            (msg.turn_id, seq, tok_ranges, prompt_len, msg.logprobs, n_out, msg.finish_reason, msg_ranges,
-             len(messages) - 1, msg.flags, prompt_len + n_out)  # fmt: skip
-        )
+        msg_ranges = extend(msg_ranges, first, self.messages_held)
+        flat = self._ranges
+        ranges_at = len(flat)
+        flat.extend(tok_ranges)
+        flat.extend(msg_ranges)
+        self._keep(msg, seq, len(msg.prompt_ids), len(messages) - 1, ranges_at, len(tok_ranges), 0, 0)
 
-    def _keep(self, turn: Turn) -> None:
-        self._turns[turn[0]] = turn
-        seq = turn[_SEQ]
-        self._by_seq[seq] = turn
+    def _keep(
+        self, msg: protocol.CommitTurn, seq: int, prompt_len: int, n_prompt_msgs: int, ranges_at: int, n_toks: int,
+        crc: int, crc_len: int,
+    ) -> None:  # fmt: skip
+        """Add the turn's row; its ranges are `_ranges[ranges_at:]`, the first `n_toks` ints its tokens'."""
+        index = self._index
+        row = len(index)
+        index[msg.turn_id] = row
+        lps = self.lps
+        lp_at = (self._lp_cold.size + len(lps)) // _LP_BYTES
+        lps += msg.logprobs  # native float32 bytes
+        reason, reasons = msg.finish_reason, self._reasons
+        if reason in reasons:
+            code = reasons.index(reason)
+        else:
+            code = len(reasons)
+            reasons.append(reason)
+        if msg.flags:
+            self._flags[row] = msg.flags
+        n_out = len(msg.output_ids)
+        self._rec.extend(
+            (
+                seq,
+                prompt_len,
+                n_out,
+                n_prompt_msgs,
+                ranges_at,
+                n_toks,
+                len(self._ranges) - ranges_at - n_toks,
+                lp_at,
+                crc,
+                crc_len,
+                code,
+            )  # fmt: skip
+        )
         seqs = self._seqs
         if not seqs or seqs[-1] < seq:  # in-order arrival, the common case
             seqs.append(seq)
+            self._order.append(row)
         else:
-            insort(seqs, seq)
-        self._last = turn
+            pos = bisect_left(seqs, seq)
+            seqs.insert(pos, seq)
+            self._order.insert(pos, row)
 
-    def _add_ids(self, pb: memoryview, ob: memoryview, seq: int) -> tuple[tuple[int, ...], Turn | None]:
-        """Store prompt + output ids (as byte views) sharing the longest prefix with a likely base turn."""
+    def _add_ids(self, pb: memoryview, ob: memoryview, seq: int) -> tuple[Ranges, int | None]:
+        """Store prompt + output ids (as byte views) sharing the longest prefix with a likely base turn (its row)."""
         n_prompt = len(pb) // _ID_BYTES
         n_ctx = n_prompt + len(ob) // _ID_BYTES
         startswith = self._startswith
@@ -244,17 +308,19 @@ class TurnStore:
 
         # Candidates that most likely share a prefix: the neighbours by OPEN order (the usual
         # case: the next prompt extends the previous turn) and the latest arrival.
-        seqs, last = self._seqs, self._last
+        seqs, order = self._seqs, self._order
+        last = len(self._index) - 1
+        candidates: list[int]
         if not seqs or seqs[-1] < seq:  # in-order arrival, the common case: no search
-            candidates = [] if last is None else [last] if last[_SEQ] == seqs[-1] else [self._by_seq[seqs[-1]], last]
+            candidates = [] if last < 0 else [last] if order[-1] == last else [order[-1], last]
         else:
             pos = bisect_left(seqs, seq)
-            candidates = [self._by_seq[seqs[i]] for i in (pos - 1, pos) if 0 <= i < len(seqs)]
-            if last is not None and all(c is not last for c in candidates):
+            candidates = [order[i] for i in (pos - 1, pos) if 0 <= i < len(seqs)]
+            if last not in candidates:
                 candidates.append(last)
         best_len, best_ranges, base = 0, _NO_RANGES, None
         for cand in candidates:
-            n, ranges = _common_prefix(n_ctx, same, cand[_TOKS])
+            n, ranges = common_prefix(n_ctx, same, self._tok_ranges(cand))
             if n > best_len or base is None:
                 best_len, best_ranges, base = n, ranges, cand
             if n == n_ctx:
@@ -266,7 +332,7 @@ class TurnStore:
             log += ob
         else:
             log += ob[(best_len - n_prompt) * _ID_BYTES :]
-        return _extend(best_ranges, start, self.tokens_held), base
+        return extend(best_ranges, start, self.tokens_held), base
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -299,7 +365,7 @@ class TurnStore:
     def _message_bytes(self, k: int) -> bytes:
         return self._read_msgs(k, k + 1)
 
-    def _messages(self, ranges: tuple[int, ...], decoded: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    def _messages(self, ranges: array, decoded: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The messages `ranges` spell, decoded (from `decoded`, the whole log decoded, when given)."""
         out: list[dict[str, Any]] = []
         for i in range(0, len(ranges), 2):
@@ -312,37 +378,44 @@ class TurnStore:
 
     def turn_messages(self, turn_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """A committed turn's prompt messages and response message; None if it is not stored."""
-        turn = self._turns.get(turn_id)
-        if turn is None:
+        row = self._index.get(turn_id)
+        if row is None:
             return None
-        msgs = self._messages(turn[_MSGS])
-        return msgs[: turn[_NPM]], msgs[turn[_NPM]]
+        msgs = self._messages(self._msg_ranges(row))
+        npm = self._rec[row * _FIELDS + _NPM]
+        return msgs[:npm], msgs[npm]
 
     def records(self) -> list[TurnRecord]:
         """Every stored turn, materialized, in OPEN sequence order. Message dicts are shared: read-only."""
         tokens = self._tok_cold.read_all() + self.tokens
+        logprobs = self._lp_cold.read_all() + self.lps
         messages = protocol.unpack_messages(self._msg_cold.read_all() + b"".join(self.msgs))
+        ids = list(self._index)  # in row order
+        rec, reasons, flags = self._rec, self._reasons, self._flags
         out = []
-        with memoryview(tokens) as log:
-            for seq in self._seqs:
-                turn = self._by_seq[seq]
+        with memoryview(tokens) as log, memoryview(logprobs) as lp_log:
+            for seq, row in zip(self._seqs, self._order, strict=True):
+                at = row * _FIELDS
                 ctx = protocol.ids_array()
-                ranges = turn[_TOKS]
+                ranges = self._tok_ranges(row)
                 for i in range(0, len(ranges), 2):
                     ctx.frombytes(log[ranges[i] * _ID_BYTES : ranges[i + 1] * _ID_BYTES])
-                plen, npm = turn[_PLEN], turn[_NPM]
-                msgs = self._messages(turn[_MSGS], messages)
+                plen, npm = rec[at + _PLEN], rec[at + _NPM]
+                lp = protocol.logprobs_array()
+                lp_at = rec[at + _LP]
+                lp.frombytes(lp_log[lp_at * _LP_BYTES : (lp_at + rec[at + _NOUT]) * _LP_BYTES])
+                msgs = self._messages(self._msg_ranges(row), messages)
                 out.append(
                     TurnRecord(
-                        turn_id=turn[0],
+                        turn_id=ids[row],
                         seq=seq,
                         prompt_ids=ctx[:plen],
                         output_ids=ctx[plen:],
-                        logprobs=turn[_LPS],
-                        finish_reason=turn[_FINISH],
+                        logprobs=lp,
+                        finish_reason=reasons[rec[at + _FINISH]],
                         prompt_messages=msgs[:npm],
                         response_message=msgs[npm],
-                        flags=turn[_FLAGS],
+                        flags=flags.get(row, {}),
                     )
                 )
         return out
@@ -350,37 +423,39 @@ class TurnStore:
     # --- idle time ---------------------------------------------------------------------------
 
     @property
-    def log_ends(self) -> tuple[int, int]:
-        """(token log bytes, messages) held: a position that `start_compaction`'s `limit` may name later."""
-        return self._tok_cold.size + len(self.tokens), self.messages_held
+    def log_ends(self) -> tuple[int, int, int]:
+        """(token log bytes, messages, logprob log bytes) held: a later `start_compaction`'s `limit` may name it."""
+        return self._tok_cold.size + len(self.tokens), self.messages_held, self._lp_cold.size + len(self.lps)
 
-    def _due(self, limit: tuple[int, int]) -> tuple[int, list[bytes]]:
-        """Hot token log bytes and hot messages that may be compressed: before `limit` and before
-        the previous commit's appends (a delta reads its base's newest ids for its prefix check;
-        anything else read later, a full commit's comparison, GET or finish, decompresses what it needs)."""
+    def _due(self, limit: tuple[int, int, int]) -> tuple[int, list[bytes], int]:
+        """Hot token log bytes, hot messages and hot logprob bytes that may be compressed: before `limit`, and
+        ids and messages before the previous commit's appends too (a delta reads its base's newest ids for its
+        prefix check; anything else read later, a full commit's comparison, GET or finish, decompresses what it
+        needs). Logprobs are read only at finish."""
         tok_mark, msg_mark = self._prev_mark
         return (
             min(tok_mark, limit[0]) - self._tok_cold.size,
             self.msgs[: max(min(msg_mark, limit[1]) - len(self._cold_ends), 0)],
+            min(limit[2] - self._lp_cold.size, len(self.lps)),
         )
 
-    def compactable(self, limit: tuple[int, int] = _NO_LIMIT) -> bool:
+    def compactable(self, limit: tuple[int, int, int] = _NO_LIMIT) -> bool:
         """Whether a chunk's worth is due before `limit` (`log_ends` of an earlier time)."""
-        due_tok, due_msgs = self._due(limit)
-        return due_tok >= MIN_CHUNK or sum(map(len, due_msgs)) >= MIN_CHUNK
+        due_tok, due_msgs, due_lps = self._due(limit)
+        return due_tok >= MIN_CHUNK or due_lps >= MIN_CHUNK or sum(map(len, due_msgs)) >= MIN_CHUNK
 
-    def start_compaction(self, chunk_bytes: int, limit: tuple[int, int] = _NO_LIMIT) -> PendingChunk | None:
+    def start_compaction(self, chunk_bytes: int, limit: tuple[int, int, int] = _NO_LIMIT) -> PendingChunk | None:
         """The next chunk (about `chunk_bytes` raw) of the oldest due hot bytes, to compress a slice per step.
 
         None when less than `MIN_CHUNK` is due. Until its last step the chunk's bytes stay hot, so
         reads and commits meanwhile see the store as it was; the caller runs one at a time per store.
         """
-        due_tok, due_msgs = self._due(limit)
-        if due_tok >= MIN_CHUNK:
-            n = min(due_tok, max(chunk_bytes - chunk_bytes % _ID_BYTES, _ID_BYTES))  # whole ids: chunks are shuffled
-            return PendingChunk(
-                bytes(self.tokens[:n]), partial(self._add_cold, self._tok_cold.size, 0), self._tok_cold.width
-            )
+        due_tok, due_msgs, due_lps = self._due(limit)
+        for due, hot, cold in ((due_tok, self.tokens, self._tok_cold), (due_lps, self.lps, self._lp_cold)):
+            if due >= MIN_CHUNK:
+                width = cold.width
+                n = min(due, max(chunk_bytes - chunk_bytes % width, width))  # whole items: chunks are shuffled
+                return PendingChunk(bytes(hot[:n]), partial(self._add_cold, cold, cold.size, 0), width)
         if sum(map(len, due_msgs)) < MIN_CHUNK:
             return None
         k = n = 0  # the oldest due messages, until chunk_bytes
@@ -392,18 +467,17 @@ class TurnStore:
             if n >= chunk_bytes:
                 break
         raw = due_msgs[0] if k == 1 else b"".join(due_msgs[:k])
-        return PendingChunk(raw, partial(self._add_cold, self._msg_cold.size, k))
+        return PendingChunk(raw, partial(self._add_cold, self._msg_cold, self._msg_cold.size, k))
 
-    def _add_cold(self, cold_size: int, n_msgs: int, raw_len: int, chunk: bytes) -> None:
-        """A chunk's end: it goes cold and its bytes (token ids, or `n_msgs` messages) leave the hot part."""
-        cold = self._msg_cold if n_msgs else self._tok_cold
+    def _add_cold(self, cold: ColdLog, cold_size: int, n_msgs: int, raw_len: int, chunk: bytes) -> None:
+        """A chunk's end: it goes into `cold` and its bytes (ids, logprobs or `n_msgs` messages) leave the hot part."""
         if cold.size != cold_size:  # another compaction of this store ran meanwhile: these bytes moved
             raise RuntimeError("overlapping compactions of one TurnStore")
         cold.add_chunk(raw_len, chunk)
-        if not n_msgs:
+        if cold is not self._msg_cold:
             # In place: bytearray moves its start, and copies what remains into an exact-size buffer only
             # once that is under half its allocation; a copy per chunk would cost O(hot bytes) a step.
-            del self.tokens[:raw_len]
+            del (self.tokens if cold is self._tok_cold else self.lps)[:raw_len]
             return
         hot, ends = self.msgs, self._cold_ends
         end = cold_size
@@ -424,76 +498,3 @@ def packed_messages(prompt: list[Any], response: Any) -> list[bytes]:
         elif not protocol.is_packed_map(m):
             raise ValueError(f"message {i} is not a packed map")
     return out
-
-
-def _common_prefix(
-    length: int, same: Callable[[int, int, int], bool], ranges: tuple[int, ...]
-) -> tuple[int, tuple[int, ...]]:
-    """Common prefix of a `length`-item sequence and the one `ranges` spell in a log, and those ranges cut to it.
-
-    `same(i, j, n)` compares items [i, i+n) of the sequence with log items [j, j+n). Whole
-    ranges compare at once; only a mismatching range is bisected, so the cost is about two
-    passes over the prefix.
-    """
-    off = 0
-    out: list[int] = []
-    for k in range(0, len(ranges), 2):
-        start, stop = ranges[k], ranges[k + 1]
-        n = min(stop - start, length - off)
-        if n <= 0:
-            break
-        if same(off, start, n):
-            out += (start, start + n)
-            off += n
-            if n < stop - start:
-                break
-            continue
-        lo, hi = 0, n  # items [off, off+lo) match, [off, off+hi) do not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if same(off + lo, start + lo, mid - lo):
-                lo = mid
-            else:
-                hi = mid
-        if lo:
-            out += (start, start + lo)
-            off += lo
-        break
-    return off, tuple(out)
-
-
-def _span(ranges: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, int]]:
-    """Items [lo, hi) of the sequence that `ranges` spell, as log ranges (`hi` <= their length)."""
-    out: list[tuple[int, int]] = []
-    for k in range(0, len(ranges), 2):
-        if hi <= 0:
-            break
-        start, stop = ranges[k], ranges[k + 1]
-        n = stop - start
-        if lo < n:
-            out.append((start + max(lo, 0), start + min(n, hi)))
-        lo -= n
-        hi -= n
-    return out
-
-
-def _cut(ranges: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """The first `n` items that `ranges` spell, as ranges (`n` <= their length)."""
-    out: list[int] = []
-    for k in range(0, len(ranges), 2):
-        if n <= 0:
-            break
-        start, stop = ranges[k], ranges[k + 1]
-        m = min(stop - start, n)
-        out += (start, start + m)
-        n -= m
-    return tuple(out)
-
-
-def _extend(ranges: tuple[int, ...], start: int, stop: int) -> tuple[int, ...]:
-    """`ranges` plus the log items just appended at [start, stop), merged when contiguous."""
-    if stop == start:
-        return ranges
-    if ranges and ranges[-1] == start:  # the base ended at the log's end: a plain extension
-        return ranges[:-1] + (stop,)
-    return ranges + (start, stop)

@@ -22,7 +22,7 @@ def _fill(log: ColdLog, raw: bytes, cuts: list[int], slice_bytes: int) -> None:
     pos = 0
     for end in cuts:
         done: list[tuple[int, bytes]] = []
-        chunk = PendingChunk(raw[pos:end], lambda n, c: done.append((n, c)), log.width)
+        chunk = PendingChunk(raw[pos:end], lambda n, c, done=done: done.append((n, c)), log.width)
         steps = 0
         while not chunk.step(slice_bytes):
             steps += 1
