@@ -73,6 +73,7 @@ class Session:
     serial: int = 0  # which opening of `sid` (ids may be reused): aging entries name it
     aged_to: tuple[int, int, int] = (0, 0, 0)  # `TurnStore.log_ends` of its last commit that is compact_age_s old
     aging: list[Any] | None = None  # its newest aging entry, while commits may still join it
+    idle: bool = False  # no commit for compact_age_s when its last aging entry came of age: its tail compresses too
 
 
 def _check_delta_shape(msg: protocol.CommitTurn) -> None:
@@ -348,6 +349,7 @@ class SessionRegistry:
     def _age(self, session: Session) -> None:
         """Note the session's log ends now: they become compressible compact_age_s (+ a bucket) later."""
         now = self._clock()
+        session.idle = False
         entry = session.aging
         if entry is not None and now < entry[0] - self._compact_age:  # within the entry's bucket: join it
             entry[3] = session.committed.log_ends
@@ -374,10 +376,15 @@ class SessionRegistry:
     def _promote(self, aging: deque[list[Any]], now: float) -> None:
         sessions, ready = self._sessions, self._ready
         while aging and aging[0][0] <= now:
-            _, sid, serial, ends = aging.popleft()
+            entry = aging.popleft()
+            _, sid, serial, ends = entry
             session = sessions.get(sid)
             if session is not None and session.serial == serial:  # else finished (or its id reopened)
                 session.aged_to = ends  # a session's entries come of age in commit order
+                # Its newest entry: no commit since it closed, so the whole session is compact_age_s old.
+                # Its raw tail (kept for the next delta's prefix check) compresses too: a delta after
+                # such a pause is rare, and reads the few bytes it needs from the last chunk.
+                session.idle = session.aging is entry and self._compact_age > 0  # (age 0: never idle)
                 ready[sid] = None
 
     def compact_step(self, slice_bytes: int = COMPACT_SLICE_BYTES, chunk_bytes: int = COMPACT_CHUNK_BYTES) -> bool:
@@ -406,7 +413,11 @@ class SessionRegistry:
         while ready:
             sid = next(iter(ready))
             session = self._sessions.get(sid)
-            chunk = None if session is None else session.committed.start_compaction(chunk_bytes, session.aged_to)
+            chunk = (
+                None
+                if session is None
+                else session.committed.start_compaction(chunk_bytes, session.aged_to, session.idle)
+            )
             if session is None or chunk is None:
                 del ready[sid]  # gone, or less than a chunk aged: its next aging entry puts it back
                 continue

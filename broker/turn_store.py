@@ -427,36 +427,47 @@ class TurnStore:
         """(token log bytes, messages, logprob log bytes) held: a later `start_compaction`'s `limit` may name it."""
         return self._tok_cold.size + len(self.tokens), self.messages_held, self._lp_cold.size + len(self.lps)
 
-    def _due(self, limit: tuple[int, int, int]) -> tuple[int, list[bytes], int]:
-        """Hot token log bytes, hot messages and hot logprob bytes that may be compressed: before `limit`, and
-        ids and messages before the previous commit's appends too (a delta reads its base's newest ids for its
-        prefix check; anything else read later, a full commit's comparison, GET or finish, decompresses what it
-        needs). Logprobs are read only at finish."""
-        tok_mark, msg_mark = self._prev_mark
+    def _due(self, limit: tuple[int, int, int], idle: bool) -> tuple[int, list[bytes], int]:
+        """Hot token log bytes, hot messages and hot logprob bytes that may be compressed: those before `limit`.
+
+        Unless the session is `idle`, ids and messages only before the previous commit's appends too: the
+        next delta reads its base's newest ids for its prefix check (anything else read later, a full
+        commit's comparison, GET or finish, decompresses what it needs; so does a delta after an idle
+        spell). Logprobs are read only at finish.
+        """
+        tok_end, msg_end = limit[0], limit[1]
+        if not idle:
+            tok_end, msg_end = min(tok_end, self._prev_mark[0]), min(msg_end, self._prev_mark[1])
         return (
-            min(tok_mark, limit[0]) - self._tok_cold.size,
-            self.msgs[: max(min(msg_mark, limit[1]) - len(self._cold_ends), 0)],
+            tok_end - self._tok_cold.size,
+            self.msgs[: max(msg_end - len(self._cold_ends), 0)],
             min(limit[2] - self._lp_cold.size, len(self.lps)),
         )
 
-    def compactable(self, limit: tuple[int, int, int] = _NO_LIMIT) -> bool:
-        """Whether a chunk's worth is due before `limit` (`log_ends` of an earlier time)."""
-        due_tok, due_msgs, due_lps = self._due(limit)
-        return due_tok >= MIN_CHUNK or due_lps >= MIN_CHUNK or sum(map(len, due_msgs)) >= MIN_CHUNK
+    def compactable(self, limit: tuple[int, int, int] = _NO_LIMIT, idle: bool = False) -> bool:
+        """Whether a chunk's worth is due before `limit` (`log_ends` of an earlier time); when `idle`, any byte."""
+        due_tok, due_msgs, due_lps = self._due(limit, idle)
+        least = 1 if idle else MIN_CHUNK
+        return due_tok >= least or due_lps >= least or sum(map(len, due_msgs)) >= least
 
-    def start_compaction(self, chunk_bytes: int, limit: tuple[int, int, int] = _NO_LIMIT) -> PendingChunk | None:
+    def start_compaction(
+        self, chunk_bytes: int, limit: tuple[int, int, int] = _NO_LIMIT, idle: bool = False
+    ) -> PendingChunk | None:
         """The next chunk (about `chunk_bytes` raw) of the oldest due hot bytes, to compress a slice per step.
 
-        None when less than `MIN_CHUNK` is due. Until its last step the chunk's bytes stay hot, so
-        reads and commits meanwhile see the store as it was; the caller runs one at a time per store.
+        None when less than `MIN_CHUNK` is due, or nothing at all when `idle` (the session has had no
+        commit for a while: its tail goes too, in a smaller chunk). Until its last step the chunk's bytes
+        stay hot, so reads and commits meanwhile see the store as it was; the caller runs one at a time
+        per store.
         """
-        due_tok, due_msgs, due_lps = self._due(limit)
+        due_tok, due_msgs, due_lps = self._due(limit, idle)
+        least = 1 if idle else MIN_CHUNK
         for due, hot, cold in ((due_tok, self.tokens, self._tok_cold), (due_lps, self.lps, self._lp_cold)):
-            if due >= MIN_CHUNK:
+            if due >= least:
                 width = cold.width
                 n = min(due, max(chunk_bytes - chunk_bytes % width, width))  # whole items: chunks are shuffled
                 return PendingChunk(bytes(hot[:n]), partial(self._add_cold, cold, cold.size, 0), width)
-        if sum(map(len, due_msgs)) < MIN_CHUNK:
+        if sum(map(len, due_msgs)) < least:
             return None
         k = n = 0  # the oldest due messages, until chunk_bytes
         for m in due_msgs:

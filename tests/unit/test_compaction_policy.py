@@ -18,6 +18,7 @@ from broker import protocol, sessions
 from broker.cold_log import MIN_CHUNK
 from broker.config import BrokerConfig
 from broker.sessions import SessionRegistry
+from gateway_workers.commit_bases import CommitBases
 
 AGE = 10.0
 BUCKET = AGE / sessions.AGE_BUCKETS
@@ -105,9 +106,14 @@ def test_bytes_are_compressed_only_once_they_have_been_held_for_the_age():
     drain(reg)
     tok, msgs = cold_bytes(ep.store)
     assert ends[1][0] < tok <= ends[2][0] and msgs <= ends[2][1]  # turn 3's bytes wait for the next commit
+    # Once the session has had no commit for AGE, its tail (kept for the next delta) compresses too.
     clock.now += AGE + BUCKET
     drain(reg)
-    assert cold_bytes(ep.store) == (tok, msgs) and not reg.compaction_pending
+    assert cold_bytes(ep.store) == ep.store.log_ends[:2] and not reg.compaction_pending
+    assert not ep.store.tokens and not ep.store.msgs and not ep.store.lps
+    ep.turn(100)  # a commit after the pause: a full one compares against cold bytes and still shares the prefix
+    assert ep.store.tokens_held == len(ep.prompt)
+    assert reg.finish("s").turns[-1].prompt_ids.tolist() == ep.prompt[: len(ep.prompt) - 8]
 
 
 @settings(max_examples=40, deadline=None)
@@ -233,3 +239,36 @@ def test_the_policy_settings_come_from_the_environment_and_are_checked():
         BrokerConfig.from_env({"ROLLOUT_BROKER_COMPACT_AGE_S": "-1"})
     with pytest.raises(ValueError, match="ROLLOUT_BROKER_COMPACT_AGE_S"):
         BrokerConfig.from_env({"ROLLOUT_BROKER_COMPACT_AGE_S": "soon"})
+
+
+def test_a_delta_after_an_idle_spell_checks_its_prefix_against_the_compressed_tail():
+    clock = Clock()
+    reg = SessionRegistry(max_sessions=1, compact_age_s=AGE, clock=clock)
+    reg.open_session("s", {}, None, None, {})
+    bases = CommitBases()
+    rng = random.Random(2)
+    prompt, messages, sent = [rng.randrange(100_000) for _ in range(3000)], [{"role": "user", "content": "q"}], []
+    for k in range(6):
+        if k == 4:  # a pause: the session idles past the age, and all it holds is compressed
+            clock.now += AGE + BUCKET
+            drain(reg)
+            store = reg.get("s").committed
+            assert not store.tokens and not store.msgs and not store.lps and reg.counters["bytes_compacted"] > 0
+        reg.open_turn("s", f"t{k}")
+        output = [rng.randrange(100_000) for _ in range(50)]
+        full = protocol.CommitTurn(
+            0, "s", f"t{k}", protocol.ids_array(prompt), protocol.ids_array(output),
+            protocol.logprobs_array([-k / 4] * 50), "stop", list(messages), {"role": "assistant", "content": f"a{k}"},
+        )  # fmt: skip
+        delta = bases.delta(full)
+        assert delta is not None or k == 0
+        assert reg.commit_turn(protocol.decode_worker_to_broker(protocol.encode(delta or full))) == "stored"
+        bases.remember(full)
+        sent.append(full)
+        clock.now += 0.5
+        prompt = prompt + output + [rng.randrange(100_000) for _ in range(500)]
+        messages = [*messages, full.response_message, {"role": "user", "content": f"q{k}"}]
+    assert reg.counters["commits_delta"] == 5  # the deltas after the pause were accepted: their prefix CRC matched
+    for record, full in zip(reg.finish("s").turns, sent, strict=True):
+        assert record.prompt_ids == full.prompt_ids and record.output_ids == full.output_ids
+        assert record.logprobs == full.logprobs and record.prompt_messages == full.prompt_messages

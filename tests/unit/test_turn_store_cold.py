@@ -76,7 +76,7 @@ def test_compacted_sessions_materialize_exactly_like_uncompacted_ones(seed, n_tu
 
 
 def test_a_long_session_compacts_to_fewer_bytes_and_keeps_the_recent_tail_hot():
-    reg = SessionRegistry(max_sessions=1)
+    reg = SessionRegistry(max_sessions=1)  # age 0: compresses at once, but never counts as idle
     reg.open_session("s", {}, None, None, {})
     rng = random.Random(5)
     bases = CommitBases()
