@@ -147,8 +147,15 @@ def _lookahead_cuts(text: str, numpy_from: int = _NUMPY_CUTS_FROM) -> list[int]:
     """Indices where the split pattern's `\\s+(?!\\S)` ends a piece inside a run of spaces (see _LOOKAHEAD_CUT)."""
     if len(text) < numpy_from:
         return [m.start(1) for m in _LOOKAHEAD_CUT.finditer(text)]
-    cp = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    space = _SPACE_TABLE[np.minimum(cp, len(_SPACE_TABLE) - 1)]
+    cp: np.ndarray
+    if text.isascii():
+        cp = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+        low = cp <= 32  # every ASCII space is
+        if not (low[1:] & low[:-1]).any():
+            return []  # no two spaces in a row, as in most prose: 1/7 of the instructions of the search below
+    else:
+        cp = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    space = _SPACE_TABLE.take(cp, mode="clip")  # past the table's end: its last slot, False
     mid = cp[1:-1]
     cut = space[:-2] & space[1:-1] & ~space[2:] & (mid != 10) & (mid != 13)
     return (np.flatnonzero(cut) + 1).tolist()  # type: ignore[no-any-return]
