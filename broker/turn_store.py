@@ -13,6 +13,7 @@ clocks, no lifecycle rules (`sessions.py` owns those). Imports only the stdlib a
 
 from __future__ import annotations
 
+import struct
 import zlib
 from array import array
 from bisect import bisect_left
@@ -33,7 +34,7 @@ _MESSAGE_OVERHEAD = 8  # its list slot (hot) or end offset (cold)
 # A stored turn is row i (its arrival index; `_index` maps turn id -> i) of `_rec`, _FIELDS ints:
 # OPEN seq, prompt length, output length, prompt message count, where its ranges start in
 # `_ranges` (token ranges, then message ranges: flat (start, stop, ...) in ids and in messages) and
-# how many ints each takes, where its logprobs start in the logprob log, the (CRC-32, length) of a
+# how many ints each takes, the (CRC-32, length) of a
 # checked prefix of its context (a delta's prefix, or the whole context once a delta used the turn
 # as its base: the next delta reads only ids past it), and its finish reason (index in `_reasons`).
 # Packed, a turn costs ~120 bytes plus its ranges; as a tuple of objects it cost ~800.
@@ -44,11 +45,15 @@ _NPM: Final = 3
 _RANGES: Final = 4
 _NTOKS: Final = 5
 _NMSGS: Final = 6
-_LP: Final = 7
-_CRC: Final = 8
-_CRC_LEN: Final = 9
-_FINISH: Final = 10
-_FIELDS: Final = 11
+_CRC: Final = 7
+_CRC_LEN: Final = 8
+_FINISH: Final = 9
+_FIELDS: Final = 10
+# Rows are packed with struct (one C call a row) rather than stored item by item in an array('q'),
+# whose every item store parses its argument (~400 instructions each on the commit path).
+_ROW = struct.Struct(f"={_FIELDS}q")
+_CRC_FIELDS = struct.Struct("=2q")  # _CRC and _CRC_LEN, rewritten in place
+_CRC_AT: Final = 8 * _CRC
 Ranges = tuple[int, ...]
 _NO_RANGES: Ranges = ()
 # compaction limited only by the previous commit's mark
@@ -80,10 +85,12 @@ class TurnStore:
         self.lps = bytearray()
         self._lp_cold = ColdLog(_LP_BYTES)  # shuffled too: sign and exponent bytes repeat
         self._index: dict[str, int] = {}  # turn id -> row, in arrival order
-        self._rec = array("q")  # the rows
+        self._rec = bytearray()  # the rows (`_ROW`)
         self._ranges = array("q")
-        self._seqs = array("q")  # the OPEN seqs held, sorted...
-        self._order = array("q")  # ...and the row of each
+        # The OPEN seqs held, sorted, and the row of each (lists: an array's item store parses its argument,
+        # several times the cost of a list append; and both are small ints, shared objects, in most sessions).
+        self._seqs: list[int] = []
+        self._order: list[int] = []
         self._reasons: list[str] = []  # distinct finish reasons
         self._flags: dict[int, dict[str, Any]] = {}  # row -> flags, when there are any
         # (token log byte, message index) positions where the last and the previous commit began appending:
@@ -115,18 +122,21 @@ class TurnStore:
         return (
             len(self.tokens) + self._tok_cold.stored + len(self.lps) + self._lp_cold.stored + sum(map(len, self.msgs))
             + self._msg_cold.stored + _MESSAGE_OVERHEAD * self.messages_held
-            + 8 * (len(self._rec) + len(self._ranges)) + _TURN_OVERHEAD * len(self._index)
+            + len(self._rec) + 8 * len(self._ranges) + _TURN_OVERHEAD * len(self._index)
         )  # fmt: skip
 
+    def _row(self, row: int) -> tuple[int, ...]:
+        return _ROW.unpack_from(self._rec, row * _ROW.size)
+
     def _tok_ranges(self, row: int) -> array:
-        rec, at = self._rec, row * _FIELDS
-        start = rec[at + _RANGES]
-        return self._ranges[start : start + rec[at + _NTOKS]]
+        r = _ROW.unpack_from(self._rec, row * _ROW.size)
+        start = r[_RANGES]
+        return self._ranges[start : start + r[_NTOKS]]
 
     def _msg_ranges(self, row: int) -> array:
-        rec, at = self._rec, row * _FIELDS
-        start = rec[at + _RANGES] + rec[at + _NTOKS]
-        return self._ranges[start : start + rec[at + _NMSGS]]
+        r = _ROW.unpack_from(self._rec, row * _ROW.size)
+        start = r[_RANGES] + r[_NTOKS]
+        return self._ranges[start : start + r[_NMSGS]]
 
     # --- commit path ---------------------------------------------------------------------
 
@@ -144,17 +154,16 @@ class TurnStore:
         row = self._index.get(base_id)
         if row is None:
             return f"no committed turn {base_id!r} to extend"
-        rec = self._rec
-        at = row * _FIELDS
-        n, n_base = msg.base_tokens, rec[at + _PLEN] + rec[at + _NOUT]
+        rec = _ROW.unpack_from(self._rec, row * _ROW.size)
+        n, n_base = msg.base_tokens, rec[_PLEN] + rec[_NOUT]
         if n > n_base:
             return f"base turn {base_id!r} has {n_base} tokens, not {n}"
-        n_msgs, n_base_msgs = msg.base_messages, rec[at + _NPM] + 1
+        n_msgs, n_base_msgs = msg.base_messages, rec[_NPM] + 1
         if n_msgs > n_base_msgs:
             return f"base turn {base_id!r} has {n_base_msgs} messages, not {n_msgs}"
-        crc, crc_len = rec[at + _CRC], rec[at + _CRC_LEN]
+        crc, crc_len = rec[_CRC], rec[_CRC_LEN]
         if n != crc_len:
-            crc = self._prefix_crc(row, n, crc, crc_len)
+            crc = self._prefix_crc(row, rec, n, crc, crc_len)
         if crc != msg.base_crc32:
             return f"the first {n} tokens of base turn {base_id!r} are not the ones claimed"
 
@@ -173,50 +182,48 @@ class TurnStore:
             with memoryview(output) as o, o.cast("B") as ob:
                 log += ob[(n - prompt_len) * _ID_BYTES :]
         stop = cold + len(log)
-        flat = self._ranges
-        ranges_at = len(flat)
-        base_at = rec[at + _RANGES]
-        base_toks = rec[at + _NTOKS]
-        if n == n_base:
-            flat += flat[base_at : base_at + base_toks]
-        else:
-            flat.extend(cut(flat[base_at : base_at + base_toks], n))
-        if stop > start:
-            start //= _ID_BYTES
-            stop //= _ID_BYTES
-            if len(flat) > ranges_at and flat[-1] == start:  # the base ended at the log's end: a plain extension
-                flat[-1] = stop
-            else:
-                flat.extend((start, stop))
-        n_toks = len(flat) - ranges_at
-
+        start //= _ID_BYTES
+        stop //= _ID_BYTES
         hot += messages
         self.msg_bytes += sum(map(len, messages))
         last = first + len(messages)
-        base_at += base_toks
-        if n_msgs == n_base_msgs:
-            flat += flat[base_at : base_at + rec[at + _NMSGS]]
-        else:
-            flat.extend(cut(flat[base_at : base_at + rec[at + _NMSGS]], n_msgs))
-        if len(flat) > ranges_at + n_toks and flat[-1] == first:  # the base's messages end where this turn's begin
+
+        flat = self._ranges
+        ranges_at = len(flat)
+        base_at, base_toks, base_msgs = rec[_RANGES], rec[_NTOKS], rec[_NMSGS]
+        tok_end, msg_end = base_at + base_toks - 1, base_at + base_toks + base_msgs - 1
+        if (
+            n == n_base and n_msgs == n_base_msgs and base_toks and flat[tok_end] == start and base_msgs
+            and flat[msg_end] == first
+        ):  # fmt: skip
+            # The usual delta: the base (the latest turn) ends where the logs end, and this turn extends it.
+            flat += flat[base_at : msg_end + 1]
+            flat[ranges_at + base_toks - 1] = stop
             flat[-1] = last
+            n_toks = base_toks
         else:
-            flat.extend((first, last))
+            flat.extend(extend(cut(flat[base_at : base_at + base_toks], n), start, stop))
+            n_toks = len(flat) - ranges_at
+            flat.extend(extend(cut(flat[base_at + base_toks : msg_end + 1], n_msgs), first, last))
 
         # the checked prefix (crc, n): the next delta of this turn reads only what follows
         self._keep(msg, seq, prompt_len, n_msgs + len(messages) - 1, ranges_at, n_toks, crc, n)
         return None
 
-    def _prefix_crc(self, row: int, n: int, crc: int, crc_len: int) -> int:
-        """CRC-32 of the first `n` ids of turn `row`'s context, resumed from its known prefix CRC where that helps."""
+    def _prefix_crc(self, row: int, rec: tuple[int, ...], n: int, crc: int, crc_len: int) -> int:
+        """CRC-32 of the first `n` ids of turn `row`'s (fields `rec`) context, resumed from its known prefix CRC."""
         if n < crc_len:
             crc, crc_len = 0, 0
-        for start, stop in span(self._tok_ranges(row), crc_len, n):
-            crc = zlib.crc32(self._read_ids(start, stop), crc)
-        rec, at = self._rec, row * _FIELDS
-        if n == rec[at + _PLEN] + rec[at + _NOUT]:  # the usual base: the whole context, which later deltas extend
-            rec[at + _CRC] = crc
-            rec[at + _CRC_LEN] = n
+        ranges, first, end = self._ranges, rec[_RANGES], rec[_RANGES] + rec[_NTOKS]
+        n_ctx = rec[_PLEN] + rec[_NOUT]
+        if end > first and ranges[end - 1] - ranges[end - 2] >= n_ctx - crc_len:  # the usual case: in its last run
+            last = ranges[end - 1]  # context item i is log id last - n_ctx + i
+            crc = zlib.crc32(self._read_ids(last - n_ctx + crc_len, last - n_ctx + n), crc)
+        else:
+            for start, stop in span(ranges[first:end], crc_len, n):
+                crc = zlib.crc32(self._read_ids(start, stop), crc)
+        if n == n_ctx:  # the usual base: the whole context, which later deltas extend
+            _CRC_FIELDS.pack_into(self._rec, row * _ROW.size + _CRC_AT, crc, n)
         return crc
 
     def add_full(self, msg: protocol.CommitTurn, seq: int, messages: list[bytes]) -> None:
@@ -254,33 +261,18 @@ class TurnStore:
         index = self._index
         row = len(index)
         index[msg.turn_id] = row
-        lps = self.lps
-        lp_at = (self._lp_cold.size + len(lps)) // _LP_BYTES
-        lps += msg.logprobs  # native float32 bytes
+        self.lps += msg.logprobs  # native float32 bytes; a turn's place follows from the output lengths before it
         reason, reasons = msg.finish_reason, self._reasons
-        if reason in reasons:
+        try:
             code = reasons.index(reason)
-        else:
+        except ValueError:  # a session sees a few distinct reasons
             code = len(reasons)
             reasons.append(reason)
         if msg.flags:
             self._flags[row] = msg.flags
         n_out = len(msg.output_ids)
-        self._rec.extend(
-            (
-                seq,
-                prompt_len,
-                n_out,
-                n_prompt_msgs,
-                ranges_at,
-                n_toks,
-                len(self._ranges) - ranges_at - n_toks,
-                lp_at,
-                crc,
-                crc_len,
-                code,
-            )  # fmt: skip
-        )
+        n_msgs = len(self._ranges) - ranges_at - n_toks
+        self._rec += _ROW.pack(seq, prompt_len, n_out, n_prompt_msgs, ranges_at, n_toks, n_msgs, crc, crc_len, code)
         seqs = self._seqs
         if not seqs or seqs[-1] < seq:  # in-order arrival, the common case
             seqs.append(seq)
@@ -382,7 +374,7 @@ class TurnStore:
         if row is None:
             return None
         msgs = self._messages(self._msg_ranges(row))
-        npm = self._rec[row * _FIELDS + _NPM]
+        npm = self._row(row)[_NPM]
         return msgs[:npm], msgs[npm]
 
     def records(self) -> list[TurnRecord]:
@@ -391,19 +383,24 @@ class TurnStore:
         logprobs = self._lp_cold.read_all() + self.lps
         messages = protocol.unpack_messages(self._msg_cold.read_all() + b"".join(self.msgs))
         ids = list(self._index)  # in row order
-        rec, reasons, flags = self._rec, self._reasons, self._flags
+        rows = [_ROW.unpack_from(self._rec, at) for at in range(0, len(self._rec), _ROW.size)]
+        lp_starts, lp_at = [], 0  # logprobs are logged in row order
+        for rec in rows:
+            lp_starts.append(lp_at)
+            lp_at += rec[_NOUT]
+        reasons, flags = self._reasons, self._flags
         out = []
         with memoryview(tokens) as log, memoryview(logprobs) as lp_log:
             for seq, row in zip(self._seqs, self._order, strict=True):
-                at = row * _FIELDS
+                rec = rows[row]
                 ctx = protocol.ids_array()
                 ranges = self._tok_ranges(row)
                 for i in range(0, len(ranges), 2):
                     ctx.frombytes(log[ranges[i] * _ID_BYTES : ranges[i + 1] * _ID_BYTES])
-                plen, npm = rec[at + _PLEN], rec[at + _NPM]
+                plen, npm = rec[_PLEN], rec[_NPM]
                 lp = protocol.logprobs_array()
-                lp_at = rec[at + _LP]
-                lp.frombytes(lp_log[lp_at * _LP_BYTES : (lp_at + rec[at + _NOUT]) * _LP_BYTES])
+                lp_at = lp_starts[row]
+                lp.frombytes(lp_log[lp_at * _LP_BYTES : (lp_at + rec[_NOUT]) * _LP_BYTES])
                 msgs = self._messages(self._msg_ranges(row), messages)
                 out.append(
                     TurnRecord(
@@ -412,7 +409,7 @@ class TurnStore:
                         prompt_ids=ctx[:plen],
                         output_ids=ctx[plen:],
                         logprobs=lp,
-                        finish_reason=reasons[rec[at + _FINISH]],
+                        finish_reason=reasons[rec[_FINISH]],
                         prompt_messages=msgs[:npm],
                         response_message=msgs[npm],
                         flags=flags.get(row, {}),

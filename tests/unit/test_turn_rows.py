@@ -101,7 +101,7 @@ def test_a_turn_costs_a_row_of_ints_not_objects():
         prompt = prompt + [k, k + 1, 7]
         messages = [*messages, full.response_message, {"role": "user", "content": f"q{k}"}]
     store = reg.get("s").committed
-    assert len(store._rec) == 40 * turn_store._FIELDS
+    assert len(store._rec) == 40 * turn_store._ROW.size
     # a growing session's turns each spell one run of ids (and of messages): 4 ints of ranges a turn
     assert len(store._ranges) <= 4 * 40 + 4
     assert store._flags == {} and store._reasons == ["stop"]
