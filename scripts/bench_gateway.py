@@ -103,7 +103,12 @@ class Bench:
             finally:
                 pin_tree(sys_.root, globals()["cores"](self.args.gateway_cores))
         self.counter += 1
-        config = loadgen.LoadConfig(progress=not self.args.no_progress, run_id=f"{time.time()}-{self.counter}", **cfg)
+        config = loadgen.LoadConfig(
+            progress=not self.args.no_progress,
+            run_id=f"{time.time()}-{self.counter}",
+            tool_text=self.args.tool_text,
+            **cfg,
+        )
         self.reset_engine()
         groups = {"gateway": sys_.pids, "engine": self.engine.pids, "loadgen": lambda: {os.getpid()}}
         groups.update({f"gateway.{role}": _role_pids(sys_.pids, marker) for role, marker in sys_.roles.items()})
@@ -242,6 +247,7 @@ def warm_up(bench: Bench) -> None:
                 context_tokens=2048,
                 progress=False,
                 dialect=dialect,
+                tool_text=bench.args.tool_text,
                 run_id=f"warm-{name}-{dialect}-{time.time()}",
             )
             asyncio.run(loadgen.run_load(system.target, config, engine))
@@ -409,6 +415,10 @@ def main() -> None:
         default=",".join(SCENARIOS),
         help=f"which parts of the suite to run (comma-separated; default all): {', '.join(SCENARIOS)}",
     )
+    p.add_argument(
+        "--tool-text", choices=loadgen.TOOL_TEXTS, default="prose",
+        help="tool results: one-token words (prose) or JSON, code and prose (mixed); scripts/agent_text.py",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report-only", help="rebuild report.md and plots from this results.json")
     args = p.parse_args()

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
 import statistics
 import sys
@@ -34,33 +33,15 @@ import orjson
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests")]
+from agent_text import TOOL_TEXTS, filler, tool_result, use_vocabulary  # noqa: E402
 from bench_dialects import DIALECTS, SEARCH, Dialect, Reply  # noqa: E402
 
-# One Qwen BPE token each, with their leading space; `use_vocabulary` swaps in thousands from a tokenizer.
-WORDS = "alpha delta echo golf hotel india mike november uniform whiskey".split()
 SYSTEM = "You are a research agent. Use the search tool to gather evidence before you answer."
 TEMPLATE_OVERHEAD_TOKENS = 250  # system prompt + tool catalogue
 REPLY_TOKENS = 60  # an engine reply (bench_engine.py) plus its template wrapping
 PROGRESS_EVERY_S = 0.25
 FINISH_TIMEOUT_S = 30.0
 _SERIAL = re.compile(r"q(\d+)")
-
-
-def filler(tokens: int, seed: int | str) -> str:
-    """~`tokens` tokens of seeded word salad (unique per seed, so no two agents or runs share a message)."""
-    return "".join(" " + w for w in random.Random(seed).choices(WORDS, k=max(1, tokens)))
-
-
-def use_vocabulary(tokenizer_dir: str, size: int = 4000) -> None:
-    """Draw filler from `size` lowercase words that are one token (with a leading space) in this tokenizer."""
-    vocab = json.loads(open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8").read())["model"]["vocab"]
-    words = sorted(
-        w[1:]
-        for w in vocab
-        if w.startswith("\u0120") and len(w) >= 5 and w[1:].isalpha() and w[1:].islower() and w[1:].isascii()
-    )
-    if len(words) >= 100:
-        WORDS[:] = random.Random(0).sample(words, min(size, len(words)))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -86,6 +67,7 @@ class LoadConfig:
     run_id: str = "0"  # seeds every message, so runs never share text (a cache must not carry over)
     rate: float = 0.0  # offered turns/s over all agents (each turn waits for its slot); 0 = closed loop
     episodes: int = 1  # episodes each agent runs one after the other (a new session each)
+    tool_text: str = "prose"  # tool results: word salad ("prose") or JSON, code and prose ("mixed"); agent_text.py
 
     @property
     def step_tokens(self) -> int:
@@ -298,7 +280,7 @@ async def run_agent(
         dialect.advance(
             state,
             reply,
-            tool_output=f"Result {seed}/{turn}:" + filler(step, f"{seed}/{turn}"),
+            tool_output=f"Result {seed}/{turn}:" + tool_result(step, f"{seed}/{turn}", cfg.tool_text),
             user_text=f"Continue {seed}/{turn}." + filler(step, f"{seed}/{turn}/u"),
         )
     return log
@@ -439,6 +421,7 @@ def main() -> None:
     p.add_argument("--dialect", choices=sorted(DIALECTS), default="chat")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--no-echo-reasoning", action="store_true", help="agents drop reasoning from their echo")
+    p.add_argument("--tool-text", choices=TOOL_TEXTS, default="prose", help="what tool results look like")
     p.add_argument("--rate", type=float, default=0.0, help="offered turns/s (open loop); 0 = closed loop")
     p.add_argument("--out", help="write the JSON result here too")
     args = p.parse_args()
@@ -454,6 +437,7 @@ def main() -> None:
         echo_reasoning=not args.no_echo_reasoning,
         progress=sys.stderr.isatty(),
         rate=args.rate,
+        tool_text=args.tool_text,
         run_id=str(time.time()),
     )
     result = asyncio.run(_cli(args, cfg))
