@@ -249,7 +249,12 @@ def load_pass(setup: Setup, args: argparse.Namespace, context: int, run_id: str)
     """One loadgen pass (capture checked); returns the turns done."""
     _engine_post(setup.engine_url, "/_bench/reset")  # the engine's request log feeds only this pass's check
     config = loadgen.LoadConfig(
-        agents=args.agents, turns=args.turns, context_tokens=context, progress=False, run_id=run_id
+        agents=args.agents,
+        turns=args.turns,
+        context_tokens=context,
+        progress=False,
+        run_id=run_id,
+        tool_text=args.tool_text,
     )
 
     async def run() -> dict[str, Any]:
@@ -358,6 +363,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="measured passes per context and source")
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--tool-text", choices=loadgen.TOOL_TEXTS, default="prose", help="what tool results look like")
     p.add_argument("--source", nargs="+", default=[str(REPO)], help="checkouts to measure (the first is the base)")
     p.add_argument("--out", help="write every pass and the summary here as JSON")
     p.add_argument("--keep-dumps", metavar="DIR", help="keep the callgrind dumps here (for callgrind_annotate)")
