@@ -34,6 +34,9 @@ from gateway_workers.engines.base import (
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
+_INT = frozenset([int])
+_FLOAT = frozenset([float])
+_NUMBER = frozenset([int, float])
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -136,18 +139,22 @@ def parse_stream_choice(url: str, choice: Any) -> EngineChunk:
 
 
 def _tokens(url: str, choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+    # Whole lists are checked by their set of item types (C loops): a reply's ids and logprobs are
+    # read on every turn.
     ids = choice.get("token_ids")
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not set(map(type, ids)) <= _INT:
         raise bad_answer(url, "choices[0].token_ids is not a list of ints")
     if not ids:
         return [], []
-    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
     if not isinstance(content, list) or len(content) != len(ids):
         raise bad_answer(url, f"expected {len(ids)} logprobs in choices[0].logprobs.content")
-    logprobs = []
-    for entry in content:
-        value = entry.get("logprob") if isinstance(entry, dict) else None
-        if not isinstance(value, (int, float)):
-            raise bad_answer(url, "a logprobs.content entry has no numeric logprob")
-        logprobs.append(float(value))
-    return ids, logprobs
+    try:
+        values = [entry["logprob"] for entry in content]
+    except (TypeError, KeyError):
+        values = []
+    kinds = set(map(type, values))
+    if len(values) != len(ids) or not kinds <= _NUMBER:
+        raise bad_answer(url, "a logprobs.content entry has no numeric logprob")
+    return ids, values if kinds == _FLOAT else [float(v) for v in values]

@@ -206,12 +206,18 @@ def test_unusable_answers_are_engine_errors():
         "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0}]},
     }
     assert vllm_backend.parse_answer(url, {"choices": [good_choice]}).logprobs == [-0.5, -1.0]
+    ints = {**good_choice, "logprobs": {"content": [{"logprob": 0}, {"logprob": -1.0}]}}
+    assert [type(v) for v in vllm_backend.parse_answer(url, {"choices": [ints]}).logprobs] == [float, float]
     bad_vllm = [
         {},
         {"choices": []},
         {"choices": [{**good_choice, "logprobs": None}]},
         {"choices": [{**good_choice, "token_ids": [1]}]},
         {"choices": [{**good_choice, "token_ids": [1, "2"]}]},
+        {"choices": [{**good_choice, "token_ids": [1, True]}]},
+        {"choices": [{**good_choice, "logprobs": {"content": [{"logprob": -0.5}, {"logprob": "-1"}]}}]},
+        {"choices": [{**good_choice, "logprobs": {"content": [{"logprob": -0.5}, {"p": -1.0}]}}]},
+        {"choices": [{**good_choice, "logprobs": {"content": [{"logprob": -0.5}, [-1.0]]}}]},
         {"choices": [{**good_choice, "finish_reason": "error"}]},
     ]
     for answer in bad_vllm:
