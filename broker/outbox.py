@@ -213,6 +213,8 @@ class Outbox:
 
     def next_deadline(self) -> float | None:
         """When `expire` next has something to do (None: nothing pending)."""
+        if not self._subscribers:  # the loop asks on every wake-up; without subscribers there is no poll either
+            return None
         times = [p.deadline for p in self._polls.values()]
         times += [s.deadline for s in self._subscribers.values() if s.subscriber_id not in self._polls]
         return min(times, default=None)
