@@ -20,7 +20,9 @@ TOOL_TEXTS = ("prose", "mixed")
 _CHARS_PER_TOKEN = 3.5  # without a tokenizer to count with
 _EXTRA = ["naïve", "café", "→", "—", "数据", "日本語", "µs", "±3", "°C", "Ω"]  # ~2% of mixed prose words
 _KEYS = ["id", "name", "status", "score", "tags", "path", "updated_at", "owner", "size", "children"]
+_POOL_PARTS = 600  # distinct parts mixed tool results are drawn from (a text is unique by its seeded order)
 _counter: Any = None  # a `tokenizers.Tokenizer` once `use_vocabulary` ran
+_parts: list[tuple[str, int]] | None = None  # the pool, drawn with the current vocabulary
 
 
 def filler(tokens: int, seed: int | str) -> str:
@@ -30,7 +32,7 @@ def filler(tokens: int, seed: int | str) -> str:
 
 def use_vocabulary(tokenizer_dir: str, size: int = 4000) -> None:
     """Draw words from `size` lowercase words that are one token (with a leading space) in this tokenizer."""
-    global _counter
+    global _counter, _parts
     path = os.path.join(tokenizer_dir, "tokenizer.json")
     vocab = json.loads(open(path, encoding="utf-8").read())["model"]["vocab"]
     words = sorted(
@@ -43,6 +45,7 @@ def use_vocabulary(tokenizer_dir: str, size: int = 4000) -> None:
     from tokenizers import Tokenizer
 
     _counter = Tokenizer.from_file(path)
+    _parts = None
 
 
 def tool_result(tokens: int, seed: int | str, kind: str = "prose") -> str:
@@ -52,16 +55,27 @@ def tool_result(tokens: int, seed: int | str, kind: str = "prose") -> str:
     if kind != "mixed":
         raise ValueError(f"tool text must be one of {TOOL_TEXTS}, got {kind!r}")
     rng = random.Random(seed)
+    pool = _pool()
     parts: list[str] = []
     left = max(1, tokens)
     while left > 0:
-        part = rng.choice((_json_records, _python_source, _prose))(rng)
-        n = _count(part)
+        part, n = rng.choice(pool)
         if n > left:  # the last part: cut it to size (by characters, so the count is approximate)
             part = part[: max(1, len(part) * left // n)]
         parts.append(part)
         left -= n
     return "\n\n".join(parts)
+
+
+def _pool() -> list[tuple[str, int]]:
+    """Parts (JSON, code, prose) with their token counts, drawn once: generating and counting each
+    tool result anew cost ~2 ms of the load generator's core a turn, enough to throttle it."""
+    global _parts
+    if _parts is None:
+        rng = random.Random(0)
+        made = [rng.choice((_json_records, _python_source, _prose))(rng) for _ in range(_POOL_PARTS)]
+        _parts = [(part, _count(part)) for part in made]
+    return _parts
 
 
 def _count(text: str) -> int:
