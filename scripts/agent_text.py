@@ -4,7 +4,8 @@
 "mixed")` is what tools really return: indented JSON records, Python source, and English-like
 prose with Zipfian word frequencies, punctuation, numbers and a little non-ASCII, sized in
 tokens by the benchmark's tokenizer once `use_vocabulary` named it (else ~3.5 characters a token).
-Every text is a function of its seed, so no two agents or runs share one.
+Every text is a function of its seed. Mixed ones are drawn from a fixed pool of parts, so two
+may repeat each other; `loadgen`'s messages stay unique by their seeded prefixes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ TOOL_TEXTS = ("prose", "mixed")
 _CHARS_PER_TOKEN = 3.5  # without a tokenizer to count with
 _EXTRA = ["naïve", "café", "→", "—", "数据", "日本語", "µs", "±3", "°C", "Ω"]  # ~2% of mixed prose words
 _KEYS = ["id", "name", "status", "score", "tags", "path", "updated_at", "owner", "size", "children"]
-_POOL_PARTS = 600  # distinct parts mixed tool results are drawn from (a text is unique by its seeded order)
+_POOL_PARTS = 600  # distinct parts that mixed tool results are drawn from, in a seeded order
 _counter: Any = None  # a `tokenizers.Tokenizer` once `use_vocabulary` ran
 _parts: list[tuple[str, int]] | None = None  # the pool, drawn with the current vocabulary
 
