@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import zmq
 
@@ -34,6 +34,8 @@ GET_TURN_PENDING_S = 3.0  # how long a turn whose COMMIT is still on its way is 
 GET_TURN_RETRY_S = 0.02
 LINGER_MS = 1000
 SEND_HWM = 100_000
+_POLLIN = int(zmq.POLLIN)
+_zmq_poll = zmq.zmq_poll
 
 
 class BrokerUnavailable(Exception):
@@ -267,7 +269,9 @@ class Backplane:
 
 
 def _readable(sock: zmq.Socket[bytes]) -> bool:
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    # zmq_poll without a timeout reads ZMQ_EVENTS like getsockopt(EVENTS), which pyzmq wraps in
+    # an enum on every call (and `& zmq.POLLIN` in another): ~3.3k instructions against ~9.6k.
+    return bool(_zmq_poll([(sock, _POLLIN)], 0))
 
 
 def _expire(future: asyncio.Future[Any]) -> None:
