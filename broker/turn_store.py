@@ -128,15 +128,15 @@ class TurnStore:
     def _row(self, row: int) -> tuple[int, ...]:
         return _ROW.unpack_from(self._rec, row * _ROW.size)
 
-    def _tok_ranges(self, row: int) -> array:
-        r = _ROW.unpack_from(self._rec, row * _ROW.size)
-        start = r[_RANGES]
-        return self._ranges[start : start + r[_NTOKS]]
+    def _tok_ranges(self, rec: tuple[int, ...]) -> array:
+        """The token ranges of the turn whose row is `rec` (`_row`)."""
+        start = rec[_RANGES]
+        return self._ranges[start : start + rec[_NTOKS]]
 
-    def _msg_ranges(self, row: int) -> array:
-        r = _ROW.unpack_from(self._rec, row * _ROW.size)
-        start = r[_RANGES] + r[_NTOKS]
-        return self._ranges[start : start + r[_NMSGS]]
+    def _msg_ranges(self, rec: tuple[int, ...]) -> array:
+        """The message ranges of the turn whose row is `rec` (`_row`)."""
+        start = rec[_RANGES] + rec[_NTOKS]
+        return self._ranges[start : start + rec[_NMSGS]]
 
     # --- commit path ---------------------------------------------------------------------
 
@@ -242,7 +242,7 @@ class TurnStore:
             def same_msgs(i: int, j: int, n: int) -> bool:
                 return messages[i : i + n] == [self._message_bytes(k) for k in range(j, j + n)]
 
-            shared, msg_ranges = common_prefix(len(messages), same_msgs, self._msg_ranges(base))
+            shared, msg_ranges = common_prefix(len(messages), same_msgs, self._msg_ranges(self._row(base)))
         first = self.messages_held
         self.msgs += messages[shared:]
         self.msg_bytes += sum(map(len, messages[shared:]))
@@ -312,7 +312,7 @@ class TurnStore:
                 candidates.append(last)
         best_len, best_ranges, base = 0, _NO_RANGES, None
         for cand in candidates:
-            n, ranges = common_prefix(n_ctx, same, self._tok_ranges(cand))
+            n, ranges = common_prefix(n_ctx, same, self._tok_ranges(self._row(cand)))
             if n > best_len or base is None:
                 best_len, best_ranges, base = n, ranges, cand
             if n == n_ctx:
@@ -373,8 +373,9 @@ class TurnStore:
         row = self._index.get(turn_id)
         if row is None:
             return None
-        msgs = self._messages(self._msg_ranges(row))
-        npm = self._row(row)[_NPM]
+        rec = self._row(row)
+        msgs = self._messages(self._msg_ranges(rec))
+        npm = rec[_NPM]
         return msgs[:npm], msgs[npm]
 
     def records(self) -> list[TurnRecord]:
@@ -394,14 +395,14 @@ class TurnStore:
             for seq, row in zip(self._seqs, self._order, strict=True):
                 rec = rows[row]
                 ctx = protocol.ids_array()
-                ranges = self._tok_ranges(row)
+                ranges = self._tok_ranges(rec)
                 for i in range(0, len(ranges), 2):
                     ctx.frombytes(log[ranges[i] * _ID_BYTES : ranges[i + 1] * _ID_BYTES])
                 plen, npm = rec[_PLEN], rec[_NPM]
                 lp = protocol.logprobs_array()
                 lp_at = lp_starts[row]
                 lp.frombytes(lp_log[lp_at * _LP_BYTES : (lp_at + rec[_NOUT]) * _LP_BYTES])
-                msgs = self._messages(self._msg_ranges(row), messages)
+                msgs = self._messages(self._msg_ranges(rec), messages)
                 out.append(
                     TurnRecord(
                         turn_id=ids[row],
