@@ -286,3 +286,23 @@ async def _sse_events(content: _ChunkSource, url: str) -> AsyncIterator[bytes]:
 def bad_answer(url: str, what: str) -> EngineError:
     """An engine answered 2xx with a body we cannot use."""
     return EngineError(f"engine {url} answered an unusable body: {what}")
+
+
+# An answer's ids and logprobs are read on every turn, so whole lists are checked by the set of
+# their items' types (C loops) rather than item by item; exact types also refuse bools.
+_INT = frozenset([int])
+_FLOAT = frozenset([float])
+_NUMBER = frozenset([int, float])
+
+
+def all_ints(values: list[Any]) -> bool:
+    """Whether every item is an int (not a bool)."""
+    return set(map(type, values)) <= _INT
+
+
+def as_floats(values: list[Any]) -> list[float] | None:
+    """The items as floats, or None when one is neither an int nor a float (bools included)."""
+    kinds = set(map(type, values))
+    if not kinds <= _NUMBER:
+        return None
+    return values if kinds <= _FLOAT else [float(v) for v in values]

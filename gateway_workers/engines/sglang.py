@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 from gateway_workers.engines.base import (
@@ -30,6 +31,8 @@ from gateway_workers.engines.base import (
     FinishReason,
     HttpEngineBase,
     SamplingParams,
+    all_ints,
+    as_floats,
     bad_answer,
     ids_json,
 )
@@ -39,6 +42,8 @@ logger = logging.getLogger(__name__)
 GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort_request"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_ENTRY = frozenset([list, tuple])  # [logprob, token_id, text]
+_LOGPROB, _ID = itemgetter(0), itemgetter(1)
 
 
 class SglangEngine(HttpEngineBase):
@@ -184,14 +189,12 @@ def _finish(url: str, meta: dict[str, Any]) -> FinishReason | None:
 
 
 def _tokens(url: str, entries: list[Any]) -> tuple[list[int], list[float]]:
-    ids: list[int] = []
-    logprobs: list[float] = []
-    for entry in entries:
-        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-            raise bad_answer(url, "an output_token_logprobs entry is not [logprob, token_id, text]")
-        logprob, token_id = entry[0], entry[1]
-        if not isinstance(token_id, int) or not isinstance(logprob, (int, float)):
-            raise bad_answer(url, "an output_token_logprobs entry has a non-numeric logprob or id")
-        ids.append(token_id)
-        logprobs.append(float(logprob))
+    if not entries:
+        return [], []
+    if not set(map(type, entries)) <= _ENTRY or min(map(len, entries)) < 2:
+        raise bad_answer(url, "an output_token_logprobs entry is not [logprob, token_id, text]")
+    ids = list(map(_ID, entries))
+    logprobs = as_floats(list(map(_LOGPROB, entries)))
+    if logprobs is None or not all_ints(ids):
+        raise bad_answer(url, "an output_token_logprobs entry has a non-numeric logprob or id")
     return ids, logprobs

@@ -27,6 +27,8 @@ from gateway_workers.engines.base import (
     FinishReason,
     HttpEngineBase,
     SamplingParams,
+    all_ints,
+    as_floats,
     bad_answer,
     ids_json,
 )
@@ -34,9 +36,6 @@ from gateway_workers.engines.base import (
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
-_INT = frozenset([int])
-_FLOAT = frozenset([float])
-_NUMBER = frozenset([int, float])
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -139,10 +138,8 @@ def parse_stream_choice(url: str, choice: Any) -> EngineChunk:
 
 
 def _tokens(url: str, choice: dict[str, Any]) -> tuple[list[int], list[float]]:
-    # Whole lists are checked by their set of item types (C loops): a reply's ids and logprobs are
-    # read on every turn.
     ids = choice.get("token_ids")
-    if not isinstance(ids, list) or not set(map(type, ids)) <= _INT:
+    if not isinstance(ids, list) or not all_ints(ids):
         raise bad_answer(url, "choices[0].token_ids is not a list of ints")
     if not ids:
         return [], []
@@ -154,7 +151,7 @@ def _tokens(url: str, choice: dict[str, Any]) -> tuple[list[int], list[float]]:
         values = [entry["logprob"] for entry in content]
     except (TypeError, KeyError):
         values = []
-    kinds = set(map(type, values))
-    if len(values) != len(ids) or not kinds <= _NUMBER:
+    floats = as_floats(values)
+    if len(values) != len(ids) or floats is None:
         raise bad_answer(url, "a logprobs.content entry has no numeric logprob")
-    return ids, values if kinds == _FLOAT else [float(v) for v in values]
+    return ids, floats

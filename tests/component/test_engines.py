@@ -226,12 +226,18 @@ def test_unusable_answers_are_engine_errors():
     meta = {"finish_reason": {"type": "abort", "message": "x"}, "output_token_logprobs": [[-0.25, 9, None]]}
     aborted = sglang_backend.parse_answer(url, {"output_ids": [9], "meta_info": meta})
     assert (aborted.output_ids, aborted.logprobs, aborted.finish_reason) == ([9], [-0.25], "abort")
+    two = sglang_backend.parse_answer(url, {"meta_info": {**meta, "output_token_logprobs": [[0, 9, "a"], (-1.5, 7)]}})
+    assert (two.output_ids, two.logprobs) == ([9, 7], [0.0, -1.5])
+    assert [type(v) for v in two.logprobs] == [float, float]
     bad_sglang = [
         {"output_ids": [9]},
         {"meta_info": {**meta, "output_token_logprobs": None}},
         {"output_ids": [8], "meta_info": meta},
-        {"meta_info": {**meta, "output_token_logprobs": [[None, 9, None]]}},
         {"meta_info": {**meta, "finish_reason": {"type": "weird"}}},
+    ] + [
+        {"meta_info": {**meta, "output_token_logprobs": [[-0.5, 8, None], entry]}}
+        for entry in ([None, 9, None], [-0.5, True, None], [False, 9, None], [-0.5, 9.0, None], [-0.5, "9", None],
+                      ["-0.5", 9, None], [-0.5], {"logprob": -0.5, "id": 9}, None)
     ]
     for answer in bad_sglang:
         with pytest.raises(EngineError):
