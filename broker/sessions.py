@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 from broker import protocol
 from broker.cold_log import PendingChunk
+from broker.session_logs import packed_messages
 from broker.trajectory import TurnRecord
-from broker.turn_store import TurnStore, packed_messages
+from broker.turn_store import TurnStore
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """TurnStore: one session's committed turns, stored deduplicated, materialized only at finish.
 
 A turn's tokens (prompt + output) and messages (prompt + response) are kept as ranges
-into append-only per-session logs (int32 ids; messages as their msgpack bytes, never decoded
-on the commit path), sharing the longest common prefix with a neighbouring turn, so a session
-costs about its unique tokens. A delta commit (one naming its base turn) is stored without any
-comparison: the base's ranges cut to the shared length, plus the new tail appended. Output
-logprobs go to a third log. Older log bytes can be compressed in the broker's idle time
-(`start_compaction`, see `cold_log`). A turn is a row of ints in one array per session, its
-ranges in another: no Python object per turn but its id. Pure data structure: no sockets, no
-clocks, no lifecycle rules (`sessions.py` owns those). Imports only the stdlib and `broker`.
+into append-only per-session logs (`session_logs`: int32 ids; messages as their msgpack bytes,
+never decoded on the commit path), sharing the longest common prefix with a neighbouring turn, so
+a session costs about its unique tokens. A delta commit (one naming its base turn) is stored
+without any comparison: the base's ranges cut to the shared length, plus the new tail appended.
+Output logprobs go to a third log. Older log bytes can be compressed in the broker's idle time
+(`start_compaction`). A turn is a row of ints in one array per session, its ranges in another:
+no Python object per turn but its id. Pure data structure: no sockets, no clocks, no lifecycle
+rules (`sessions.py` owns those). Imports only the stdlib and `broker`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import struct
 import zlib
 from array import array
 from bisect import bisect_left
-from functools import partial
 from typing import Any, Final
 
 from broker import protocol
-from broker.cold_log import MIN_CHUNK, ColdLog, PendingChunk
+from broker.cold_log import MIN_CHUNK, PendingChunk
 from broker.log_ranges import common_prefix, cut, extend, span
+from broker.session_logs import ItemLog, MessageLog
 from broker.trajectory import TurnRecord
 
 _ID_BYTES = 4  # int32 token ids
@@ -64,26 +64,15 @@ class TurnStore:
     """The committed turns of one session, keyed by turn id and ordered by OPEN sequence."""
 
     __slots__ = (
-        "tokens", "_tok_cold", "msgs", "_msg_cold", "_cold_ends", "lps", "_lp_cold", "_index", "_rec",
-        "_ranges", "_seqs", "_order", "_reasons", "_flags", "_mark", "_prev_mark", "msg_bytes",
+        "ids", "msgs", "lps", "_index", "_rec", "_ranges", "_seqs", "_order", "_reasons", "_flags", "_mark",
+        "_prev_mark",
     )  # fmt: skip
 
     def __init__(self) -> None:
-        # The token log's hot (uncompressed) tail as native int32 bytes: a bytearray, because
-        # `bytearray.startswith(buffer, offset)` compares against it in place. Ids before
-        # `_tok_cold.size` bytes are compressed (`start_compaction`).
-        self.tokens = bytearray()
-        self._tok_cold = ColdLog(_ID_BYTES)  # byte-shuffled: ids' high bytes compress far better than their low ones
-        # Every distinct message's msgpack bytes, once: the first `len(_cold_ends)` compressed back to
-        # back in `_msg_cold` (each one's end offset in `_cold_ends`), the rest in `msgs` (a list:
-        # appending never copies what is already held, as a growing bytearray's reallocations do).
-        self.msgs: list[bytes] = []
-        self._msg_cold = ColdLog()
-        self._cold_ends = array("q")
-        self.msg_bytes = 0  # raw (uncompressed) bytes of every distinct message held
+        self.ids = ItemLog(_ID_BYTES)  # the token log: native int32 ids
+        self.msgs = MessageLog()  # every distinct message's msgpack bytes, once
         # Every turn's output logprobs (native float32), in arrival order; never read before finish.
-        self.lps = bytearray()
-        self._lp_cold = ColdLog(_LP_BYTES)  # shuffled too: sign and exponent bytes repeat
+        self.lps = ItemLog(_LP_BYTES)  # shuffled too: sign and exponent bytes repeat
         self._index: dict[str, int] = {}  # turn id -> row, in arrival order
         self._rec = bytearray()  # the rows (`_ROW`)
         self._ranges = array("q")
@@ -105,23 +94,17 @@ class TurnStore:
 
     @property
     def tokens_held(self) -> int:
-        return (self._tok_cold.size + len(self.tokens)) // _ID_BYTES
+        return self.ids.size // _ID_BYTES
 
     @property
     def raw_bytes(self) -> int:
         """Token log and message bytes as if none were compressed (what compaction policy weighs)."""
-        return self._tok_cold.size + len(self.tokens) + self.msg_bytes
-
-    @property
-    def messages_held(self) -> int:
-        """Distinct messages stored (each once, however many turns share it)."""
-        return len(self._cold_ends) + len(self.msgs)
+        return self.ids.size + self.msgs.raw_bytes
 
     def bytes_held(self) -> int:
         """Approximate payload bytes: the logs (compressed parts as compressed) and the turns' rows and ranges."""
         return (
-            len(self.tokens) + self._tok_cold.stored + len(self.lps) + self._lp_cold.stored + sum(map(len, self.msgs))
-            + self._msg_cold.stored + _MESSAGE_OVERHEAD * self.messages_held
+            self.ids.stored + self.lps.stored + self.msgs.stored + _MESSAGE_OVERHEAD * self.msgs.held
             + len(self._rec) + 8 * len(self._ranges) + _TURN_OVERHEAD * len(self._index)
         )  # fmt: skip
 
@@ -167,11 +150,11 @@ class TurnStore:
         if crc != msg.base_crc32:
             return f"the first {n} tokens of base turn {base_id!r} are not the ones claimed"
 
-        log = self.tokens
-        cold = self._tok_cold.size
+        ids, msgs = self.ids, self.msgs
+        log = ids.hot
+        cold = ids.cold.size
         start = cold + len(log)
-        hot = self.msgs
-        first = len(self._cold_ends) + len(hot)
+        first = msgs.held
         self._prev_mark, self._mark = self._mark, (start, first)
         log += msg.prompt_ids  # native int32 bytes, appended straight from the array's buffer
         prompt_len = msg.prompt_len
@@ -184,8 +167,7 @@ class TurnStore:
         stop = cold + len(log)
         start //= _ID_BYTES
         stop //= _ID_BYTES
-        hot += messages
-        self.msg_bytes += sum(map(len, messages))
+        msgs.add(messages)
         last = first + len(messages)
 
         flat = self._ranges
@@ -231,22 +213,19 @@ class TurnStore:
 
         It shares the longest prefix of ids and of messages with a likely base turn (found by comparing).
         """
-        self._prev_mark, self._mark = self._mark, (
-            self._tok_cold.size + len(self.tokens), self.messages_held
-        )  # fmt: skip
+        self._prev_mark, self._mark = self._mark, (self.ids.size, self.msgs.held)
         with memoryview(msg.prompt_ids) as p, memoryview(msg.output_ids) as o, p.cast("B") as pb, o.cast("B") as ob:
             tok_ranges, base = self._add_ids(pb, ob, seq)
         shared, msg_ranges = 0, _NO_RANGES
         if base is not None:
 
             def same_msgs(i: int, j: int, n: int) -> bool:
-                return messages[i : i + n] == [self._message_bytes(k) for k in range(j, j + n)]
+                return messages[i : i + n] == [self.msgs.read(k, k + 1) for k in range(j, j + n)]
 
             shared, msg_ranges = common_prefix(len(messages), same_msgs, self._msg_ranges(self._row(base)))
-        first = self.messages_held
-        self.msgs += messages[shared:]
-        self.msg_bytes += sum(map(len, messages[shared:]))
-        msg_ranges = extend(msg_ranges, first, self.messages_held)
+        first = self.msgs.held
+        self.msgs.add(messages[shared:])
+        msg_ranges = extend(msg_ranges, first, self.msgs.held)
         flat = self._ranges
         ranges_at = len(flat)
         flat.extend(tok_ranges)
@@ -261,7 +240,7 @@ class TurnStore:
         index = self._index
         row = len(index)
         index[msg.turn_id] = row
-        self.lps += msg.logprobs  # native float32 bytes; a turn's place follows from the output lengths before it
+        self.lps.hot += msg.logprobs  # native float32 bytes; a turn's place follows from the output lengths before it
         reason, reasons = msg.finish_reason, self._reasons
         try:
             code = reasons.index(reason)
@@ -286,17 +265,20 @@ class TurnStore:
         """Store prompt + output ids (as byte views) sharing the longest prefix with a likely base turn (its row)."""
         n_prompt = len(pb) // _ID_BYTES
         n_ctx = n_prompt + len(ob) // _ID_BYTES
-        startswith = self._startswith
+        ids = self.ids
 
         def same(i: int, j: int, n: int) -> bool:
             # ids [i, i+n) of prompt + output against log ids [j, j+n), without building prompt + output
+            at = j * _ID_BYTES
             if i + n <= n_prompt:
-                return startswith(pb[i * _ID_BYTES : (i + n) * _ID_BYTES], j)
+                return ids.startswith(pb[i * _ID_BYTES : (i + n) * _ID_BYTES], at)
             if i >= n_prompt:
                 k = i - n_prompt
-                return startswith(ob[k * _ID_BYTES : (k + n) * _ID_BYTES], j)
+                return ids.startswith(ob[k * _ID_BYTES : (k + n) * _ID_BYTES], at)
             head = n_prompt - i
-            return startswith(pb[i * _ID_BYTES :], j) and startswith(ob[: (n - head) * _ID_BYTES], j + head)
+            return ids.startswith(pb[i * _ID_BYTES :], at) and ids.startswith(
+                ob[: (n - head) * _ID_BYTES], at + head * _ID_BYTES
+            )
 
         # Candidates that most likely share a prefix: the neighbours by OPEN order (the usual
         # case: the next prompt extends the previous turn) and the latest arrival.
@@ -317,7 +299,7 @@ class TurnStore:
                 best_len, best_ranges, base = n, ranges, cand
             if n == n_ctx:
                 break
-        log = self.tokens
+        log = ids.hot
         start = self.tokens_held
         if best_len < n_prompt:
             log += pb[best_len * _ID_BYTES :]
@@ -328,34 +310,9 @@ class TurnStore:
 
     # --- reading -----------------------------------------------------------------------------
 
-    def _startswith(self, buf: memoryview, j: int) -> bool:
-        """Whether the token log holds the bytes `buf` from id `j` on."""
-        pos = j * _ID_BYTES - self._tok_cold.size
-        if pos >= 0:
-            return self.tokens.startswith(buf, pos)
-        return self._read_ids(j, j + len(buf) // _ID_BYTES) == buf
-
     def _read_ids(self, start: int, stop: int) -> bytes | bytearray:
-        """Token log ids [start, stop) as int32 bytes (cold parts decompressed)."""
-        cold = self._tok_cold
-        lo, hi = start * _ID_BYTES - cold.size, stop * _ID_BYTES - cold.size
-        if lo >= 0:
-            return self.tokens[lo:hi]
-        return cold.read(start * _ID_BYTES, min(stop * _ID_BYTES, cold.size)) + self.tokens[: max(hi, 0)]
-
-    def _read_msgs(self, start: int, stop: int) -> bytes:
-        """Messages [start, stop) packed back to back (cold ones decompressed)."""
-        ends = self._cold_ends
-        n_cold = len(ends)
-        parts = []
-        if start < n_cold:
-            parts.append(self._msg_cold.read(ends[start - 1] if start else 0, ends[min(stop, n_cold) - 1]))
-        if stop > n_cold:
-            parts += self.msgs[max(start - n_cold, 0) : stop - n_cold]
-        return b"".join(parts)
-
-    def _message_bytes(self, k: int) -> bytes:
-        return self._read_msgs(k, k + 1)
+        """Token log ids [start, stop) as int32 bytes."""
+        return self.ids.read(start * _ID_BYTES, stop * _ID_BYTES)
 
     def _messages(self, ranges: array, decoded: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The messages `ranges` spell, decoded (from `decoded`, the whole log decoded, when given)."""
@@ -365,7 +322,7 @@ class TurnStore:
             if decoded is not None:
                 out += decoded[start:stop]
             else:
-                out += protocol.unpack_messages(self._read_msgs(start, stop))
+                out += protocol.unpack_messages(self.msgs.read(start, stop))
         return out
 
     def turn_messages(self, turn_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
@@ -380,9 +337,9 @@ class TurnStore:
 
     def records(self) -> list[TurnRecord]:
         """Every stored turn, materialized, in OPEN sequence order. Message dicts are shared: read-only."""
-        tokens = self._tok_cold.read_all() + self.tokens
-        logprobs = self._lp_cold.read_all() + self.lps
-        messages = protocol.unpack_messages(self._msg_cold.read_all() + b"".join(self.msgs))
+        tokens = self.ids.read_all()
+        logprobs = self.lps.read_all()
+        messages = protocol.unpack_messages(self.msgs.read_all())
         ids = list(self._index)  # in row order
         rows = [_ROW.unpack_from(self._rec, at) for at in range(0, len(self._rec), _ROW.size)]
         lp_starts, lp_at = [], 0  # logprobs are logged in row order
@@ -423,7 +380,7 @@ class TurnStore:
     @property
     def log_ends(self) -> tuple[int, int, int]:
         """(token log bytes, messages, logprob log bytes) held: a later `start_compaction`'s `limit` may name it."""
-        return self._tok_cold.size + len(self.tokens), self.messages_held, self._lp_cold.size + len(self.lps)
+        return self.ids.size, self.msgs.held, self.lps.size
 
     def _due(self, limit: tuple[int, int, int], idle: bool) -> tuple[int, list[bytes], int]:
         """Hot token log bytes, hot messages and hot logprob bytes that may be compressed: those before `limit`.
@@ -436,11 +393,8 @@ class TurnStore:
         tok_end, msg_end = limit[0], limit[1]
         if not idle:
             tok_end, msg_end = min(tok_end, self._prev_mark[0]), min(msg_end, self._prev_mark[1])
-        return (
-            tok_end - self._tok_cold.size,
-            self.msgs[: max(msg_end - len(self._cold_ends), 0)],
-            min(limit[2] - self._lp_cold.size, len(self.lps)),
-        )
+        lp_due = min(limit[2] - self.lps.cold.size, len(self.lps.hot))
+        return tok_end - self.ids.cold.size, self.msgs.due(msg_end), lp_due
 
     def compactable(self, limit: tuple[int, int, int] = _NO_LIMIT, idle: bool = False) -> bool:
         """Whether a chunk's worth is due before `limit` (`log_ends` of an earlier time); when `idle`, any byte."""
@@ -460,50 +414,10 @@ class TurnStore:
         """
         due_tok, due_msgs, due_lps = self._due(limit, idle)
         least = 1 if idle else MIN_CHUNK
-        for due, hot, cold in ((due_tok, self.tokens, self._tok_cold), (due_lps, self.lps, self._lp_cold)):
+        for due, log in ((due_tok, self.ids), (due_lps, self.lps)):
             if due >= least:
-                width = cold.width
-                n = min(due, max(chunk_bytes - chunk_bytes % width, width))  # whole items: chunks are shuffled
-                return PendingChunk(bytes(hot[:n]), partial(self._add_cold, cold, cold.size, 0), width)
+                return log.chunk(due, chunk_bytes)
         if sum(map(len, due_msgs)) < least:
             return None
-        k = n = 0  # the oldest due messages, until chunk_bytes
-        for m in due_msgs:
-            if k and n + len(m) > 2 * chunk_bytes:
-                break  # a huge next message starts its own chunk: joining it would copy it here
-            k += 1
-            n += len(m)
-            if n >= chunk_bytes:
-                break
-        raw = due_msgs[0] if k == 1 else b"".join(due_msgs[:k])
-        return PendingChunk(raw, partial(self._add_cold, self._msg_cold, self._msg_cold.size, k))
+        return self.msgs.chunk(due_msgs, chunk_bytes)
 
-    def _add_cold(self, cold: ColdLog, cold_size: int, n_msgs: int, raw_len: int, chunk: bytes) -> None:
-        """A chunk's end: it goes into `cold` and its bytes (ids, logprobs or `n_msgs` messages) leave the hot part."""
-        if cold.size != cold_size:  # another compaction of this store ran meanwhile: these bytes moved
-            raise RuntimeError("overlapping compactions of one TurnStore")
-        cold.add_chunk(raw_len, chunk)
-        if cold is not self._msg_cold:
-            # In place: bytearray moves its start, and copies what remains into an exact-size buffer only
-            # once that is under half its allocation; a copy per chunk would cost O(hot bytes) a step.
-            del (self.tokens if cold is self._tok_cold else self.lps)[:raw_len]
-            return
-        hot, ends = self.msgs, self._cold_ends
-        end = cold_size
-        for m in hot[:n_msgs]:
-            end += len(m)
-            ends.append(end)
-        self.msgs = hot[n_msgs:]
-
-
-def packed_messages(prompt: list[Any], response: Any) -> list[bytes]:
-    """A commit's prompt messages then its response as msgpack bytes; ValueError if one is no map."""
-    out = [*prompt, response]
-    for i, m in enumerate(out):
-        if type(m) is not bytes:
-            if type(m) is not dict:
-                raise ValueError(f"message {i} is a {type(m).__name__}, not a map")
-            out[i] = protocol.pack_message(m)  # an in-process caller or an older worker: dicts
-        elif not protocol.is_packed_map(m):
-            raise ValueError(f"message {i} is not a packed map")
-    return out

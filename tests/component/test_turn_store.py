@@ -107,7 +107,7 @@ def test_a_growing_session_holds_each_token_once():
     store = reg.get("s").committed
     final = len(expected["t49"][0]) + 100
     assert store.tokens_held == final  # every token exactly once
-    assert store.messages_held == len(expected["t49"][2]) + 1
+    assert store.msgs.held == len(expected["t49"][2]) + 1
     assert store.bytes_held() < 2 * 4 * final  # tokens + logprobs + message text
     check_exact(reg, "s", expected)
 

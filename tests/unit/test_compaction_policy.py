@@ -77,7 +77,7 @@ def drain(reg: SessionRegistry, **kw: int) -> int:
 
 def cold_bytes(store) -> tuple[int, int]:
     """(token log bytes, messages) that are compressed."""
-    return store._tok_cold.size, len(store._cold_ends)
+    return store.ids.cold.size, len(store.msgs.cold_ends)
 
 
 def test_bytes_are_compressed_only_once_they_have_been_held_for_the_age():
@@ -110,7 +110,7 @@ def test_bytes_are_compressed_only_once_they_have_been_held_for_the_age():
     clock.now += AGE + BUCKET
     drain(reg)
     assert cold_bytes(ep.store) == ep.store.log_ends[:2] and not reg.compaction_pending
-    assert not ep.store.tokens and not ep.store.msgs and not ep.store.lps
+    assert not ep.store.ids.hot and not ep.store.msgs.hot and not ep.store.lps.hot
     ep.turn(100)  # a commit after the pause: a full one compares against cold bytes and still shares the prefix
     assert ep.store.tokens_held == len(ep.prompt)
     assert reg.finish("s").turns[-1].prompt_ids.tolist() == ep.prompt[: len(ep.prompt) - 8]
@@ -253,7 +253,8 @@ def test_a_delta_after_an_idle_spell_checks_its_prefix_against_the_compressed_ta
             clock.now += AGE + BUCKET
             drain(reg)
             store = reg.get("s").committed
-            assert not store.tokens and not store.msgs and not store.lps and reg.counters["bytes_compacted"] > 0
+            assert not store.ids.hot and not store.msgs.hot and not store.lps.hot
+            assert reg.counters["bytes_compacted"] > 0
         reg.open_turn("s", f"t{k}")
         output = [rng.randrange(100_000) for _ in range(50)]
         full = protocol.CommitTurn(

@@ -213,7 +213,7 @@ def test_a_growing_session_of_deltas_holds_each_token_once():
     store = reg.get("s").committed
     final = len(prompt) - 500
     assert store.tokens_held == final  # every token exactly once, as with full commits
-    assert store.messages_held == len(messages) - 1
+    assert store.msgs.held == len(messages) - 1
     assert reg.counters["commits_delta"] == 49
 
 

@@ -72,7 +72,7 @@ def test_records_give_back_every_committed_field_bit_exact(seed, n_turns, deltas
             pass
     store = reg.get("s").committed
     if compact and sum(len(c.logprobs) for c in sent.values()) > 16 * 4:
-        assert store._lp_cold.size > 0  # logprobs were compressed too
+        assert store.lps.cold.size > 0  # logprobs were compressed too
     records = reg.finish("s").turns
     assert [r.seq for r in records] == list(range(n_turns))  # OPEN order, whatever the arrival order
     for r in records:

@@ -70,7 +70,7 @@ def test_compacted_sessions_materialize_exactly_like_uncompacted_ones(seed, n_tu
         t = f"t{rng.choice(order[: order.index(k) + 1])}"
         assert cold.turn_messages("s", t) == plain.turn_messages("s", t)
     assert plain.stats()["tokens_held"] == cold.stats()["tokens_held"]
-    assert compacted > 0 or n_turns < 4 or len(cold.get("s").committed.tokens) < 8 * 4  # cold bytes were met
+    assert compacted > 0 or n_turns < 4 or len(cold.get("s").committed.ids.hot) < 8 * 4  # cold bytes were met
     for a, b in zip(plain.finish("s").turns, cold.finish("s").turns, strict=True):
         assert a == b
 
@@ -96,7 +96,7 @@ def test_a_long_session_compacts_to_fewer_bytes_and_keeps_the_recent_tail_hot():
         steps += 1
     store = reg.get("s").committed
     assert steps > 0 and reg.stats()["bytes_held"] < before / 2  # text of one letter compresses well
-    assert len(store.tokens) > 0 and store.msgs  # the last commits' bytes stay uncompressed
+    assert len(store.ids.hot) > 0 and store.msgs.hot  # the last commits' bytes stay uncompressed
     assert not reg.compaction_pending
     records = reg.finish("s").turns
     assert records[-1].response_message == {"role": "assistant", "content": "y" * 400}
@@ -149,7 +149,7 @@ def test_raw_bytes_count_ids_and_distinct_messages_once():
     reg = SessionRegistry(max_sessions=1)
     _grow(reg, "s", 5, 100)
     store = reg.get("s").committed
-    assert store.raw_bytes == 4 * store.tokens_held + sum(map(len, store.msgs))
+    assert store.raw_bytes == 4 * store.tokens_held + sum(map(len, store.msgs.hot))
     while reg.compact_step(slice_bytes=8, chunk_bytes=8):
         pass
-    assert store.raw_bytes == 4 * store.tokens_held + store._msg_cold.size + sum(map(len, store.msgs))
+    assert store.raw_bytes == 4 * store.tokens_held + store.msgs.cold.size + sum(map(len, store.msgs.hot))
