@@ -6,14 +6,14 @@ DEALERs like workers do, and the trainer side is `trainer_client.TrainerClient`.
 Measures (issue 6 targets): commits/s of ~4k-token prompts with 100-token outputs from
 4 concurrent publishers (growing sessions, so prefixes are shared as in real traffic) and
 the broker's own CPU per commit (publishers share the cores, so commits/s alone understates
-the broker), side by side with a bare zmq echo fed the same frames by the same publishers;
-the broker's per-commit hot path in-process (and the worker's cost of building the commit);
-finish_session latency of a 50-turn session whose final context is 32k tokens; broker RSS
-per such session against its final token count (from the broker at rest after a warm-up session;
-20 sessions interleaved, each living 10x the
-broker's compact_age_s, then a wait for their last bytes to age and be compressed, and for the
-broker's next heap trim: the output says so). Commits are deltas
-against the sender's previous turn, as a worker sends them (`gateway_workers.commit_bases`); `--full-commits`
+the broker; split into its main thread and the rest, libzmq's I/O thread), side by side with a
+bare zmq echo fed the same frames by the same publishers; the broker's per-commit hot path
+in-process (and the worker's cost of building the commit); finish_session latency of a 50-turn
+session whose final context is 32k tokens; broker RSS per such session against its final token
+count (from the broker at rest after a warm-up session; 20 sessions interleaved, each living 10x
+the broker's compact_age_s, then a wait for their last bytes to age and be compressed, and for
+the broker's next heap trim: the output says so). Commits are deltas against the sender's
+previous turn, as a worker sends them (`gateway_workers.commit_bases`); `--full-commits`
 also measures whole-turn commits in the same run. Prints medians of --runs runs.
 """
 
@@ -146,15 +146,20 @@ def stop_broker(proc: subprocess.Popen[str]) -> None:
         proc.wait(5)
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time the process's live threads have used so far (schedstat: nanoseconds, not clock ticks)."""
-    total = 0
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time each live thread has used so far, by thread id (schedstat: nanoseconds, not clock ticks)."""
+    out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            total += int((task / "schedstat").read_text().split()[0])
+            out[task.name] = int((task / "schedstat").read_text().split()[0]) / 1e9
         except (FileNotFoundError, ProcessLookupError):  # a thread that just exited
             continue
-    return total / 1e9
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time the process's live threads have used so far."""
+    return sum(thread_cpu_seconds(pid).values())
 
 
 def rss_bytes(pid: int) -> int:
@@ -272,6 +277,7 @@ def bench_ingest(args: argparse.Namespace) -> dict[str, float]:
     out = ingest_run(args, baseline=False, full=False)
     out["baseline_zmq_echo_msgs_per_s"] = base["commits_per_s"]
     out["baseline_echo_cpu_us_per_msg"] = base["broker_cpu_us_per_commit"]
+    out["baseline_echo_main_thread_us_per_msg"] = base["main_thread_us_per_commit"]
     out["ratio_to_zmq_echo"] = out["commits_per_s"] / base["commits_per_s"]
     if args.full_commits:  # the old way, same run, same sessions and turns
         full = ingest_run(args, baseline=False, full=True)
@@ -325,10 +331,13 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
             p.start()
         for _ in procs:  # every publisher has built its frames and opened its turns
             ready.get(timeout=600)
-        rss0, cpu0 = rss_bytes(pid), cpu_seconds(pid)
+        rss0, threads0 = rss_bytes(pid), thread_cpu_seconds(pid)
         start.set()
         res = [results.get(timeout=600) for _ in procs]
-        cpu = cpu_seconds(pid) - cpu0
+        threads = thread_cpu_seconds(pid)
+        cpu = sum(threads.values()) - sum(threads0.values())
+        # the process's main thread (its id is the pid) runs the loop; libzmq's I/O thread moves the bytes
+        main_cpu = threads.get(str(pid), 0.0) - threads0.get(str(pid), 0.0)
         rss1 = rss_bytes(pid)
         for p in procs:
             p.join(30)
@@ -346,6 +355,8 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
             # the publishers share this machine's cores with the broker (util < 1: they starve it),
             # so its CPU per commit is the primary figure, and the rate one fully busy core sustains
             "broker_cpu_us_per_commit": 1e6 * cpu / commits,
+            "main_thread_us_per_commit": 1e6 * main_cpu / commits,
+            "other_threads_us_per_commit": 1e6 * (cpu - main_cpu) / commits,
             "sustainable_commits_per_s": commits / cpu,
             "broker_cpu_util": cpu / (t1 - t0),
             "mean_prompt_tokens": sum(r["prompt_tokens"] for r in res) / commits,
