@@ -4,10 +4,11 @@ Starts scripts/bench_engine.py (a fake vLLM engine), `rollout-gateway serve` (1 
 the reference (scripts/reference_gateway.py, in its own venv, both history modes), pins the
 gateways to `--gateway-cores` and the engine + load generator to `--client-cores`, and runs the
 load generator against all of them, interleaved, `--reps` times per point: idle latency at
-concurrency 1 (4k/24k; gateway-added = gateway - direct), CPU per turn, a concurrency sweep
-(throughput, p50/p99; closed loop and at one offered load), worker scaling, and feature runs
-(dialects, streaming, <think> or not, agents that drop reasoning). Every gateway run ends with
-the capture check. Writes results.json, report.md and PNG plots to --out-dir.
+concurrency 1 (4k/24k; gateway-added = gateway - direct), in a closed loop and with the agent
+pausing `--pause-ms` between turns (every request then finds the gateway asleep), CPU per turn,
+a concurrency sweep (throughput, p50/p99; closed loop and at one offered load), worker scaling,
+and feature runs (dialects, streaming, <think> or not, agents that drop reasoning). Every
+gateway run ends with the capture check. Writes results.json, report.md and PNG plots to --out-dir.
 
     python scripts/bench_gateway.py --out-dir bench-results            # the full suite (~15-25 min)
     python scripts/bench_gateway.py --quick --out-dir /tmp/bench       # a smoke run
@@ -253,7 +254,7 @@ def warm_up(bench: Bench) -> None:
             asyncio.run(loadgen.run_load(system.target, config, engine))
 
 
-SCENARIOS = ("idle", "sweep", "offered", "workers", "saturated", "features")
+SCENARIOS = ("idle", "paused", "sweep", "offered", "workers", "saturated", "features")
 
 
 def suite(bench: Bench) -> None:
@@ -266,6 +267,8 @@ def suite(bench: Bench) -> None:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if "idle" in wanted:
         idle(bench, contexts)
+    if "paused" in wanted:
+        paused(bench, contexts)
     if "sweep" in wanted:
         sweep(bench, contexts, concurrency)
     if "offered" in wanted:
@@ -289,6 +292,21 @@ def idle(bench: Bench, contexts: list[int]) -> None:
                 bench.run(
                     "idle", system, rep, agents=1, turns=args.turns, context_tokens=context, episodes=args.idle_episodes
                 )
+
+
+def paused(bench: Bench, contexts: list[int]) -> None:
+    """Concurrency 1 with the agent pausing between turns, as while its tool runs: each request finds the
+    gateway idle, its processes asleep (on this VM waking them costs more than the closed loop shows)."""
+    args, reps = bench.args, bench.args.reps
+    ours, refs = _systems(bench)
+    print(f"== latency after a {args.pause_ms:g} ms pause (concurrency 1, {args.turns} turns)", file=sys.stderr)
+    for context in contexts:
+        for rep in range(reps):
+            for system in ["direct", ours[0], *refs]:
+                bench.run(
+                    "paused", system, rep, agents=1, turns=args.turns, context_tokens=context,
+                    episodes=args.idle_episodes, pause_s=args.pause_ms / 1000,
+                )  # fmt: skip
 
 
 def sweep(bench: Bench, contexts: list[int], concurrency: list[int]) -> None:
@@ -404,6 +422,7 @@ def main() -> None:
     p.add_argument("--contexts", default="4096,24576")
     p.add_argument("--concurrency", default="1,4,16,64,256")
     p.add_argument("--idle-episodes", type=int, default=3, help="episodes per agent in the idle/saturated runs")
+    p.add_argument("--pause-ms", type=float, default=20.0, help="the agent's pause between turns (paused scenario)")
     p.add_argument("--workers", default="1,2", help="our gateway's worker counts to run")
     p.add_argument("--gateway-cores", default="0", help="cores for the gateways under test")
     p.add_argument("--client-cores", default="1", help="cores for the engine and the load generator")

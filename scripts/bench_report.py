@@ -1,9 +1,10 @@
 """Benchmark harness: turn bench_gateway.py's results.json into report.md and PNG plots.
 
 Every number is a median over the repetitions of one point. Tables: idle latency (gateway-added
-= gateway - direct) and CPU per turn, the concurrency sweep, the offered-load point, CPU per turn
-at saturation, worker scaling (turns per gateway CPU-second), feature runs with their capture
-check, and issue 6's targets as ours vs the reference. Plots need matplotlib (the `bench` extra).
+= gateway - direct) and CPU per turn, the same after a pause between turns, the concurrency
+sweep, the offered-load point, CPU per turn at saturation, worker scaling (turns per gateway
+CPU-second), feature runs with their capture check, and issue 6's targets as ours vs the
+reference. Plots need matplotlib (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -51,15 +52,17 @@ def _capture(runs: list[Run]) -> str:
 
 def summarize(runs: list[Run]) -> dict[str, Any]:
     """The headline numbers, keyed for the tables and the targets."""
-    s: dict[str, Any] = {"idle": {}, "sweep": {}, "offered": {}, "saturated": {}, "workers": {}}
-    for (context, system), rs in _group(runs, "idle", "context_tokens", "system").items():
-        s["idle"][(context, system)] = {
-            "mean": _median(rs, lambda r: r["latency_ms"].get("mean")),
-            "last": _median(rs, lambda r: r["per_turn_mean_ms"][-1]),
-            "cpu": _median(rs, lambda r: r["gateway_cpu_ms_per_turn"]),
-            "n": len(rs),
-            "capture": _capture(rs),
-        }
+    s: dict[str, Any] = {"idle": {}, "paused": {}, "sweep": {}, "offered": {}, "saturated": {}, "workers": {}}
+    for scenario in ("idle", "paused"):
+        for (context, system), rs in _group(runs, scenario, "context_tokens", "system").items():
+            s[scenario][(context, system)] = {
+                "mean": _median(rs, lambda r: r["latency_ms"].get("mean")),
+                "last": _median(rs, lambda r: r["per_turn_mean_ms"][-1]),
+                "cpu": _median(rs, lambda r: r["gateway_cpu_ms_per_turn"]),
+                "pause_ms": 1000 * rs[0]["config"].get("pause_s", 0.0),
+                "n": len(rs),
+                "capture": _capture(rs),
+            }
     for (agents, system), rs in _group(runs, "sweep", "agents", "system").items():
         s["sweep"][(agents, system)] = {
             "tput": _median(rs, lambda r: r["turns_per_s"]),
@@ -100,6 +103,27 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
 def _role_ms(run: Run, role: str) -> float | None:
     stats = run["cpu"].get(f"gateway.{role}")
     return None if stats is None else 1000 * stats["cpu_s"] / max(1, run["turns_done"])
+
+
+def _idle_table(points: dict[tuple[int, str], dict[str, Any]]) -> str:
+    """Concurrency-1 latency per context and system; added = the system's mean minus direct's (same context)."""
+    direct = {c: v["mean"] for (c, n), v in points.items() if n == "direct"}
+    return _table(
+        ["context", "system", "mean ms", "added ms", "last turn ms", "CPU ms/turn", "capture", "reps"],
+        [
+            [
+                f"{c}",
+                n,
+                _fmt(v["mean"]),
+                _fmt(v["mean"] - direct.get(c, float("nan"))),
+                _fmt(v["last"]),
+                _fmt(v["cpu"]),
+                v["capture"],
+                str(v["n"]),
+            ]
+            for (c, n), v in sorted(points.items())
+        ],
+    )
 
 
 def targets(s: dict[str, Any]) -> list[list[str]]:
@@ -217,26 +241,18 @@ def write(results: Path, out_dir: Path) -> None:
         "",
         "## Idle latency and CPU per turn (concurrency 1)",
         "",
+        _idle_table(s["idle"]),
     ]
-    direct = {c: v["mean"] for (c, n), v in s["idle"].items() if n == "direct"}
-    lines.append(
-        _table(
-            ["context", "system", "mean ms", "added ms", "last turn ms", "CPU ms/turn", "capture", "reps"],
-            [
-                [
-                    f"{c}",
-                    n,
-                    _fmt(v["mean"]),
-                    _fmt(v["mean"] - direct.get(c, float("nan"))),
-                    _fmt(v["last"]),
-                    _fmt(v["cpu"]),
-                    v["capture"],
-                    str(v["n"]),
-                ]
-                for (c, n), v in sorted(s["idle"].items())
-            ],
-        )
-    )
+    if s["paused"]:
+        pause = next(iter(s["paused"].values()))["pause_ms"]
+        lines += [
+            "",
+            f"## Latency after a pause (concurrency 1, the agent waits {pause:g} ms between turns)",
+            "",
+            "Each request finds the gateway idle, its processes asleep: the cost of waking them is in these times.",
+            "",
+            _idle_table(s["paused"]),
+        ]
     lines += ["", "## Concurrency sweep (4k, engine 0 ms, closed loop)", ""]
     lines.append(
         _table(

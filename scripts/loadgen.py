@@ -68,6 +68,7 @@ class LoadConfig:
     rate: float = 0.0  # offered turns/s over all agents (each turn waits for its slot); 0 = closed loop
     episodes: int = 1  # episodes each agent runs one after the other (a new session each)
     tool_text: str = "prose"  # tool results: word salad ("prose") or JSON, code and prose ("mixed"); agent_text.py
+    pause_s: float = 0.0  # each agent waits this long after a reply before its next turn (its tool running)
 
     @property
     def step_tokens(self) -> int:
@@ -277,6 +278,8 @@ async def run_agent(
             if match:
                 log.serials.append(int(match.group(1)))
         progress.done += 1
+        if cfg.pause_s:
+            await asyncio.sleep(cfg.pause_s)
         dialect.advance(
             state,
             reply,
@@ -423,6 +426,7 @@ def main() -> None:
     p.add_argument("--no-echo-reasoning", action="store_true", help="agents drop reasoning from their echo")
     p.add_argument("--tool-text", choices=TOOL_TEXTS, default="prose", help="what tool results look like")
     p.add_argument("--rate", type=float, default=0.0, help="offered turns/s (open loop); 0 = closed loop")
+    p.add_argument("--pause-ms", type=float, default=0.0, help="each agent's pause between a reply and its next turn")
     p.add_argument("--out", help="write the JSON result here too")
     args = p.parse_args()
     if args.tokenizer:
@@ -438,6 +442,7 @@ def main() -> None:
         progress=sys.stderr.isatty(),
         rate=args.rate,
         tool_text=args.tool_text,
+        pause_s=args.pause_ms / 1000,
         run_id=str(time.time()),
     )
     result = asyncio.run(_cli(args, cfg))
