@@ -6,16 +6,18 @@ registered for, matched by the sha256 of the exact template text (any other temp
 extra template variable, falls back to Jinja). Each function is a line-by-line transcription of
 its template and is property-tested against it (tests/unit/test_render_native.py); `Renderer`
 also re-renders a sample of live requests with Jinja and switches the twin off on a mismatch.
-Inputs are `render.template_messages` output and checked tools. Imports only the stdlib.
+Inputs are `render.template_messages` output and checked tools. Imports only the stdlib and
+`json_texts` (the `tojson` texts of values a conversation prints on every turn).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from gateway_workers.json_texts import tojson
 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Sequence[Mapping[str, Any]] | None
@@ -35,9 +37,10 @@ def template_sha256(template: str) -> str:
 
 
 def _tojson(value: Any) -> str:
-    # HF's `tojson` filter: json.dumps with ensure_ascii=False and default separators. A value json
-    # cannot encode raises TypeError, and the caller falls back to Jinja (HF renders a placeholder).
-    return json.dumps(value, ensure_ascii=False)
+    # HF's `tojson` filter: json.dumps with ensure_ascii=False and default separators (cached: the same
+    # tools and arguments are printed on every turn). A value json cannot encode raises TypeError, and
+    # the caller falls back to Jinja (HF renders a placeholder).
+    return tojson(value)
 
 
 def _call_function(call: Mapping[str, Any], defined_only: bool) -> Mapping[str, Any]:
