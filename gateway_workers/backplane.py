@@ -94,11 +94,19 @@ class Backplane:
             if future is not None and not future.done():
                 future.set_result(reply)  # a late reply to a retried request finds no future: fine
 
+    def request_id(self) -> int:
+        """A fresh request id, for a message handed to `commit_in_background` (else its first send makes a copy)."""
+        return next(self._ids)
+
     def _send(self, build: Callable[[int], protocol.WorkerToBroker], timeout: float) -> asyncio.Future[Any]:
         """Send `build(request_id)` now; the future gets the reply with that id, or asyncio.TimeoutError."""
+        return self._send_message(build(next(self._ids)), timeout)
+
+    def _send_message(self, message: protocol.WorkerToBroker, timeout: float) -> asyncio.Future[Any]:
+        """Send `message`, whose request id is fresh from `request_id()`; the future is as `_send`'s."""
         loop = self._loop
         assert loop is not None, "Backplane.start() was not called"
-        request_id = next(self._ids)
+        request_id = message.request_id
         future: asyncio.Future[Any] = loop.create_future()
         self._pending[request_id] = future
         expiry = loop.call_later(timeout, _expire, future)
@@ -110,7 +118,7 @@ class Backplane:
 
         future.add_done_callback(forget)
         try:
-            self._sock.send(protocol.encode(build(request_id)), zmq.NOBLOCK)
+            self._sock.send(protocol.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             pass  # 100k frames queued: the broker is not reading; this attempt times out
         if _readable(self._sock):
@@ -180,22 +188,24 @@ class Backplane:
     def commit_in_background(self, commit: protocol.CommitTurn) -> None:
         """Hand a (full) COMMIT to a task that sends it, as a delta where it can, until ACKed.
 
-        The HTTP handler does not wait.
+        The HTTP handler does not wait. A commit built with `request_id()` is sent as it is the
+        first time; one with request id 0 is copied with a fresh id.
         """
         task = asyncio.get_running_loop().create_task(self._commit(commit))
         self._commits.add(task)
         task.add_done_callback(self._commits.discard)
 
     def abort_in_background(self, session_id: str, turn_id: str, reason: str) -> None:
-        abort = protocol.AbortTurn(request_id=0, session_id=session_id, turn_id=turn_id, reason=reason)
+        abort = protocol.AbortTurn(request_id=next(self._ids), session_id=session_id, turn_id=turn_id, reason=reason)
         task = asyncio.get_running_loop().create_task(self._retry(abort))
         self._commits.add(task)
         task.add_done_callback(self._commits.discard)
 
     async def _commit(self, full: protocol.CommitTurn) -> None:
         """Send the delta (if any), fall back to the full turn if it is refused, and remember ACKed turns as bases."""
+        prompt_crc32: int | None = None
         try:
-            delta = self.bases.delta(full)
+            delta, prompt_crc32 = self.bases.delta_and_crc(full, next(self._ids))
         except Exception:  # a bug of ours must not cost the turn: send it in full
             logger.exception("cannot build a delta commit of turn %s (session %s)", full.turn_id, full.session_id)
             delta = None
@@ -210,6 +220,7 @@ class Backplane:
                 # would be our own delta bug. Either way the full turn must still land.
                 self.counters["delta_refused"] += 1
                 self.bases.forget(full.session_id, delta.base_turn_id)
+                prompt_crc32 = None
                 log = logger.debug if reply.code == "unknown_base" else logger.warning
                 log("delta commit of turn %s (session %s) refused (%s: %s); resending in full",
                     full.turn_id, full.session_id, reply.code, reply.message)
@@ -219,21 +230,29 @@ class Backplane:
             reply = await self._retry(full)
         if isinstance(reply, protocol.TurnCommitted):
             if reply.outcome in ("stored", "duplicate"):
-                self.bases.remember(full)
+                self.bases.remember(full, prompt_crc32)
             else:  # discarded: the session is gone
                 self.bases.forget(full.session_id)
 
     async def _retry(
         self, message: protocol.CommitTurn | protocol.AbortTurn, log_refusal: bool = True
     ) -> protocol.BrokerToWorker | None:
-        """Send until answered (or the deadline); returns the reply, None when given up or failed."""
+        """Send until answered (or the deadline); returns the reply, None when given up or failed.
+
+        The first attempt sends `message` itself when its request id is set (fresh from `request_id()`);
+        a resend is a copy with a new id, so a late reply to an earlier attempt cannot answer it.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + COMMIT_DEADLINE_S
         attempt = 0
         while True:
             attempt += 1
             try:
-                reply = await self._send(lambda rid: dataclasses.replace(message, request_id=rid), ATTEMPT_TIMEOUT_S)
+                if attempt == 1 and message.request_id:
+                    sent = self._send_message(message, ATTEMPT_TIMEOUT_S)
+                else:
+                    sent = self._send(lambda rid: dataclasses.replace(message, request_id=rid), ATTEMPT_TIMEOUT_S)
+                reply = await sent
             except asyncio.CancelledError:
                 raise
             except asyncio.TimeoutError:

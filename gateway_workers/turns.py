@@ -126,9 +126,10 @@ class CapturedTurn:
         flags: dict[str, Any] = {"ill_formed": self.parsed.ill_formed, **self.flags}
         if self.parsed.error:
             flags["parse_error"] = self.parsed.error
-        self._backplane.commit_in_background(
+        backplane = self._backplane
+        backplane.commit_in_background(
             protocol.CommitTurn(
-                request_id=0,
+                request_id=backplane.request_id(),
                 session_id=self.session_id,
                 turn_id=self.turn_id,
                 prompt_ids=self.prompt_ids,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import zlib
 
 import msgpack
 import pytest
@@ -256,3 +257,50 @@ def test_a_delta_against_a_base_the_broker_does_not_hold_is_refused_unknown_base
     reg.close("s")
     rec = reg.finish("s").turns[1]
     assert rec.prompt_ids.tolist() == [1, 2, 3, 4, 5] and rec.output_ids.tolist() == [6]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6), st.integers(0, 30)), min_size=1, max_size=12))
+def test_chained_prompt_crcs_equal_a_fresh_crc_and_every_delta_is_accepted(steps):
+    """Each turn keeps (prompt rewritten from `cut` on, then `grow` new ids) and the worker's way:
+    delta_and_crc, then remember with the CRC it returned: the CRC held is always the prompt's own."""
+    rng = random.Random(len(steps))
+    reg = registry([f"t{k}" for k in range(len(steps))])
+    bases = CommitBases()
+    context: list[int] = [rng.randrange(1000) for _ in range(5)]
+    for k, (cut, output_len, grow) in enumerate(steps):
+        prompt = context[: max(len(context) - cut, 0)] + [rng.randrange(1000) for _ in range(grow)]
+        output = [rng.randrange(1000) for _ in range(output_len)]
+        full = full_commit("s", f"t{k}", prompt, output, [{"role": "user", "content": "q"}], {"role": "assistant"})
+        delta, prompt_crc = bases.delta_and_crc(full, request_id=k + 1)
+        if delta is not None:
+            assert delta.request_id == k + 1
+            # the base is the previous turn, whose context (prompt + output) is `context`
+            assert delta.base_crc32 == zlib.crc32(protocol.ids_array(context)[: delta.base_tokens].tobytes())
+        assert reg.commit_turn(protocol.decode_worker_to_broker(protocol.encode(delta or full))) == "stored"
+        bases.remember(full, prompt_crc)
+        base = bases.get("s")
+        assert base is not None and base.prompt_tokens == len(prompt)
+        assert base.prompt_crc32 == zlib.crc32(full.prompt_ids.tobytes())
+        context = prompt + output
+    reg.close("s")
+    assert [r.prompt_ids.tolist() for r in reg.finish("s").turns][-1] == prompt
+
+
+def test_a_delta_carries_every_other_field_of_the_full_commit():
+    bases = CommitBases()
+    bases.remember(full_commit("s", "t0", [1, 2, 3], [4], [{"role": "user", "content": "q"}], {"role": "assistant"}))
+    full = dataclasses.replace(
+        full_commit("s", "t1", [1, 2, 3, 4, 5], [6, 7], [{"role": "user", "content": "q"}], {"role": "assistant"}),
+        flags={"ill_formed": True, "x": 1},
+        timings={"render_s": 0.5},
+    )
+    delta = bases.delta(full, request_id=7)
+    assert delta is not None
+    made_by_delta = {"request_id", "prompt_ids", "prompt_messages", "base_turn_id", "base_tokens", "base_messages",
+                     "prompt_len", "base_crc32"}  # fmt: skip
+    names = {f.name for f in dataclasses.fields(protocol.CommitTurn)}
+    assert made_by_delta <= names
+    for name in names - made_by_delta:
+        assert getattr(delta, name) == getattr(full, name), name  # a field added to the protocol must travel
+    assert (delta.request_id, delta.base_tokens, delta.prompt_ids.tolist(), delta.prompt_len) == (7, 4, [5], 5)
