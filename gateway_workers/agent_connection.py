@@ -72,7 +72,15 @@ class AgentConnection:
         return True
 
     def stop(self) -> None:
+        """Stop watching. Once a reply is complete the server answers the watcher's `receive()` with a
+        disconnect (uvicorn does, and wakes it as the reply's last part is sent), so the watcher is
+        cancelled only if it is still waiting one loop pass later: a cancellation costs an exception
+        thrown through `receive()` on every turn."""
         self._armed = None
+        if not self._watcher.done():
+            self._watcher.get_loop().call_soon(self._cancel_watcher)
+
+    def _cancel_watcher(self) -> None:
         self._watcher.cancel()
 
 

@@ -35,7 +35,11 @@ GET_TURN_RETRY_S = 0.02
 LINGER_MS = 1000
 SEND_HWM = 100_000
 _POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 _zmq_poll = zmq.zmq_poll
+# The Cython socket's own send: pyzmq's Python-level `Socket.send` only adds DRAFT routing_id/group
+# handling (unused here) around it, and another call with keywords.
+_send_frame = getattr(zmq.backend, "Socket", zmq.Socket).send
 
 
 class BrokerUnavailable(Exception):
@@ -84,7 +88,7 @@ class Backplane:
         # nothing is left, here and after every send (a send can consume the signal of a reply).
         sock = self._sock
         while _readable(sock):
-            frame = sock.recv(zmq.NOBLOCK)
+            frame = sock.recv(_NOBLOCK)
             try:
                 reply = protocol.decode_broker_to_worker(frame)
             except protocol.ProtocolError:
@@ -118,7 +122,7 @@ class Backplane:
 
         future.add_done_callback(forget)
         try:
-            self._sock.send(protocol.encode(message), zmq.NOBLOCK)
+            _send_frame(self._sock, protocol.encode(message), _NOBLOCK)
         except zmq.Again:
             pass  # 100k frames queued: the broker is not reading; this attempt times out
         if _readable(self._sock):

@@ -83,17 +83,19 @@ def _text(content: Any, where: str) -> str:
 
 
 def _message(raw: Any, index: int, call_names: dict[str, str]) -> dict[str, Any]:
-    where = f"messages[{index}]"
     if not isinstance(raw, dict):
-        raise bad(f"{where} must be an object", "messages")
+        raise bad(f"messages[{index}] must be an object", "messages")
     role = raw.get("role")
     if role not in _ROLES:
-        raise bad(f"{where}: unknown role {role!r}", "messages")
+        raise bad(f"messages[{index}]: unknown role {role!r}", "messages")
+    content = raw.get("content")
     message: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
-        "content": _text(raw.get("content"), where),
+        # plain text (nearly every message) skips the call; `where` is formatted only for an error
+        "content": content if type(content) is str else _text(content, f"messages[{index}]"),
     }
     if role == "assistant":
+        where = f"messages[{index}]"
         reasoning = raw.get("reasoning_content", raw.get("reasoning"))
         if reasoning:
             if not isinstance(reasoning, str):

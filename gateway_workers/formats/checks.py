@@ -16,6 +16,8 @@ THINK = ("<think>", "</think>")
 TOOL_CALL = ("<tool_call>", "</tool_call>")
 
 BlockCheck = Callable[[str], "str | None"]
+# The pattern of each (open, close) pair of call tags, built once (formats use one or two pairs).
+_TAGS: dict[tuple[str, str], re.Pattern[str]] = {}
 
 
 def check_tagged(
@@ -37,7 +39,9 @@ def check_tagged(
         if problem is not None:
             return problem
     call_open, call_close = call
-    tags = re.compile(f"{re.escape(call_open)}|{re.escape(call_close)}")
+    tags = _TAGS.get(call)
+    if tags is None:
+        tags = _TAGS[call] = re.compile(f"{re.escape(call_open)}|{re.escape(call_close)}")
     inside_from: int | None = None
     count = 0
     for tag in tags.finditer(after):

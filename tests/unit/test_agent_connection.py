@@ -108,3 +108,27 @@ def test_leaving_outside_the_guarded_block_cancels_nothing() -> None:
 )
 def test_the_session_key_is_the_bearer_token_or_the_x_api_key(headers: dict[str, str], key: str | None) -> None:
     assert session_key(headers) == key
+
+
+def test_stop_cancels_a_waiting_watcher_a_loop_pass_later_and_leaves_a_woken_one_to_end() -> None:
+    async def main() -> tuple[bool, bool, bool]:
+        # uvicorn wakes `receive()` with a disconnect when the reply's last part is sent, before stop()
+        finished = Channel()
+        connection = AgentConnection(finished.receive)
+        await asyncio.sleep(0)  # the watcher waits in receive()
+        finished.left.set()
+        connection.stop()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        woken = connection._watcher
+        # a server whose receive() keeps waiting (no reply end signalled): the watcher is cancelled
+        waiting = AgentConnection(Channel().receive)
+        await asyncio.sleep(0)
+        waiting.stop()
+        still_running = not waiting._watcher.done()  # not cancelled within stop() itself
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return woken.done() and not woken.cancelled(), still_running, waiting._watcher.cancelled()
+
+    ended_on_its_own, deferred, cancelled = asyncio.run(main())
+    assert ended_on_its_own and deferred and cancelled
