@@ -396,12 +396,6 @@ class TurnStore:
         lp_due = min(limit[2] - self.lps.cold.size, len(self.lps.hot))
         return tok_end - self.ids.cold.size, self.msgs.due(msg_end), lp_due
 
-    def compactable(self, limit: tuple[int, int, int] = _NO_LIMIT, idle: bool = False) -> bool:
-        """Whether a chunk's worth is due before `limit` (`log_ends` of an earlier time); when `idle`, any byte."""
-        due_tok, due_msgs, due_lps = self._due(limit, idle)
-        least = 1 if idle else MIN_CHUNK
-        return due_tok >= least or due_lps >= least or sum(map(len, due_msgs)) >= least
-
     def start_compaction(
         self, chunk_bytes: int, limit: tuple[int, int, int] = _NO_LIMIT, idle: bool = False
     ) -> PendingChunk | None:

@@ -106,9 +106,9 @@ def as_sent(bases: CommitBases | None, commit: protocol.CommitTurn) -> protocol.
     """
     if bases is None:
         return commit
-    sent = bases.delta(commit) or commit
-    bases.remember(commit)
-    return sent
+    delta, prompt_crc32 = bases.delta_and_crc(commit)  # as the worker's backplane does
+    bases.remember(commit, prompt_crc32)
+    return delta or commit
 
 
 # --- broker subprocess -------------------------------------------------------------------

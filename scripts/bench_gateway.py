@@ -268,7 +268,7 @@ def suite(bench: Bench) -> None:
     if "idle" in wanted:
         idle(bench, contexts)
     if "paused" in wanted:
-        paused(bench, contexts)
+        idle(bench, contexts, args.pause_ms)
     if "sweep" in wanted:
         sweep(bench, contexts, concurrency)
     if "offered" in wanted:
@@ -281,31 +281,20 @@ def suite(bench: Bench) -> None:
         features(bench, contexts)
 
 
-def idle(bench: Bench, contexts: list[int]) -> None:
+def idle(bench: Bench, contexts: list[int], pause_ms: float = 0.0) -> None:
+    """Concurrency 1: latency and CPU per turn. With `pause_ms` (the "paused" scenario) the agent waits that
+    long between turns, as while its tool runs: each request finds the gateway's processes asleep."""
     args, reps = bench.args, bench.args.reps
     ours, refs = _systems(bench)
-    one = ours[0]
-    print(f"== idle latency and CPU per turn (concurrency 1, {args.turns} turns)", file=sys.stderr)
-    for context in contexts:
-        for rep in range(reps):
-            for system in ["direct", one, *refs]:
-                bench.run(
-                    "idle", system, rep, agents=1, turns=args.turns, context_tokens=context, episodes=args.idle_episodes
-                )
-
-
-def paused(bench: Bench, contexts: list[int]) -> None:
-    """Concurrency 1 with the agent pausing between turns, as while its tool runs: each request finds the
-    gateway idle, its processes asleep (on this VM waking them costs more than the closed loop shows)."""
-    args, reps = bench.args, bench.args.reps
-    ours, refs = _systems(bench)
-    print(f"== latency after a {args.pause_ms:g} ms pause (concurrency 1, {args.turns} turns)", file=sys.stderr)
+    scenario = "paused" if pause_ms else "idle"
+    after = f" after a {pause_ms:g} ms pause" if pause_ms else ""
+    print(f"== {scenario}: latency{after} and CPU per turn (concurrency 1, {args.turns} turns)", file=sys.stderr)
     for context in contexts:
         for rep in range(reps):
             for system in ["direct", ours[0], *refs]:
                 bench.run(
-                    "paused", system, rep, agents=1, turns=args.turns, context_tokens=context,
-                    episodes=args.idle_episodes, pause_s=args.pause_ms / 1000,
+                    scenario, system, rep, agents=1, turns=args.turns, context_tokens=context,
+                    episodes=args.idle_episodes, pause_s=pause_ms / 1000,
                 )  # fmt: skip
 
 

@@ -221,7 +221,8 @@ def test_small_sessions_and_a_broker_without_compaction_queue_nothing():
     small = Episode(reg, "small")
     for _ in range(4):
         small.turn(4000)  # 16 KB of ids + 8 KB of text a turn: 96 KB, under the floor
-    assert small.store.compactable() and not reg.compaction_pending and not reg._aging
+    assert small.store.start_compaction(sessions.COMPACT_CHUNK_BYTES) is not None
+    assert not reg.compaction_pending and not reg._aging
     off = SessionRegistry(max_sessions=1, compact=False)
     big = Episode(off, "s")
     for _ in range(4):

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker import protocol, turn_store
-from broker.sessions import SessionRegistry
+from broker.sessions import COMPACT_CHUNK_BYTES, SessionRegistry
 from gateway_workers.commit_bases import CommitBases
 
 
@@ -127,7 +127,8 @@ def test_sessions_under_the_size_threshold_are_never_compacted_and_larger_ones_a
     _grow(reg, "small", 12, 500)  # ~12 x (2 KB ids + 1.1 KB messages): under the threshold
     small = reg.get("small").committed
     assert 0 < small.raw_bytes < 200_000
-    assert small.compactable()  # chunks are due, but the session is too small to be worth it
+    # chunks are due, but the session is too small to be worth it
+    assert small.start_compaction(COMPACT_CHUNK_BYTES) is not None
     assert not reg.compaction_pending and not reg.compact_step()
     assert small.bytes_held() >= small.raw_bytes  # nothing compressed
 
