@@ -623,7 +623,8 @@ def _broker_hot_path(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's options (`parse_args([])`: its defaults, for bench_gateway's ingest scenario)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--publishers", type=int, default=4)
@@ -656,7 +657,11 @@ def main(argv: list[str] | None = None) -> int:
         "--full-commits", action="store_true", help="also measure whole-turn commits (the old way) in the same run"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     parts = args.only or ["ingest", "hotpath", "finish", "memory"]
     report: dict[str, Any] = {}
     benches = {"ingest": bench_ingest, "hotpath": bench_hotpath, "finish": bench_finish, "memory": bench_memory}

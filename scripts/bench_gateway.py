@@ -7,8 +7,9 @@ load generator against all of them, interleaved, `--reps` times per point: idle 
 concurrency 1 (4k/24k; gateway-added = gateway - direct), in a closed loop and with the agent
 pausing `--pause-ms` between turns (every request then finds the gateway asleep), CPU per turn,
 a concurrency sweep (throughput, p50/p99; closed loop and at one offered load), worker scaling,
-and feature runs (dialects, streaming, <think> or not, agents that drop reasoning). Every
-gateway run ends with the capture check. Writes results.json, report.md and PNG plots to --out-dir.
+feature runs (dialects, streaming, <think> or not, agents that drop reasoning), and
+scripts/bench_broker.py's broker ingest, so the report sets it against the reference measured in
+the same run. Every gateway run ends with the capture check. Writes results.json, report.md and PNG plots to --out-dir.
 
     python scripts/bench_gateway.py --out-dir bench-results            # the full suite (~15-25 min)
     python scripts/bench_gateway.py --quick --out-dir /tmp/bench       # a smoke run
@@ -254,7 +255,7 @@ def warm_up(bench: Bench) -> None:
             asyncio.run(loadgen.run_load(system.target, config, engine))
 
 
-SCENARIOS = ("idle", "paused", "sweep", "offered", "workers", "saturated", "features")
+SCENARIOS = ("idle", "paused", "sweep", "offered", "workers", "saturated", "features", "ingest")
 
 
 def suite(bench: Bench) -> None:
@@ -279,6 +280,8 @@ def suite(bench: Bench) -> None:
         saturated(bench, contexts)
     if "features" in wanted:
         features(bench, contexts)
+    if "ingest" in wanted:
+        ingest(bench)
 
 
 def idle(bench: Bench, contexts: list[int], pause_ms: float = 0.0) -> None:
@@ -347,7 +350,8 @@ def worker_scaling(bench: Bench, contexts: list[int]) -> None:
             "and engine), 64 agents",
             file=sys.stderr,
         )
-        for rep in range(reps):
+        # the noisiest scenario here (it shares the cores with the load generator): at least 5 repetitions
+        for rep in range(max(reps, 5)):
             for system in ours:
                 bench.run(
                     "workers", system, rep, cores=everything, agents=64, turns=args.turns, context_tokens=contexts[0]
@@ -395,6 +399,40 @@ def features(bench: Bench, contexts: list[int]) -> None:
     bench.configure_engine(think=True)
     for system in [one, *refs]:
         bench.run("no-echo", system, 0, agents=16, turns=args.turns, context_tokens=contexts[0], echo_reasoning=False)
+
+
+def ingest(bench: Bench) -> None:
+    """scripts/bench_broker.py's ingest (its defaults; its own broker and publishers, on all cores) in this run,
+    so the report can set it against the reference's CPU per turn measured beside it."""
+    import bench_broker
+
+    args = bench_broker.parse_args([])
+    mine = os.sched_getaffinity(0)
+    print("== broker ingest (bench_broker.py's, all cores)", file=sys.stderr)
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # its broker and publishers inherit this
+    try:
+        for rep in range(bench.args.reps):
+            load_before = os.getloadavg()[0]
+            result = bench_broker.bench_ingest(args)
+            load = round(load_before, 2)
+            bench.runs.append(
+                {
+                    "scenario": "ingest",
+                    "system": "broker",
+                    "rep": rep,
+                    "config": {},
+                    "load_avg_1m": load,
+                    "ingest": result,
+                }
+            )
+            print(
+                f"     ingest broker      rep {rep}: {result['sustainable_commits_per_s']:8.0f} commits/s sustainable "
+                f"({result['broker_cpu_us_per_commit']:.1f} µs/commit), {result['commits_per_s']:8.0f} measured",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def _systems(bench: Bench) -> tuple[list[str], list[str]]:

@@ -3,7 +3,7 @@
 Every number is a median over the repetitions of one point. Tables: idle latency (gateway-added
 = gateway - direct) and CPU per turn, the same after a pause between turns, the concurrency
 sweep, the offered-load point, CPU per turn at saturation, worker scaling (turns per gateway
-CPU-second), feature runs with their capture check, and issue 6's targets as ours vs the
+CPU-second), broker ingest, feature runs with their capture check, and issue 6's targets as ours vs the
 reference. Plots need matplotlib (the `bench` extra).
 """
 
@@ -52,7 +52,9 @@ def _capture(runs: list[Run]) -> str:
 
 def summarize(runs: list[Run]) -> dict[str, Any]:
     """The headline numbers, keyed for the tables and the targets."""
-    s: dict[str, Any] = {"idle": {}, "paused": {}, "sweep": {}, "offered": {}, "saturated": {}, "workers": {}}
+    s: dict[str, Any] = {
+        "idle": {}, "paused": {}, "sweep": {}, "offered": {}, "saturated": {}, "workers": {}, "ingest": {},
+    }  # fmt: skip
     for scenario in ("idle", "paused"):
         for (context, system), rs in _group(runs, scenario, "context_tokens", "system").items():
             s[scenario][(context, system)] = {
@@ -97,6 +99,17 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
             "cpu_share": _median(rs, lambda r: r["cpu"]["gateway"]["cpu_s"] / max(1e-9, r["elapsed_s"])),
             "n": len(rs),
         }
+    ingest = [r["ingest"] for r in runs if r["scenario"] == "ingest"]
+    if ingest:
+        s["ingest"] = {
+            "sustainable": statistics.median(r["sustainable_commits_per_s"] for r in ingest),
+            "wall": statistics.median(r["commits_per_s"] for r in ingest),
+            "cpu_us": statistics.median(r["broker_cpu_us_per_commit"] for r in ingest),
+            "main_us": statistics.median(r["main_thread_us_per_commit"] for r in ingest),
+            "other_us": statistics.median(r["other_threads_us_per_commit"] for r in ingest),
+            "echo_us": statistics.median(r["baseline_echo_cpu_us_per_msg"] for r in ingest),
+            "n": len(ingest),
+        }
     return s
 
 
@@ -126,25 +139,39 @@ def _idle_table(points: dict[tuple[int, str], dict[str, Any]]) -> str:
     )
 
 
+# The issue states each target as "a ratio measured side by side in one run", beside its own figures for
+# the reference on its machine. Where a target is an absolute number, its ratio is that number over the
+# issue's figure for the same quantity, and the report shows both readings.
+ISSUE_REF_ADDED_MS = {4096: 4.4, 24576: 15.5}  # the reference's added latency (tree, mean), per the issue
+ISSUE_REF_CPU_MS = 4.8  # the reference's CPU per 4k turn (tree), per the issue
+ADDED_LIMIT_MS = {4096: 1.5, 24576: 3.0}
+INGEST_TARGET = 20_000  # commits/s of 4k-token turns
+# 20,000 commits/s against ~4.8 ms of reference CPU per turn: the broker ingests at least 96 turns
+# in the CPU time the reference spends on one
+INGEST_TURNS_PER_REF_TURN = INGEST_TARGET * ISSUE_REF_CPU_MS / 1000
+WORKER_SCALING = 1.7  # 2 workers vs 1: throughput, or per core 1.7 / 2
+
+
 def targets(s: dict[str, Any]) -> list[list[str]]:
     """Issue 6's targets: (target, ours, reference, ratio, met?)."""
     rows = []
     idle, sat, sweep, offered = s["idle"], s["saturated"], s["sweep"], s["offered"]
     contexts = sorted({c for c, _ in idle})
     ours = next((n for _, n in sorted(idle) if n.startswith("ours")), "ours-1w")
-    limits = {4096: 1.5, 24576: 3.0}
     for c in contexts:
         direct = idle.get((c, "direct"), {}).get("mean", float("nan"))
         added = idle.get((c, ours), {}).get("mean", float("nan")) - direct
         ref_added = idle.get((c, "ref-tree"), {}).get("mean", float("nan")) - direct
-        limit = limits.get(c, float("nan"))
+        limit = ADDED_LIMIT_MS.get(c, float("nan"))
+        bound = limit / ISSUE_REF_ADDED_MS.get(c, float("nan"))
         rows.append(
             [
-                f"added latency, concurrency 1, {c // 1024}k (mean) <= {limit} ms",
+                f"added latency, concurrency 1, {c // 1024}k (mean) <= {limit} ms "
+                f"(the issue's reference: {ISSUE_REF_ADDED_MS.get(c)} ms)",
                 f"{_fmt(added)} ms",
                 f"{_fmt(ref_added)} ms (tree)",
                 _fmt(added / ref_added, 3) if ref_added else "-",
-                _met(added <= limit),
+                _both(added / ref_added <= bound, bound, added <= limit),
             ]
         )
     for c, bound in ((4096, 1 / 4), (24576, 1 / 8)):
@@ -199,16 +226,40 @@ def targets(s: dict[str, Any]) -> list[list[str]]:
         )
     one, two = s["workers"].get("ours-1w"), s["workers"].get("ours-2w")
     if one and two:
+        per_core = WORKER_SCALING / 2
         rows.append(
             [
-                "2 workers vs 1 (64 agents, all cores): throughput; turns per gateway CPU-second",
+                f"2 workers vs 1 (64 agents, all cores): throughput >= {WORKER_SCALING}x, or per core >= {per_core}",
                 f"{_fmt(two['tput'], 1)} vs {_fmt(one['tput'], 1)} turns/s",
-                f"{_fmt(two['eff'], 1)} vs {_fmt(one['eff'], 1)} turns/CPU-s",
-                f"{_fmt(two['tput'] / one['tput'], 2)}x / {_fmt(two['eff'] / one['eff'], 2)}x",
-                _met(two["tput"] / one["tput"] >= 1.7) + " (cores shared with the load generator)",
+                f"{_fmt(two['eff'], 1)} vs {_fmt(one['eff'], 1)} turns per gateway CPU-s",
+                f"{_fmt(two['tput'] / one['tput'], 2)}x / {_fmt(two['eff'] / one['eff'], 2)} per core",
+                f"per core {_met(two['eff'] / one['eff'] >= per_core)}; throughput "
+                f"{_met(two['tput'] / one['tput'] >= WORKER_SCALING)} (the cores are shared with the load generator)",
+            ]
+        )
+    ingest, ref = s["ingest"], _cpu(sat, idle, 4096, "ref-tree")
+    if ingest:
+        turns = ingest["sustainable"] * ref / 1000
+        rows.append(
+            [
+                f"broker ingest >= {INGEST_TARGET:,} commits/s of 4k turns "
+                f"(the issue's reference: {ISSUE_REF_CPU_MS} ms CPU per 4k turn)",
+                f"{_fmt(ingest['sustainable'], 0)} commits/s ({_fmt(ingest['cpu_us'], 1)} µs broker CPU per commit)",
+                f"{_fmt(ref)} ms CPU per 4k turn (tree)",
+                f"{_fmt(turns, 0)} commits per reference turn",
+                _both(
+                    turns >= INGEST_TURNS_PER_REF_TURN,
+                    INGEST_TURNS_PER_REF_TURN,
+                    ingest["sustainable"] >= INGEST_TARGET,
+                ),
             ]
         )
     return rows
+
+
+def _both(ratio_ok: bool, bound: float, absolute_ok: bool) -> str:
+    """Met as the issue's ratio (bound: its absolute target over its reference figure), and as the absolute figure."""
+    return f"as a ratio {_met(ratio_ok)} (bound {_fmt(bound, 3)}); absolute {_met(absolute_ok)}"
 
 
 def _cpu(sat: dict[Any, Any], idle: dict[Any, Any], context: int, system: str) -> float:
@@ -317,6 +368,22 @@ def write(results: Path, out_dir: Path) -> None:
                 ],
             )
         )
+    if s["ingest"]:
+        v = s["ingest"]
+        lines += [
+            "",
+            "## Broker ingest (scripts/bench_broker.py's ingest, its defaults, all cores)",
+            "",
+            "Delta commits of ~4k-token turns from 4 publisher processes; the publishers share the cores, so the "
+            "broker's CPU per commit gives the rate one busy core sustains.",
+            "",
+            _table(
+                ["sustainable commits/s", "measured commits/s", "broker CPU µs/commit", "main thread",
+                 "other threads", "zmq echo µs/msg", "reps"],
+                [[_fmt(v["sustainable"], 0), _fmt(v["wall"], 0), _fmt(v["cpu_us"], 1), _fmt(v["main_us"], 1),
+                  _fmt(v["other_us"], 1), _fmt(v["echo_us"], 1), str(v["n"])]],
+            ),
+        ]  # fmt: skip
     features = [r for r in runs if r["scenario"].startswith(("think", "no-echo"))]
     if features:
         lines += ["", "## Features (16 agents, 4k): dialects, streaming, <think>, agents that drop reasoning", ""]
