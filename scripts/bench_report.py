@@ -186,17 +186,25 @@ def targets(s: dict[str, Any]) -> list[list[str]]:
                 _met(cpu / ref <= bound),
             ]
         )
-    best_linear = min((_cpu(sat, idle, c, "ref-linear") for c in contexts), default=float("nan"))
-    ours_best = min((_cpu(sat, idle, c, ours) for c in contexts), default=float("nan"))
-    rows.append(
-        [
-            "CPU per turn <= 1/3 of ref linear at its best",
-            f"{_fmt(ours_best)} ms",
-            f"{_fmt(best_linear)} ms",
-            _fmt(ours_best / best_linear, 3),
-            _met(ours_best / best_linear <= 1 / 3),
-        ]
-    )
+    # linear mode at its best: its lowest CPU per 4k turn of the run (saturated at 8 agents, or any point of the
+    # sweep), against ours at that same point; ours at 8 agents beside it
+    points = {(8, n): v["cpu"] for (c, n), v in sat.items() if c == 4096}
+    points.update({(a, n): v["cpu"] for (a, n), v in sweep.items()})
+    linear = {a: cpu for (a, n), cpu in points.items() if n == "ref-linear" and cpu == cpu}
+    if linear:
+        at = min(linear, key=linear.__getitem__)
+        best, mine = linear[at], points.get((at, ours), float("nan"))
+        mine_8, linear_8 = points.get((8, ours), float("nan")), linear.get(8, float("nan"))
+        at_8 = f"8 agents: {_fmt(mine_8)} vs {_fmt(linear_8)} ms, {_fmt(mine_8 / linear_8, 3)}"
+        rows.append(
+            [
+                "CPU per turn <= 1/3 of ref linear at its best (4k)",
+                f"{_fmt(mine)} ms at {at} agents",
+                f"{_fmt(best)} ms at {at} agents (linear's lowest in this run)",
+                f"{_fmt(mine / best, 3)} ({at_8})",
+                _met(mine / best <= 1 / 3),
+            ]
+        )
     top = max((a for a, _ in sweep), default=None)
     if top is not None:
         p99, ref_p99 = (
