@@ -9,7 +9,8 @@ pausing `--pause-ms` between turns (every request then finds the gateway asleep)
 a concurrency sweep (throughput, p50/p99; closed loop and at one offered load), worker scaling,
 feature runs (dialects, streaming, <think> or not, agents that drop reasoning), and
 scripts/bench_broker.py's broker ingest, so the report sets it against the reference measured in
-the same run. Every gateway run ends with the capture check. Writes results.json, report.md and PNG plots to --out-dir.
+the same run. Every gateway run ends with the capture check. Writes results.json, report.md and
+PNG plots to --out-dir.
 
     python scripts/bench_gateway.py --out-dir bench-results            # the full suite (~15-25 min)
     python scripts/bench_gateway.py --quick --out-dir /tmp/bench       # a smoke run
@@ -412,9 +413,8 @@ def ingest(bench: Bench) -> None:
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # its broker and publishers inherit this
     try:
         for rep in range(bench.args.reps):
-            load_before = os.getloadavg()[0]
+            load = round(os.getloadavg()[0], 2)
             result = bench_broker.bench_ingest(args)
-            load = round(load_before, 2)
             bench.runs.append(
                 {
                     "scenario": "ingest",
