@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, Union
 
 import msgpack
 
-from broker import fastcodec
+from broker.codec import fast as fastcodec
 
 PROTOCOL_VERSION = 1
 

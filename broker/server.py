@@ -27,11 +27,11 @@ import zmq
 
 from broker import protocol
 from broker.config import BrokerConfig
-from broker.finishes import Finishes
-from broker.heap_trim import HeapTrimmer, glibc_malloc_trim
-from broker.outbox import Outbox, Reply
-from broker.rows import RowBuilder
-from broker.sessions import Refusal, SessionRegistry
+from broker.episodes.finishes import Finishes
+from broker.episodes.outbox import Outbox, Reply
+from broker.episodes.rows import RowBuilder
+from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
+from broker.sessions.registry import Refusal, SessionRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -29,17 +29,17 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
-from gateway_workers.agent_connection import AgentConnection, session_key
-from gateway_workers.backplane import Backplane
-from gateway_workers.commit_bases import CommitBases
+from gateway_workers.capture.backplane import Backplane
+from gateway_workers.capture.commit_bases import CommitBases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
-from gateway_workers.finish_route import FINISH_PATH, finish_session
 from gateway_workers.formats import PLAIN_TEXT, detect_parser
-from gateway_workers.live import start_live_turn
-from gateway_workers.render import Renderer
-from gateway_workers.tokenizer import load_tokenizer
-from gateway_workers.turns import ApiError, CapturedTurn, TurnPipeline
+from gateway_workers.http.connection import AgentConnection, session_key
+from gateway_workers.http.finish_route import FINISH_PATH, finish_session
+from gateway_workers.rendering.renderer import Renderer
+from gateway_workers.rendering.tokenizer import load_tokenizer
+from gateway_workers.turns.live import start_live_turn
+from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnPipeline
 
 logger = logging.getLogger(__name__)
 

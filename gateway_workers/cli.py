@@ -25,10 +25,10 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 from broker import protocol
-from gateway_workers import commit_bases
+from gateway_workers.capture import commit_bases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines.base import EngineConfig
-from gateway_workers.engines.http_client import tls_context
+from gateway_workers.engines.http.client import tls_context
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     # transformers warns at import that torch is absent; token-in/token-out never needs torch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from gateway_workers.tokenizer import prepare_tokenizer_dir
+    from gateway_workers.rendering.tokenizer import prepare_tokenizer_dir
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(message)s")
     tokenizer_dir = prepare_tokenizer_dir(args.tokenizer)

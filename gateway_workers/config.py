@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from broker import protocol
-from gateway_workers import commit_bases
+from gateway_workers.capture import commit_bases
 from gateway_workers.engines.base import EngineConfig
 
 CONFIG_ENV = "ROLLOUT_GATEWAY_WORKER_CONFIG"

@@ -13,7 +13,7 @@ session whose final context is 32k tokens; broker RSS per such session against i
 count (from the broker at rest after a warm-up session; 20 sessions interleaved, each living 10x
 the broker's compact_age_s, then a wait for their last bytes to age and be compressed, and for
 the broker's next heap trim: the output says so). Commits are deltas against the sender's
-previous turn, as a worker sends them (`gateway_workers.commit_bases`); `--full-commits`
+previous turn, as a worker sends them (`gateway_workers.capture.commit_bases`); `--full-commits`
 also measures whole-turn commits in the same run. Prints medians of --runs runs.
 """
 
@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from broker import protocol  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
-from broker.sessions import AGE_BUCKETS  # noqa: E402
-from gateway_workers.commit_bases import CommitBases  # noqa: E402
+from broker.sessions.registry import AGE_BUCKETS  # noqa: E402
+from gateway_workers.capture.commit_bases import CommitBases  # noqa: E402
 from trainer_client import TrainerClient  # noqa: E402
 
 READY_TIMEOUT_S = 30.0
@@ -550,7 +550,7 @@ def bench_hotpath(args: argparse.Namespace) -> dict[str, float]:
     keep the turn as the next base; full: encode), with each turn's messages fresh dicts as a
     request body parses them.
     """
-    from broker.sessions import SessionRegistry  # in-process on purpose: this isolates the hot path
+    from broker.sessions.registry import SessionRegistry  # in-process on purpose: this isolates the hot path
 
     sessions = args.sessions
     eps = [episode(i, args.turns, args.first_prompt, args.tail, args.output) for i in range(sessions)]

@@ -27,8 +27,8 @@ import aiohttp
 import orjson
 import uvloop
 
-from gateway_workers.engines.http_client import HttpPool
-from gateway_workers.tokenizer import prepare_tokenizer_dir
+from gateway_workers.engines.http.client import HttpPool
+from gateway_workers.rendering.tokenizer import prepare_tokenizer_dir
 
 HERE = Path(__file__).resolve().parent
 ENGINE_START_TIMEOUT_S = 60.0

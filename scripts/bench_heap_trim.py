@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_broker import as_sent, commit_of, episode  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
-from broker.heap_trim import glibc_malloc_trim, rss_bytes  # noqa: E402
-from broker.sessions import SessionRegistry  # noqa: E402
-from gateway_workers.commit_bases import CommitBases  # noqa: E402
+from broker.sessions.heap_trim import glibc_malloc_trim, rss_bytes  # noqa: E402
+from broker.sessions.registry import SessionRegistry  # noqa: E402
+from gateway_workers.capture.commit_bases import CommitBases  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20

@@ -385,7 +385,7 @@ def main() -> None:
 
     from assets import trl_qwen3_template_path
 
-    from gateway_workers.tokenizer import prepare_tokenizer_dir
+    from gateway_workers.rendering.tokenizer import prepare_tokenizer_dir
 
     tokenizer_dir = prepare_tokenizer_dir(None, chat_template_path=str(trl_qwen3_template_path()))
     loadgen.use_vocabulary(tokenizer_dir)

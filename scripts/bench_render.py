@@ -85,7 +85,7 @@ def in_thread(fn: Callable[[], float]) -> float:
 
 
 def measure(tokenizer: Any, context_tokens: int, reps: int) -> dict[str, Any]:
-    from gateway_workers.render import Renderer, template_messages
+    from gateway_workers.rendering.renderer import Renderer, template_messages
 
     messages = episode(context_tokens)
     jinja = Renderer(tokenizer, native_templates=False, cache_bytes=0)
@@ -197,7 +197,7 @@ def hot_path(tokenizer: Any, messages: list[dict[str, Any]], ids: list[int], rep
 
 def profile(tokenizer: Any, context_tokens: int) -> str:
     """cProfile of one incremental turn (the previous turn already rendered), top functions by own time."""
-    from gateway_workers.render import Renderer
+    from gateway_workers.rendering.renderer import Renderer
 
     renderer = Renderer(tokenizer)
     history = episode(context_tokens, index=7)
@@ -220,7 +220,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
-    from gateway_workers.tokenizer import load_tokenizer
+    from gateway_workers.rendering.tokenizer import load_tokenizer
 
     if args.tokenizer:
         tokenizer = load_tokenizer(args.tokenizer)

@@ -1,6 +1,6 @@
 """Shared fixtures: the real test tokenizers (Qwen BPE + real chat templates) and the fake engine process.
 
-The built-in BPE is built once into the on-disk cache (gateway_workers.tokenizer) and
+The built-in BPE is built once into the on-disk cache (gateway_workers.rendering.tokenizer) and
 reused by every xdist worker and later run; `qwen3_tokenizer_dir` is the same cache dir
 variant carrying trl's qwen3.jinja, for subprocesses. transformers is imported inside the
 fixtures, so test modules that never ask for a tokenizer do not pay for it.
@@ -29,7 +29,7 @@ def qwen3_template_path() -> Path:
 @pytest.fixture(scope="session")
 def qwen3_tokenizer(qwen3_template_path: Path) -> Any:
     """The built-in Qwen BPE with trl's qwen3.jinja as its chat template."""
-    from gateway_workers.tokenizer import load_tokenizer
+    from gateway_workers.rendering.tokenizer import load_tokenizer
 
     return load_tokenizer(None, chat_template_path=str(qwen3_template_path))
 
@@ -37,7 +37,7 @@ def qwen3_tokenizer(qwen3_template_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def builtin_tokenizer() -> Any:
     """The built-in offline default: Qwen BPE with our own Qwen3-style template."""
-    from gateway_workers.tokenizer import load_tokenizer
+    from gateway_workers.rendering.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -45,7 +45,7 @@ def builtin_tokenizer() -> Any:
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir(qwen3_template_path: Path) -> str:
     """A directory (tokenizer.json + qwen3.jinja) for subprocesses: `--tokenizer DIR`."""
-    from gateway_workers.tokenizer import prepare_tokenizer_dir
+    from gateway_workers.rendering.tokenizer import prepare_tokenizer_dir
 
     return prepare_tokenizer_dir(None, chat_template_path=str(qwen3_template_path))
 

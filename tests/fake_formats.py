@@ -152,7 +152,7 @@ def template_path(stem: str) -> Path:
 def family_tokenizer_dir(key: str) -> str:
     """A tokenizer directory (tokenizer.json + config + the family's real template), built once and cached."""
     family = FAMILIES[key]
-    from gateway_workers.tokenizer import cache_root, prepare_tokenizer_dir
+    from gateway_workers.rendering.tokenizer import cache_root, prepare_tokenizer_dir
 
     template = template_path(family.template)
     if family.vocab == "qwen" and not family.added:
@@ -190,7 +190,7 @@ def _build(dest: Path, family: Family, template: Path) -> None:
 
 
 def _vocab_dir(vocab: str) -> Path:
-    from gateway_workers.tokenizer import builtin_template_text, cache_root, prepare_tokenizer_dir
+    from gateway_workers.rendering.tokenizer import builtin_template_text, cache_root, prepare_tokenizer_dir
 
     if vocab == "qwen":
         return Path(prepare_tokenizer_dir(None))

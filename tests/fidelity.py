@@ -1,6 +1,6 @@
 """The fidelity checker every test layer shares: asserts DESIGN.md's fidelity rule on built rows.
 
-Turns: `broker.trajectory.TurnRecord` or anything with turn_id/prompt_ids/output_ids/logprobs. Rows: the
+Turns: `broker.episodes.trajectory.TurnRecord` or anything with turn_id/prompt_ids/output_ids/logprobs. Rows: the
 builder's `Row`, a `TraceRow`/`TraceRecord`, or any object (or dict) with token_ids/loss_mask/logprobs/
 response_length, as arrays or lists. Checks: every kept sampled token trained exactly once, contiguous, with its
 exact float32 logprob, right after exactly its turn's prompt_ids; loss-0 positions carry logprob 0.0; lengths

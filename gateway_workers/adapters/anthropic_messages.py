@@ -30,8 +30,8 @@ from gateway_workers.adapters.common import (
     reply_deltas,
     sse,
 )
-from gateway_workers.live import LiveTurn
-from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.live import LiveTurn
+from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnRequest, tool_call_id
 
 # Accepted and without effect on a token-in/token-out turn (thinking is the chat template's business).
 _IGNORED = {"model", "metadata", "service_tier", "thinking", "context_management", "output_config"}

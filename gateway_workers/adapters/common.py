@@ -16,8 +16,8 @@ from typing import Any, Literal
 import orjson
 
 from gateway_workers.formats import ParsedResponse
-from gateway_workers.streaming import DeltaKind, LiveDelta
-from gateway_workers.turns import ApiError
+from gateway_workers.formats.live_split import DeltaKind, LiveDelta
+from gateway_workers.turns.pipeline import ApiError
 
 
 def bad(message: str, param: str | None = None) -> ApiError:

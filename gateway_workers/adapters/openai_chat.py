@@ -16,8 +16,8 @@ from typing import Any
 import orjson
 
 from gateway_workers.adapters.common import arguments_json, bad, canonical_tools, integer, number, parse_arguments
-from gateway_workers.live import LiveTurn
-from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.live import LiveTurn
+from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnRequest, tool_call_id
 
 # Accepted and without effect on a token-in/token-out turn.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}

@@ -40,8 +40,8 @@ from gateway_workers.adapters.common import (
 )
 from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the Responses API shares its error shape
 from gateway_workers.formats import ParsedResponse
-from gateway_workers.live import LiveTurn
-from gateway_workers.turns import ApiError, CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.live import LiveTurn
+from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnRequest, tool_call_id
 
 _IGNORED = {
     "model",

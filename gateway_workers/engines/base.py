@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 import numpy
 import orjson
 
-from gateway_workers.engines.http_client import HttpConnectionError, HttpPool, HttpTimeout, parse_url, tls_context
+from gateway_workers.engines.http.client import HttpConnectionError, HttpPool, HttpTimeout, parse_url, tls_context
 from gateway_workers.engines.routing import choose_replica, routing_headers, routing_key
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ import transformers
 from packaging.version import Version
 from transformers import PreTrainedTokenizerBase
 
-from gateway_workers.bpe_twin import token_decoder
-from gateway_workers.twin_checks import checked_use
+from gateway_workers.rendering.twins.bpe import token_decoder
+from gateway_workers.rendering.twins.checks import checked_use
 
 logger = logging.getLogger(__name__)
 

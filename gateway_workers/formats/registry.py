@@ -35,7 +35,7 @@ from gateway_workers.formats.deepseek import DEEPSEEK_R1
 from gateway_workers.formats.glm import GLM4_MOE
 from gateway_workers.formats.harmony import GPT_OSS
 from gateway_workers.formats.llama import LLAMA3_JSON
-from gateway_workers.tokenizer import builtin_template_text
+from gateway_workers.rendering.tokenizer import builtin_template_text
 
 logger = logging.getLogger(__name__)
 

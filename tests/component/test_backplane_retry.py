@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from broker import protocol
-from gateway_workers import backplane as backplane_module
-from gateway_workers.backplane import Backplane
+from gateway_workers.capture import backplane as backplane_module
+from gateway_workers.capture.backplane import Backplane
 
 DEADLINE_S = 10.0
 ATTEMPT_S = 0.2

@@ -17,7 +17,7 @@ from component.peers import WorkerPeer, assert_linear_rows, conversation
 from processes import start_broker
 
 from broker import protocol
-from broker.heap_trim import glibc_malloc_trim
+from broker.sessions.heap_trim import glibc_malloc_trim
 from trainer_client import TrainerClient
 
 AGE_S = 2.0  # long enough that the commits and the first stats call surely fit before it

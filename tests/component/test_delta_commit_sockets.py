@@ -17,7 +17,7 @@ from typing import Any
 from component.peers import WorkerPeer, assert_linear_rows, conversation
 
 from broker import protocol
-from gateway_workers.backplane import Backplane
+from gateway_workers.capture.backplane import Backplane
 
 DEADLINE_S = 20.0  # the whole async part of a test
 DRAIN_S = 5.0

@@ -21,7 +21,7 @@ from gateway_workers.engines import vllm as vllm_backend
 from gateway_workers.engines.base import _sse_events
 from gateway_workers.engines.mock import MockEngine
 from gateway_workers.engines.routing import routing_key
-from gateway_workers.render import Renderer
+from gateway_workers.rendering.renderer import Renderer
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0.7, seed=3)
 LOG_WAIT_S = 5.0

@@ -21,7 +21,7 @@ from gateway_workers.engines import vllm as vllm_backend
 from gateway_workers.engines.mock import MockEngine
 from gateway_workers.engines.routing import choose_replica, routing_headers, routing_key
 from gateway_workers.formats import detect_parser
-from gateway_workers.render import Renderer
+from gateway_workers.rendering.renderer import Renderer
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, top_k=20, seed=7)
 TIMEOUT_S = 0.5  # the engine bound used by the fault tests

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from gateway_workers.engines import http_connection
 from gateway_workers.engines.base import EngineConfig, EngineError, EngineTimeout
-from gateway_workers.engines.http_client import HttpConnectionError, HttpPool, parse_url
+from gateway_workers.engines.http import connection as http_connection
+from gateway_workers.engines.http.client import HttpConnectionError, HttpPool, parse_url
 from gateway_workers.engines.vllm import VllmEngine
 
 TEST_DEADLINE_S = 10.0  # bound on each scenario

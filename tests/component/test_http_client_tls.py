@@ -27,7 +27,7 @@ from gateway_workers import cli
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
 from gateway_workers.engines.base import EngineConfig, EngineError, EngineTimeout
-from gateway_workers.engines.http_client import HttpPool, tls_context
+from gateway_workers.engines.http.client import HttpPool, tls_context
 from gateway_workers.engines.vllm import VllmEngine
 
 TEST_DEADLINE_S = 10.0  # bound on each scenario

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker import protocol
-from broker.sessions import Refusal, SessionRegistry
+from broker.sessions.registry import Refusal, SessionRegistry
 
 
 def commit(reg: SessionRegistry, sid: str, turn_id: str, prompt, output, messages, response, lps=None):

@@ -17,7 +17,7 @@ from typing import Any
 from assets import TOOLS, FakeEngine
 
 from broker.protocol import ids_array, logprobs_array
-from broker.trajectory import TurnRecord
+from broker.sessions.turn_record import TurnRecord
 from gateway_workers.engines.routing import routing_key
 
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "fake_engine.py"

@@ -30,7 +30,7 @@ from fidelity import assert_fidelity
 from processes import TestProcess
 
 from broker.protocol import ids_array, logprobs_array
-from broker.trajectory import TurnRecord
+from broker.sessions.turn_record import TurnRecord
 from gateway_workers.engines.routing import routing_key
 from gateway_workers.formats import FORMATS
 from trainer_client import launch_gateway

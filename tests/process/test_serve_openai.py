@@ -27,7 +27,7 @@ from assets import TOOLS, FakeEngine, wait_until
 from fidelity import assert_fidelity
 
 from broker.protocol import ids_array, logprobs_array
-from broker.trajectory import TurnRecord
+from broker.sessions.turn_record import TurnRecord
 from gateway_workers.engines.routing import routing_key
 from trainer_client import launch_gateway
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway_workers.agent_connection import AgentConnection, session_key
+from gateway_workers.http.connection import AgentConnection, session_key
 
 WAIT_S = 2.0
 

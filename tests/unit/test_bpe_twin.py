@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from gateway_workers import twin_checks
-from gateway_workers.bpe_twin import BpeTwin, _lookahead_cuts, bpe_twin
-from gateway_workers.render import Renderer
+from gateway_workers.rendering.renderer import Renderer
+from gateway_workers.rendering.twins import checks as twin_checks
+from gateway_workers.rendering.twins.bpe import BpeTwin, _lookahead_cuts, bpe_twin
 
 ADDED = ("<|", "|>", "<think", "</think", "<tool_", "</tool_")  # text that could form an added token is cut out
 
@@ -176,7 +176,7 @@ def test_renderer_drops_a_diverging_twin_and_keeps_exact_ids(builtin_tokenizer, 
     good, _ = bpe_twin(builtin_tokenizer.backend_tokenizer)
     renderer._twin = Wrong(lambda: good._shared, nfc=True)
     messages = [{"role": "user", "content": "several words that are surely more than one token"}]
-    with caplog.at_level(logging.ERROR, logger="gateway_workers.render"):
+    with caplog.at_level(logging.ERROR, logger="gateway_workers.rendering.renderer"):
         ids = renderer.render(messages).prompt_ids
     assert list(ids) == list(builtin_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                     tokenize=True, return_dict=False))

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.cold_log import ColdLog, PendingChunk
+from broker.sessions.logs.cold_log import ColdLog, PendingChunk
 
 
 def _fill(log: ColdLog, raw: bytes, cuts: list[int], slice_bytes: int) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from broker import protocol
 from gateway_workers import cli
-from gateway_workers.commit_bases import MAX_CONTEXT_BYTES, MAX_SESSIONS, CommitBases
+from gateway_workers.capture.commit_bases import MAX_CONTEXT_BYTES, MAX_SESSIONS, CommitBases
 from gateway_workers.config import WorkerConfig
 
 

@@ -14,11 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import protocol, sessions
-from broker.cold_log import MIN_CHUNK
+from broker import protocol
 from broker.config import BrokerConfig
-from broker.sessions import SessionRegistry
-from gateway_workers.commit_bases import CommitBases
+from broker.sessions import registry as sessions
+from broker.sessions.logs.cold_log import MIN_CHUNK
+from broker.sessions.registry import SessionRegistry
+from gateway_workers.capture.commit_bases import CommitBases
 
 AGE = 10.0
 BUCKET = AGE / sessions.AGE_BUCKETS

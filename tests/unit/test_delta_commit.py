@@ -1,7 +1,7 @@
 """Delta commits without sockets: the wire fields, the worker's prefix finder, and the broker's delta store.
 
 The broker side is the real `SessionRegistry` (no sockets), the worker side the real
-`gateway_workers.commit_bases.CommitBases`. The central property: a session committed with
+`gateway_workers.capture.commit_bases.CommitBases`. The central property: a session committed with
 deltas (against the previous turn or an older one, any sharing pattern, any commit order)
 materializes exactly the same `TurnRecord`s as the same session committed in full.
 """
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from test_protocol import unpacked
 
 from broker import protocol
-from broker.sessions import Refusal, SessionRegistry
-from gateway_workers.commit_bases import CommitBases, shared_ids, shared_items
+from broker.sessions.registry import Refusal, SessionRegistry
+from gateway_workers.capture.commit_bases import CommitBases, shared_ids, shared_items
 
 
 def full_commit(sid: str, turn_id: str, prompt, output, messages, response, flags=None) -> protocol.CommitTurn:

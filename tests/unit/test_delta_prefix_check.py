@@ -15,8 +15,8 @@ import random
 import pytest
 
 from broker import protocol
-from broker.sessions import Refusal, SessionRegistry
-from gateway_workers.commit_bases import CommitBases
+from broker.sessions.registry import Refusal, SessionRegistry
+from gateway_workers.capture.commit_bases import CommitBases
 
 RNG = random.Random(11)
 

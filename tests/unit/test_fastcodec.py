@@ -1,4 +1,4 @@
-"""broker.fastcodec: the generated per-class codecs give exactly what the generic codec gives, and are used.
+"""broker.codec.fast: the generated per-class codecs give exactly what the generic codec gives, and are used.
 
 The reference is `protocol`'s generic walk (`_build` per field spec, `_encode_generic`), which the
 generated decoders fall back to: for every message of `test_protocol`, for older peers' shorter
@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_protocol import ALL, DECODERS, _values, unpacked
 
-from broker import fastcodec, protocol
+from broker import protocol
+from broker.codec import fast as fastcodec
 
 
 def generic_decode(direction: str, frame: bytes) -> protocol.Message:

@@ -13,10 +13,10 @@ import ctypes
 import pytest
 from test_compaction_policy import Clock, Episode
 
-from broker import heap_trim
 from broker.config import BrokerConfig
-from broker.heap_trim import HeapTrimmer, glibc_malloc_trim
-from broker.sessions import SessionRegistry
+from broker.sessions import heap_trim
+from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
+from broker.sessions.registry import SessionRegistry
 
 MIB = 1024 * 1024
 
@@ -141,7 +141,7 @@ def test_without_malloc_trim_it_says_so_at_debug_and_returns_none(
             raise AttributeError(name)
 
     monkeypatch.setattr(heap_trim.ctypes, "CDLL", NoTrim)
-    with caplog.at_level("DEBUG", logger="broker.heap_trim"):
+    with caplog.at_level("DEBUG", logger="broker.sessions.heap_trim"):
         assert glibc_malloc_trim() is None
     assert [r.levelname for r in caplog.records] == ["DEBUG"] and "malloc_trim" in caplog.records[0].getMessage()
 

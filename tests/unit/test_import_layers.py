@@ -20,7 +20,7 @@ IMPORT_TIMEOUT_S = 60
 
 CASES = {
     "trainer_client": ["zmq.asyncio", "asyncio", "uvloop", "starlette", "transformers", "gateway_workers"],
-    "broker.protocol": ["zmq", "asyncio", "broker.server", "broker.sessions", "gateway_workers", "trainer_client"],
+    "broker.protocol": ["zmq", "asyncio", "broker.server", "broker.sessions.registry", "gateway_workers", "trainer_client"],
     "broker.server": [
         "zmq.asyncio",
         "asyncio",

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway_workers import json_texts
+from gateway_workers.rendering.twins import json_texts
 
 
 def dumps(value: Any) -> str:

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 from gateway_workers.adapters.common import block_events, from_list
 from gateway_workers.formats import detect_parser
-from gateway_workers.render import Renderer
-from gateway_workers.streaming import (
+from gateway_workers.formats.live_split import (
     BufferedSplitter,
     IncrementalDecoder,
     LiveDelta,
     StreamTracker,
     live_splitter,
 )
+from gateway_workers.rendering.renderer import Renderer
 
 CONVERSATION = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"}]
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}

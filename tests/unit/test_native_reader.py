@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gateway_workers.formats import FormatParser
 from gateway_workers.formats.base import _reading
 from gateway_workers.formats.chatml import QWEN2_5, QWEN3
-from gateway_workers.twin_checks import VERIFY_FIRST
+from gateway_workers.rendering.twins.checks import VERIFY_FIRST
 
 SPACES = ["\n", " ", "\t", "\r\n", "\u00a0", "\u3000", "\x1c", "\x1f", "\x85", "\u200b"]
 TEXT = ["", "Hi", "é 12", "{", "}", "<", "<tool", "think>", '"q"', "\\n", "<|im_start|>"]

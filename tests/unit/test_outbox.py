@@ -1,4 +1,4 @@
-"""broker.outbox: bounded store, one lease per subscriber, acks, redelivery, long polls, filters.
+"""broker.episodes.outbox: bounded store, one lease per subscriber, acks, redelivery, long polls, filters.
 
 Pure bookkeeping, so the clock is the test's: every call takes `now`. A random-schedule test
 checks the delivery invariants over thousands of interleaved finishes, fetches, acks, crashes
@@ -15,8 +15,8 @@ from array import array
 import pytest
 
 from broker import protocol
-from broker.outbox import Outbox
-from broker.sessions import Refusal
+from broker.episodes.outbox import Outbox
+from broker.sessions.registry import Refusal
 
 
 def make_outbox(**overrides) -> Outbox:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from assets import TOOLS, TRL_QWEN3_SHA256, sha256_file
 
-from gateway_workers.render import Renderer, RenderError, TemplateConfigError, template_messages
-from gateway_workers.tokenizer import TokenizerLoadError, load_tokenizer, prepare_tokenizer_dir
+from gateway_workers.rendering.renderer import Renderer, RenderError, TemplateConfigError, template_messages
+from gateway_workers.rendering.tokenizer import TokenizerLoadError, load_tokenizer, prepare_tokenizer_dir
 
 QWEN3_SPECIALS = {
     "<|endoftext|>": 151643,
@@ -244,7 +244,7 @@ def test_render_from_many_threads_matches_sequential(tokenizer):
 
 
 def test_cache_root_respects_xdg_cache_home(monkeypatch, tmp_path):
-    from gateway_workers.tokenizer import cache_root
+    from gateway_workers.rendering.tokenizer import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_root() == tmp_path / "rollout-gateway" / "tokenizers"
@@ -254,7 +254,7 @@ def test_concurrent_builders_publish_one_complete_dir(tmp_path):
     """Parallel workers building the same cache entry: one rename wins, every caller sees a complete dir."""
     import threading
 
-    from gateway_workers.tokenizer import _publish
+    from gateway_workers.rendering.tokenizer import _publish
 
     final = tmp_path / "entry"
     barrier = threading.Barrier(4)

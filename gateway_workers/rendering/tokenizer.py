@@ -44,7 +44,7 @@ class TokenizerLoadError(Exception):
 
 def builtin_template_text() -> str:
     """The text of our built-in Qwen3-style chat template (package data)."""
-    templates = importlib.resources.files("gateway_workers").joinpath("templates")
+    templates = importlib.resources.files("gateway_workers.rendering").joinpath("templates")
     return templates.joinpath(BUILTIN_TEMPLATE_NAME).read_text("utf-8")
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway_workers.engines.http_connection import (
+from gateway_workers.engines.http.connection import (
     Connection,
     HttpConnectionError,
     HttpTimeout,

@@ -7,7 +7,7 @@ subscription filters, one lease per subscriber (renewed by each `FetchEpisodes`;
 out, its unacknowledged episodes go back to the queue marked redelivered), and long polls
 parked until an episode matches or their wait ends. Pure bookkeeping like `sessions.py`: no
 sockets and no clock of its own (callers pass `now`); envelopes are opaque. Imports the stdlib,
-`broker.protocol` and `broker.sessions` (for `Refusal`) only.
+`broker.protocol` and `broker.sessions.registry` (for `Refusal`) only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from broker import protocol
-from broker.sessions import Refusal
+from broker.sessions.registry import Refusal
 
 logger = logging.getLogger(__name__)
 

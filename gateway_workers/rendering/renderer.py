@@ -31,11 +31,11 @@ from typing import Any
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
-from gateway_workers.bpe_twin import BpeTwin
-from gateway_workers.bpe_twin import bpe_twin as _bpe_twin
-from gateway_workers.native_templates import NativeTemplate, native_template
-from gateway_workers.session_renders import LastRender, SessionRenders, shared_prefix
-from gateway_workers.twin_checks import checked_use
+from gateway_workers.rendering.session_renders import LastRender, SessionRenders, shared_prefix
+from gateway_workers.rendering.twins.bpe import BpeTwin
+from gateway_workers.rendering.twins.bpe import bpe_twin as _bpe_twin
+from gateway_workers.rendering.twins.checks import checked_use
+from gateway_workers.rendering.twins.native_templates import NativeTemplate, native_template
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import orjson
 
-from gateway_workers.twin_checks import checked_use
+from gateway_workers.rendering.twins.checks import checked_use
 
 logger = logging.getLogger(__name__)
 

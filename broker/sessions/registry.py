@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from broker import protocol
-from broker.cold_log import PendingChunk
-from broker.session_logs import packed_messages
-from broker.trajectory import TurnRecord
-from broker.turn_store import TurnStore
+from broker.sessions.logs.append_logs import packed_messages
+from broker.sessions.logs.cold_log import PendingChunk
+from broker.sessions.turn_record import TurnRecord
+from broker.sessions.turn_store import TurnStore
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import protocol
-from broker.outbox import Envelope, Outbox, Reply
-from broker.rows import RowBuilder
-from broker.sessions import FinishedSession, FinishOrigin, Refusal, SessionRegistry
+from broker.episodes.outbox import Envelope, Outbox, Reply
+from broker.episodes.rows import RowBuilder
+from broker.sessions.registry import FinishedSession, FinishOrigin, Refusal, SessionRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from bisect import bisect_left
 from typing import Any, Final
 
 from broker import protocol
-from broker.cold_log import MIN_CHUNK, PendingChunk
-from broker.log_ranges import common_prefix, cut, extend, span
-from broker.session_logs import ItemLog, MessageLog
-from broker.trajectory import TurnRecord
+from broker.sessions.logs.append_logs import ItemLog, MessageLog
+from broker.sessions.logs.cold_log import MIN_CHUNK, PendingChunk
+from broker.sessions.logs.ranges import common_prefix, cut, extend, span
+from broker.sessions.turn_record import TurnRecord
 
 _ID_BYTES = 4  # int32 token ids
 _LP_BYTES = 4  # float32 logprobs

@@ -1,6 +1,7 @@
 """Trajectory builder: a finished session's committed turns -> loss-masked training rows.
 
-Pure computation: no sockets, clocks or other `broker` modules; `sessions.py` feeds it, `server.py` ships rows.
+Pure computation: no sockets or clocks; imports only `broker.sessions.turn_record` (its input), which the
+session registry materializes at finish; `rows.py` turns its rows into wire rows.
 Fidelity rule (DESIGN.md): every kept sampled token is trained once, with its float32 logprob, right after
 exactly its turn's prompt_ids -- so a turn joins a row only when the row's ids are a prefix of its prompt.
 Row.metadata: truncated, use_tool, ill_formed (bools); turn_ids (trained here, in order); row_start ("first" |
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from broker.sessions.turn_record import TurnRecord
+
 logger = logging.getLogger(__name__)
 
 RowStart = Literal["first", "branch", "realign", "rewrite", "fork"]
@@ -34,25 +37,6 @@ DECISIONS: tuple[str, ...] = ("clean", "first", "branch", "realign", "rewrite", 
 # - Rows are a minimum chain cover: turns are placed in order of prompt length (a topological order of "extends"),
 #   each onto the open row with the longest held ids that prefix its prompt (best fit leaves shorter tails for
 #   later siblings). The message tree (canonical messages, normalised) only labels rows; tokens decide placement.
-
-
-@dataclass(frozen=True, slots=True)
-class TurnRecord:
-    """One committed turn as the builder sees it (prompt already materialized).
-
-    `logprobs[i]` is the sampled logprob of `output_ids[i]`. Messages are canonical
-    (see `protocol.CommitTurn`).
-    """
-
-    turn_id: str
-    seq: int
-    prompt_ids: array
-    output_ids: array
-    logprobs: array
-    finish_reason: str
-    prompt_messages: list[dict[str, Any]]
-    response_message: dict[str, Any]
-    flags: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

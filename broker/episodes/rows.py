@@ -22,8 +22,8 @@ from array import array
 from typing import Any
 
 from broker import protocol
-from broker.sessions import FinishedSession
-from broker.trajectory import Row, build_rows
+from broker.episodes.trajectory import Row, build_rows
+from broker.sessions.registry import FinishedSession
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway_workers.adapters import openai_chat
-from gateway_workers.agent_connection import session_key
-from gateway_workers.backplane import BrokerUnavailable, TurnRefused
-from gateway_workers.turns import ApiError
+from gateway_workers.capture.backplane import BrokerUnavailable, TurnRefused
+from gateway_workers.http.connection import session_key
+from gateway_workers.turns.pipeline import ApiError
 
 logger = logging.getLogger(__name__)
 

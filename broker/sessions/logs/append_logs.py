@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 from broker import protocol
-from broker.cold_log import ColdLog, PendingChunk
+from broker.sessions.logs.cold_log import ColdLog, PendingChunk
 
 
 class ItemLog:
