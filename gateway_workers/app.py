@@ -29,17 +29,19 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
+from gateway_workers.adapters.base import Adapter
 from gateway_workers.capture.backplane import Backplane
 from gateway_workers.capture.commit_bases import CommitBases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
-from gateway_workers.formats import PLAIN_TEXT, detect_parser
+from gateway_workers.formats import PLAIN_TEXT, ResponseParser, detect_parser
 from gateway_workers.http.connection import AgentConnection, session_key
+from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
 from gateway_workers.turns.live import start_live_turn
-from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnPipeline
+from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
             counters["turns_aborted"] += 1
 
 
-def _error(adapter: Any, error: ApiError, counters: Counter[str]) -> Response:
+def _error(adapter: Adapter[Any], error: ApiError, counters: Counter[str]) -> Response:
     counters[f"http_{error.status}"] += 1
     if error.status >= 500:
         logger.error("turn failed with %d: %s", error.status, error.message)
@@ -147,25 +149,11 @@ def _key(headers: Headers) -> str:
     return sid
 
 
-async def _with_history(pipeline: TurnPipeline, sid: str, parsed: Any) -> Any:
-    """A Responses request naming `previous_response_id`: prepend that turn's messages (from the broker)."""
-    if getattr(parsed, "previous_turn_id", None) is None:
-        return parsed
-    try:
-        found = await pipeline.get_turn(sid, parsed.previous_turn_id)
-    except ApiError as e:
-        if e.code in ("unknown_turn", "turn_pending"):
-            raise ApiError(400, "invalid_request", f"previous_response_id {parsed.previous_response_id!r} is not a "
-                           "committed response of this session", code=e.code, param="previous_response_id") from None
-        raise
-    return openai_responses.with_history(parsed, found)
-
-
-def _check_tools_parseable(parser: Any, tools: Any) -> None:
+def _check_tools_parseable(parser: ResponseParser, tools: list[dict[str, Any]] | None) -> None:
     """A request that declares tools needs a parser that can find tool calls: else a 400, never a silent guess."""
-    if not tools or getattr(parser, "supports_tools", True):
+    if not tools or parser.supports_tools:
         return
-    name = getattr(parser, "format_name", "?")
+    name = parser.format_name
     if name == PLAIN_TEXT:
         reason = ("this gateway serves plain text only: the model's chat template is not recognized "
                   "(--allow-plain-text), so tool calls in its replies could not be parsed; restart it with "
@@ -175,7 +163,7 @@ def _check_tools_parseable(parser: Any, tools: Any) -> None:
     raise ApiError(400, "invalid_request", reason, code="tools_unsupported", param="tools")
 
 
-async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Any) -> None:
+async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapter[Any]) -> None:
     """One turn in any dialect: validate, run (live when streaming), reply, commit.
 
     A plain ASGI handler: turns are nearly all of a worker's requests, and Starlette's
@@ -188,7 +176,7 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Any) -
     try:
         sid = _key(Headers(scope=scope))
         parsed = adapter.parse_request(_json(await _read_body(receive)))
-        parsed = await _with_history(pipeline, sid, parsed)
+        parsed = await adapter.load_history(parsed, sid, pipeline)
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
         return await _error(adapter, e, counters)(scope, receive, send)
@@ -216,7 +204,7 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Any) -
     await send_reply(turn, _once(body), headers, send, connection, counters)
 
 
-TURN_ROUTES = {
+TURN_ROUTES: dict[str, Adapter[Any]] = {
     "/v1/chat/completions": openai_chat,
     "/v1/messages": anthropic_messages,
     "/v1/responses": openai_responses,
@@ -226,7 +214,7 @@ TURN_ROUTES = {
 class TurnEndpoint:
     """A turn route as Starlette sees it (for what the fast path does not take: 405s, redirects)."""
 
-    def __init__(self, adapter: Any) -> None:
+    def __init__(self, adapter: Adapter[Any]) -> None:
         self.adapter = adapter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from gateway_workers.adapters.base import no_history
 from gateway_workers.adapters.common import (
     BlockEvent,
     bad,
@@ -30,8 +31,9 @@ from gateway_workers.adapters.common import (
     reply_deltas,
     sse,
 )
+from gateway_workers.http.errors import ApiError
 from gateway_workers.turns.live import LiveTurn
-from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
 # Accepted and without effect on a token-in/token-out turn (thinking is the chat template's business).
 _IGNORED = {"model", "metadata", "service_tier", "thinking", "context_management", "output_config"}
@@ -177,6 +179,9 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
     """Client tools only: server tools (web search, ...) have a `type` and are not ours to run."""
     return canonical_tools(raw, "custom", lambda t: (t.get("name"), t.get("description"), t.get("input_schema")),
                            default_kind="custom")
+
+
+load_history = no_history  # a request carries its whole conversation
 
 
 def parse_request(body: Any, *, counting: bool = False) -> MessagesRequest:

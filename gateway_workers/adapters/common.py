@@ -17,7 +17,7 @@ import orjson
 
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import DeltaKind, LiveDelta
-from gateway_workers.turns.pipeline import ApiError
+from gateway_workers.http.errors import ApiError
 
 
 def bad(message: str, param: str | None = None) -> ApiError:

@@ -15,9 +15,11 @@ from typing import Any
 
 import orjson
 
+from gateway_workers.adapters.base import no_history
 from gateway_workers.adapters.common import arguments_json, bad, canonical_tools, integer, number, parse_arguments
+from gateway_workers.http.errors import ApiError
 from gateway_workers.turns.live import LiveTurn
-from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
 # Accepted and without effect on a token-in/token-out turn.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
@@ -140,6 +142,9 @@ class ChatRequest:
         self.turn = turn
         self.stream = stream
         self.include_usage = include_usage
+
+
+load_history = no_history  # a request carries its whole conversation
 
 
 def parse_request(body: Any) -> ChatRequest:

@@ -40,8 +40,9 @@ from gateway_workers.adapters.common import (
 )
 from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the Responses API shares its error shape
 from gateway_workers.formats import ParsedResponse
+from gateway_workers.http.errors import ApiError
 from gateway_workers.turns.live import LiveTurn
-from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnRequest, tool_call_id
 
 _IGNORED = {
     "model",
@@ -224,6 +225,20 @@ def parse_request(body: Any) -> ResponsesRequest:
         previous,
         previous_turn,
     )
+
+
+async def load_history(request: ResponsesRequest, session_id: str, pipeline: TurnPipeline) -> ResponsesRequest:
+    """A request naming `previous_response_id`: that committed turn's messages (from the broker), then the input."""
+    if request.previous_turn_id is None:
+        return request
+    try:
+        found = await pipeline.get_turn(session_id, request.previous_turn_id)
+    except ApiError as e:
+        if e.code in ("unknown_turn", "turn_pending"):
+            raise ApiError(400, "invalid_request", f"previous_response_id {request.previous_response_id!r} is not a "
+                           "committed response of this session", code=e.code, param="previous_response_id") from None
+        raise
+    return with_history(request, found)
 
 
 def with_history(request: ResponsesRequest, found: TurnFound) -> ResponsesRequest:

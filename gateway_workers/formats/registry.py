@@ -197,8 +197,14 @@ def detect_parser(
         return PlainTextParser(tokenizer)
     factory = _load_custom(name) if ":" in name else PARSER_FACTORIES[name]
     parser = factory(tokenizer)
+    # A factory's parser is checked against the `ResponseParser` seam once, here, so the app reads its
+    # capabilities as plain attributes on every turn.
     if not callable(getattr(parser, "parse", None)):
         raise ParserUnavailable(f"the parser from {name!r} has no parse(output_ids, prefix, tools) method")
+    if not isinstance(getattr(parser, "format_name", None), str):
+        raise ParserUnavailable(f"the parser from {name!r} has no format_name (a string)")
+    if not isinstance(getattr(parser, "supports_tools", None), bool):
+        raise ParserUnavailable(f"the parser from {name!r} has no supports_tools (a bool: can it parse tool calls?)")
     return parser
 
 

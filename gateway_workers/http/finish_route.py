@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from gateway_workers.adapters import openai_chat
 from gateway_workers.capture.backplane import BrokerUnavailable, TurnRefused
 from gateway_workers.http.connection import session_key
-from gateway_workers.turns.pipeline import ApiError
+from gateway_workers.http.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

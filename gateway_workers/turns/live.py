@@ -20,8 +20,9 @@ from typing import Any
 from gateway_workers.engines.base import EngineChunk, EngineError, EngineResult, FinishReason
 from gateway_workers.formats.live_split import IncrementalDecoder, LiveDelta, StreamTracker, live_splitter
 from gateway_workers.http.connection import AgentConnection
+from gateway_workers.http.errors import ApiError
 from gateway_workers.rendering.twins.bpe import token_decoder
-from gateway_workers.turns.pipeline import ApiError, CapturedTurn, PreparedTurn, TurnPipeline, engine_error
+from gateway_workers.turns.pipeline import CapturedTurn, PreparedTurn, TurnPipeline, engine_error
 
 logger = logging.getLogger(__name__)
 

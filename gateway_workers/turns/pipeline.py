@@ -25,25 +25,10 @@ from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, Turn
 from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
 from gateway_workers.formats import ParsedResponse, ResponseParser
 from gateway_workers.http.connection import AgentConnection
+from gateway_workers.http.errors import ApiError
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
 
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An HTTP error an adapter renders in its API's shape.
-
-    `kind` is one of: invalid_request, authentication, permission, not_found,
-    rate_limit, engine, timeout, unavailable, internal.
-    """
-
-    def __init__(self, status: int, kind: str, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.message = message
-        self.code = code
-        self.param = param
 
 
 # A refusal from the broker -> (status, kind). 401/403 are final for the official SDKs,

@@ -22,8 +22,8 @@ from starlette.testclient import TestClient
 
 from gateway_workers.capture.backplane import Backplane
 from gateway_workers.config import WorkerConfig
+from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session, parse_finish_body
-from gateway_workers.turns.pipeline import ApiError
 from trainer_client import SessionClosed, TrainerClient
 
 

@@ -16,7 +16,8 @@ from gateway_workers.adapters.common import from_list
 from gateway_workers.engines.base import EngineResult
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import LiveDelta
-from gateway_workers.turns.pipeline import ApiError, CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.http.errors import ApiError
+from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
 CALL = {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}
 ANTHROPIC_TOOLS = [

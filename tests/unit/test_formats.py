@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -431,6 +433,27 @@ def test_custom_parser_by_import_path():
     tokenizer = family_tokenizer("qwen3")
     parser = detect_parser(tokenizer, "gateway_workers.formats.registry:PlainTextParser")
     assert isinstance(parser, PlainTextParser) and parser.supports_tools is False
+
+
+def test_custom_parser_must_declare_its_capabilities(monkeypatch):
+    """The app reads `format_name` and `supports_tools` as plain attributes, so a factory's parser must have them."""
+
+    class ParseOnly:
+        def parse(self, output_ids, prefix, tools=None):
+            return ParsedResponse(content="")
+
+    class NoToolsFlag(ParseOnly):
+        format_name = "house"
+
+    module = types.ModuleType("house_parsers")
+    module.parse_only = lambda tokenizer: ParseOnly()
+    module.no_tools_flag = lambda tokenizer: NoToolsFlag()
+    monkeypatch.setitem(sys.modules, "house_parsers", module)
+    tokenizer = family_tokenizer("qwen3")
+    with pytest.raises(ParserUnavailable, match="no format_name"):
+        detect_parser(tokenizer, "house_parsers:parse_only")
+    with pytest.raises(ParserUnavailable, match="no supports_tools"):
+        detect_parser(tokenizer, "house_parsers:no_tools_flag")
 
 
 def test_plain_text_parser_keeps_text_and_drops_the_stop_token():

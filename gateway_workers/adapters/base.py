@@ -1,0 +1,59 @@
+"""The adapter seam: what every wire dialect provides to the one turn handler (`app.serve_turn`).
+
+An adapter is a module (`openai_chat`, `anthropic_messages`, `openai_responses`) that satisfies `Adapter`:
+it parses its dialect's body into a request carrying a canonical `TurnRequest`, completes it with any
+earlier turns it names (only Responses' `previous_response_id` does), and renders a finished turn, a live
+stream or an `ApiError` in its own wire shape. Pure translation: no I/O but the pipeline call in
+`load_history`; must not import the app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, TypeVar
+
+from gateway_workers.http.errors import ApiError
+from gateway_workers.turns.live import LiveTurn
+from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnRequest
+
+
+class ParsedRequest(Protocol):
+    """A dialect's validated request: the canonical turn and whether the agent asked for a stream."""
+
+    @property
+    def turn(self) -> TurnRequest: ...
+
+    @property
+    def stream(self) -> bool: ...
+
+
+RequestT = TypeVar("RequestT", bound=ParsedRequest)
+
+
+class Adapter(Protocol[RequestT]):
+    """One wire dialect, as `app.serve_turn` drives it."""
+
+    def parse_request(self, body: Any, /) -> RequestT:
+        """The validated request, or an ApiError (400) naming the field."""
+        ...
+
+    async def load_history(self, request: RequestT, session_id: str, pipeline: TurnPipeline, /) -> RequestT:
+        """The request with the earlier turns it names prepended (the broker holds them), else as it is."""
+        ...
+
+    def response_body(self, turn: CapturedTurn, request: RequestT, model: str, /) -> bytes:
+        """The whole reply's JSON body."""
+        ...
+
+    def stream_events(self, live: LiveTurn, request: RequestT, model: str, /) -> AsyncIterator[bytes]:
+        """The reply's SSE events while the engine generates (an error event, then ApiError, if it fails)."""
+        ...
+
+    def error_body(self, error: ApiError, /) -> dict[str, Any]:
+        """The dialect's error JSON for an ApiError."""
+        ...
+
+
+async def no_history(request: RequestT, session_id: str, pipeline: TurnPipeline) -> RequestT:
+    """`Adapter.load_history` for dialects whose requests carry their whole conversation."""
+    return request
