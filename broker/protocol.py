@@ -1,31 +1,32 @@
-"""The one wire contract: every message that crosses a ZeroMQ socket, and its codec.
+"""The one wire contract: every message that crosses a ZeroMQ socket, and the functions that encode and decode it.
 
-Workers and trainer clients import this module and nothing else from `broker`; it
-imports only the stdlib and `msgpack` (no zmq), so importing it loads no sockets.
+Workers and trainer clients import this module and nothing else from `broker`; it imports only
+the stdlib, `msgpack` and `broker.codec` (no zmq), so importing it loads no sockets.
 
 A frame is a msgpack array `[PROTOCOL_VERSION, TAG, request_id, *fields]`: every
 message carries the version (a restarted peer needs no handshake) and a request id
 that its reply repeats. Fields are positional in declaration order; new fields get
 defaults and go last, so an older frame that lacks them still decodes. Token ids and
 logprobs travel as packed little-endian int32 / float32 bytes, never as lists.
-Receivers `match` on the decoded class; only `encode` and the `decode_*` functions
-touch msgpack.
+Receivers `match` on the decoded class. The codecs live behind the functions at the end
+(`broker.codec`: `generic` walks the fields, `fast` generates code per class, `frames` decodes
+a direction); only those functions touch msgpack.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-import types
 import typing
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 import msgpack
 
-from broker.codec import fast as fastcodec
+from broker.codec import fast, frames, generic, wire
+from broker.codec.wire import IDS, LOGPROBS, MASK, PACKED_MAPS
+from broker.codec.wire import is_packed_map as is_packed_map
+from broker.codec.wire import pack_message as pack_message
 
 PROTOCOL_VERSION = 1
 
@@ -74,8 +75,6 @@ class VersionMismatch(ProtocolError):
 
 # --- packed arrays ---------------------------------------------------------------------
 
-_LITTLE = sys.byteorder == "little"
-
 
 def ids_array(values: Iterable[int] = ()) -> array:
     """Token ids as a packed int32 array (the in-memory and wire form)."""
@@ -87,37 +86,9 @@ def logprobs_array(values: Iterable[float] = ()) -> array:
     return array("f", values)
 
 
-def _pack(a: array) -> bytes:
-    if _LITTLE:
-        return a.tobytes()
-    swapped = array(a.typecode, a)
-    swapped.byteswap()
-    return swapped.tobytes()
-
-
-def _unpacker(typecode: str) -> Callable[[object], array]:
-    itemsize = array(typecode).itemsize
-
-    def unpack(value: object) -> array:
-        if not isinstance(value, (bytes, bytearray)) or len(value) % itemsize:
-            raise TypeError(f"expected packed {typecode!r} bytes")
-        a = array(typecode)
-        a.frombytes(value)
-        if not _LITTLE:
-            a.byteswap()
-        return a
-
-    return unpack
-
-
 # --- messages -----------------------------------------------------------------------------
-# `field(metadata=IDS)` marks a packed int32 field, `LOGPROBS` a float32 one, `MASK` a uint8 one.
-IDS = {"packed": "i"}
-LOGPROBS = {"packed": "f"}
-MASK = {"packed": "B"}
-# `PACKED_MAPS` marks a message field (a map, or a list of maps) that travels as msgpack bins, each the
-# encoding of one map: the broker keeps them as bytes and decodes them only when it needs the dicts.
-PACKED_MAPS = {"packed_maps": True}
+# Field markers (`broker.codec.wire`): `field(metadata=IDS)` is a packed int32 field, `LOGPROBS` a
+# float32 one, `MASK` a uint8 one; `PACKED_MAPS` a map (or list of maps) sent as msgpack bins.
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,145 +426,36 @@ BrokerToTrainer = (
 )
 
 
-# --- codec ----------------------------------------------------------------------------------
+# --- encode / decode ---------------------------------------------------------------------------
+
+_MESSAGE_CLASSES = frozenset(
+    cls
+    for union in (WorkerToBroker, BrokerToWorker, TrainerToBroker, BrokerToTrainer)
+    for cls in typing.get_args(union)
+)
+# One generated encoder per message class (`codec.fast`), built on its first use (generating all
+# of them would add to every process's import): the same frame as the generic walk.
+_ENCODERS: dict[type, Callable[[Any], bytes]] = {}
 
 
-def _check(kind: type | tuple[type, ...], name: str) -> Callable[[object], object]:
-    def check(value: object) -> object:
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-            raise TypeError(f"expected {name}")
-        return value
-
-    return check
-
-
-def _as_float(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError("expected float")
-    return float(value)
+def encode(msg: Message) -> bytes:
+    """Message -> one frame."""
+    encoder = _ENCODERS.get(type(msg))
+    if encoder is None:
+        if type(msg) not in _MESSAGE_CLASSES:
+            return generic.encode(msg, PROTOCOL_VERSION)
+        encoder = _ENCODERS[type(msg)] = fast.build_encoder(type(msg), PROTOCOL_VERSION)
+    return encoder(msg)
 
 
-def _optional(inner: Callable[[object], object]) -> Callable[[object], object]:
-    return lambda value: None if value is None else inner(value)
+def encode_as(cls: type[Message], *fields: object) -> bytes:
+    """The frame `encode(cls(*fields))` gives, without building the message: a hot reply's shortcut.
 
-
-def _list_of(inner: Callable[[object], object]) -> Callable[[object], object]:
-    def decode_list(value: object) -> list[object]:
-        if not isinstance(value, list):
-            raise TypeError("expected list")
-        return [inner(v) for v in value]
-
-    return decode_list
-
-
-def _converter(hint: Any) -> Callable[[object], object]:
-    """Turn a field's type hint into a validating decoder of its msgpack value."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) > 1 and all(a in (dict, bytes) or typing.get_origin(a) is dict for a in args):
-            kinds = tuple(typing.get_origin(a) or a for a in args)
-            return _check(kinds, " or ".join("map" if k is dict else k.__name__ for k in kinds))
-        if len(args) != 1:
-            raise TypeError(f"unsupported union {hint!r}")
-        return _optional(_converter(args[0]))
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if isinstance(item, type) and dataclasses.is_dataclass(item):
-            return _list_of(_struct_decoder(item))
-        if item in (int, str):  # e.g. delivery ids: each element is checked too
-            return _list_of(_converter(item))
-        return _check(list, "list")
-    if hint is float:
-        return _as_float
-    simple = {str: "str", int: "int", bool: "bool", bytes: "bytes"}
-    if hint in simple:
-        return _check(hint, simple[hint])
-    if hint is dict or origin is dict:
-        return _check(dict, "map")
-    if hint is Any:
-        return lambda value: value
-    raise TypeError(f"unsupported field type {hint!r}")
-
-
-_Spec = list[tuple[str, Callable[[object], object], bool]]  # (name, decoder, packed)
-_SPECS: dict[type, _Spec] = {}
-
-
-def _spec(cls: type) -> _Spec:
-    spec = _SPECS.get(cls)
-    if spec is None:
-        hints = typing.get_type_hints(cls)
-        spec = []
-        for f in dataclasses.fields(cls):
-            packed = f.metadata.get("packed")
-            decoder = _unpacker(packed) if packed else _converter(hints[f.name])
-            spec.append((f.name, decoder, bool(packed)))
-        _SPECS[cls] = spec
-    return spec
-
-
-def _fields_out(obj: object) -> list[object]:
-    out: list[object] = []
-    maps = _PACKED_MAP_FIELDS.get(type(obj), ())
-    for name, _, packed in _spec(type(obj)):
-        value = getattr(obj, name)
-        if packed:
-            value = _pack(value)
-        elif name in maps:
-            value = [pack_message(v) for v in value] if type(value) is list else pack_message(value)
-        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-            value = [_fields_out(v) for v in value]
-        out.append(value)
-    return out
-
-
-def _build(cls: type, values: list[object]) -> Any:
-    spec = _spec(cls)
-    if len(values) > len(spec):
-        raise TypeError(f"{len(values)} fields, {cls.__name__} has {len(spec)}")
-    kwargs = {}
-    for (name, decoder, _), value in zip(spec, values, strict=False):  # older peers send fewer
-        try:
-            kwargs[name] = decoder(value)
-        except TypeError as e:
-            raise TypeError(f"{cls.__name__}.{name}: {e}") from None
-    try:
-        return cls(**kwargs)  # fields missing from an older peer take their defaults
-    except TypeError as e:
-        raise TypeError(f"{cls.__name__}: {e}") from None
-
-
-def _struct_decoder(cls: type) -> Callable[[object], object]:
-    def decode_struct(value: object) -> object:
-        if not isinstance(value, list):
-            raise TypeError(f"expected {cls.__name__} as array")
-        return _build(cls, value)
-
-    return decode_struct
-
-
-_packer = msgpack.Packer(use_bin_type=True)
-_PACKED_MAP_FIELDS: dict[type, frozenset[str]] = {
-    cls: frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("packed_maps"))
-    for cls in (CommitTurn,)
-}
-# First byte of a msgpack map: fixmap (0x80-0x8f), map 16 (0xde), map 32 (0xdf).
-_MAP_MARKERS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
-
-
-def pack_message(message: dict[str, Any] | bytes) -> bytes:
-    """A message's msgpack encoding, the form `CommitTurn` carries and the broker keeps (bytes pass through)."""
-    if type(message) is bytes:
-        return message
-    if not isinstance(message, dict):
-        raise TypeError(f"a message is a map, not {type(message).__name__}")
-    return _packer.pack(message)
-
-
-def is_packed_map(value: object) -> bool:
-    """Whether `value` is bytes that start like a msgpack map (the cheap check a stored message gets on arrival)."""
-    return type(value) is bytes and len(value) > 0 and value[0] in _MAP_MARKERS
+    Only for messages whose fields all travel as they are (no packed arrays, no nested structs),
+    given in full; the broker answers every commit this way (building the frozen ACK costs more
+    than encoding it).
+    """
+    return wire.pack([PROTOCOL_VERSION, cls.TAG, *fields])
 
 
 def unpack_messages(buf: bytes | bytearray | memoryview) -> list[dict[str, Any]]:
@@ -611,104 +473,11 @@ def unpack_messages(buf: bytes | bytearray | memoryview) -> list[dict[str, Any]]
     return out
 
 
-def _encode_generic(msg: Message) -> bytes:
-    return _packer.pack([PROTOCOL_VERSION, msg.TAG, *_fields_out(msg)])
-
-
-_STRUCT_FIELDS: dict[type, Callable[[Any], list[object]]] = {}
-
-
-def _struct_fields(cls: type) -> Callable[[Any], list[object]]:
-    fields = _STRUCT_FIELDS.get(cls)
-    if fields is None:
-        fields = _STRUCT_FIELDS[cls] = fastcodec.build_fields(cls, _pack, _struct_fields)
-    return fields
-
-
-_MESSAGE_CLASSES = frozenset(
-    cls
-    for union in (WorkerToBroker, BrokerToWorker, TrainerToBroker, BrokerToTrainer)
-    for cls in typing.get_args(union)
-)
-# One generated encoder per message class (see `fastcodec`), built on its first use (generating all
-# of them would add ~30 ms to every process's import): the same frame as the generic walk.
-_ENCODERS: dict[type, Callable[[Any], bytes]] = {}
-
-
-def encode(msg: Message) -> bytes:
-    """Message -> one frame."""
-    encoder = _ENCODERS.get(type(msg))
-    if encoder is None:
-        if type(msg) not in _MESSAGE_CLASSES:
-            return _encode_generic(msg)
-        encoder = _ENCODERS[type(msg)] = fastcodec.build_encoder(
-            type(msg), PROTOCOL_VERSION, _packer.pack, _pack, _struct_fields, pack_message
-        )
-    return encoder(msg)
-
-
-def encode_as(cls: type[Message], *fields: object) -> bytes:
-    """The frame `encode(cls(*fields))` gives, without building the message: a hot reply's shortcut.
-
-    Only for messages whose fields all travel as they are (no packed arrays, no nested structs),
-    given in full; the broker answers every commit this way (building the frozen ACK costs more
-    than encoding it).
-    """
-    return _packer.pack([PROTOCOL_VERSION, cls.TAG, *fields])
-
-
-def _fast_decoder(cls: type) -> Callable[[list[object]], Any]:
-    """`fastcodec`'s decoder of `cls`; it falls back to `_build` for anything it does not accept at once."""
-    converters = {name: decoder for name, decoder, _ in _spec(cls)}
-    return fastcodec.build_decoder(cls, converters, _build, _LITTLE)
-
-
-def _lazy_decoder(cls: type, table: dict[str, Callable[[list[object]], Any]]) -> Callable[[list[object]], Any]:
-    """A stand-in that generates `cls`'s decoder on its first frame and puts it in `table` in its place."""
-
-    def first(items: list[object]) -> Any:
-        decode = table[cls.TAG] = _fast_decoder(cls)  # type: ignore[attr-defined]
-        return decode(items)
-
-    return first
-
-
-def _request_id(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _bad_frame(items: object, direction: str) -> ProtocolError:
-    """Why a frame that decoded as msgpack is not a message of this direction."""
-    if not isinstance(items, list) or len(items) < 3:
-        return ProtocolError("a frame must be an array [version, tag, request_id, ...]")
-    version, tag, rid = items[0], items[1], _request_id(items[2])
-    if version != PROTOCOL_VERSION:
-        return VersionMismatch(version, rid)
-    return ProtocolError(f"unknown message {tag!r} for {direction}", rid)
+_ERRORS = frames.ErrorTypes(ProtocolError, VersionMismatch)
 
 
 def _decoder(direction: str, union: Any) -> Callable[[bytes], Any]:
-    by_tag: dict[str, Callable[[list[object]], Any]] = {}
-    by_tag.update((cls.TAG, _lazy_decoder(cls, by_tag)) for cls in typing.get_args(union))
-    unpackb = msgpack.unpackb
-
-    def decode(frame: bytes) -> Any:
-        try:
-            items = unpackb(frame, raw=False, strict_map_key=False)
-        except Exception as e:  # msgpack raises several unrelated types for garbage
-            raise ProtocolError(f"undecodable frame ({type(e).__name__}: {e})") from e
-        # The usual frame passes these four checks; anything unusual is sorted out by `_bad_frame`.
-        if type(items) is list and len(items) > 2 and items[0] == PROTOCOL_VERSION and type(items[1]) is str:
-            build = by_tag.get(items[1])  # type: ignore[arg-type]
-            if build is not None:
-                try:
-                    return build(items)
-                except TypeError as e:
-                    raise ProtocolError(f"malformed {items[1]}: {e}", _request_id(items[2])) from e
-        raise _bad_frame(items, direction)
-
-    decode.__name__ = f"decode_{direction}"
-    return decode
+    return frames.direction_decoder(direction, union, PROTOCOL_VERSION, _ERRORS)
 
 
 decode_worker_to_broker: Callable[[bytes], WorkerToBroker] = _decoder("worker_to_broker", WorkerToBroker)

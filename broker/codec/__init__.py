@@ -1,4 +1,7 @@
-"""Codecs behind `broker.protocol`: generated per-class encoders and decoders for the hot messages.
+"""Codecs behind `broker.protocol`: message <-> msgpack frame, for the message dataclasses it defines.
 
+`wire` (field markers, packed arrays and maps, the Packer), `generic` (the field-spec walk, the
+reference), `fast` (per-class generated encoders and decoders) and `frames` (a direction's decoder).
 Only `broker.protocol` imports this package; everyone else calls `protocol.encode` / `protocol.decode_*`.
+Stdlib and `msgpack` only: no zmq, nothing else of `broker`.
 """

@@ -1,13 +1,13 @@
-"""Per-class decoders and encoders for `broker.protocol`, generated once at import from the dataclass fields.
+"""Per-class decoders and encoders for `broker.protocol`, generated from the dataclass fields.
 
-The generic codec in `protocol.py` walks a field spec and calls a checker per field (~13 µs for a
-CommitTurn; building the frozen dataclass through `__init__` alone is ~5 µs). This module writes one
-straight-line function per message class instead: exact-type checks (`type(v) is str`) inlined, packed
-arrays unpacked in place, the slots filled by plain attribute stores (see `_fill_class`). A fast decoder
-only *accepts* what the generic one accepts; anything it does not accept at once (a wrong type, an older peer's
-shorter frame, an int where a float is due) goes to the generic `_build`, which gives the same answer
-and the same error message as before. No msgpack, no sockets: `protocol.py` hands in its packer and
-its generic helpers. Imports only the stdlib.
+The generic codec (`generic`) walks a field spec and calls a checker per field; this module writes
+one straight-line function per message class instead: exact-type checks (`type(v) is str`) inlined,
+packed arrays unpacked in place, the slots filled by plain attribute stores (see `_fill_class`). A fast
+decoder only *accepts* what the generic one accepts; anything it does not accept at once (a wrong type,
+an older peer's shorter frame, an int where a float is due) goes to `generic.build`, which gives the
+same answer and the same error message. Field order always comes from `dataclasses.fields`, never
+from a caller, so the generated code cannot mis-order the wire. Imports only the stdlib, `msgpack`
+(through `wire`) and `broker.codec`; no sockets.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import typing
 from array import array
 from collections.abc import Callable
 from typing import Any
+
+from broker.codec import generic
+from broker.codec.wire import LITTLE_ENDIAN, pack, pack_array, pack_message
 
 # Hints checked inline by exact type; every other hint goes through the generic converter.
 _EXACT: dict[Any, str] = {str: "str", int: "int", bool: "bool", bytes: "bytes", dict: "dict"}
@@ -70,15 +73,18 @@ def _check_expr(var: str, hint: Any) -> str | None:
 
 def build_decoder(
     cls: type,
-    converters: dict[str, Callable[[object], object]],
-    fallback: Callable[[type, list[object]], Any],
-    little_endian: bool,
+    converters: dict[str, Callable[[object], object]] | None = None,
+    fallback: Callable[[type, list[object]], Any] = generic.build,
+    little_endian: bool = LITTLE_ENDIAN,
 ) -> Callable[[list[object]], Any]:
     """A decoder of a whole frame's items `[version, tag, *fields]` (version and tag already checked) into `cls`.
 
-    `converters` are the generic per-field decoders (used where no inline check applies) and
-    `fallback(cls, items[2:])` is the generic build, called whenever the fast path declines.
+    `converters` are the generic per-field decoders (used where no inline check applies; default
+    `generic.converters(cls)`) and `fallback(cls, items[2:])` is the generic build, called whenever
+    the fast path declines (a test hands in a spy there).
     """
+    if converters is None:
+        converters = generic.converters(cls)
     fields = dataclasses.fields(cls)
     if hasattr(cls, "__post_init__") or not hasattr(cls, "__slots__"):
         # the generated code fills slots directly, which would skip a __post_init__
@@ -146,60 +152,71 @@ def _fill_class(cls: type) -> type:
     return type(f"_{cls.__name__}Fill", (cls,), namespace)
 
 
-def build_encoder(
-    cls: type,
-    version: int,
-    pack: Callable[[object], bytes],
-    pack_array: Callable[[array], bytes],
-    struct_fields: Callable[[type], Callable[[Any], list[object]]],
-    pack_message: Callable[[Any], bytes] | None = None,
-) -> Callable[[Any], bytes]:
-    """An encoder of a `cls` message into one frame `[version, TAG, *fields]`, fields in declaration order.
-
-    `struct_fields(item_cls)` gives the field-list builder of a nested struct (list[Struct] fields);
-    `pack_message` encodes one message of a `packed_maps` field (sent as a bin).
-    """
-    ns: dict[str, Any] = {"_pack": pack, "_pack_array": pack_array, "_pack_message": pack_message}
-    body = ", ".join(_field_exprs(cls, struct_fields, ns))
+def build_encoder(cls: type, version: int) -> Callable[[Any], bytes]:
+    """An encoder of a `cls` message into one frame `[version, TAG, *fields]`, fields in declaration order."""
+    ns: dict[str, Any] = {}
+    body = ", ".join(_field_exprs(cls, ns, "m.{}"))
     src = f"def encode_{cls.__name__}(m):\n    return _pack([{version!r}, {cls.TAG!r}, {body}])"  # type: ignore[attr-defined]
     exec(src, ns)  # noqa: S102 - source built from the dataclass's own field names
     encode: Callable[[Any], bytes] = ns[f"encode_{cls.__name__}"]
     return encode
 
 
-def build_fields(
-    cls: type, pack_array: Callable[[array], bytes], struct_fields: Callable[[type], Callable[[Any], list[object]]]
-) -> Callable[[Any], list[object]]:
+def build_frame_encoder(cls: type, version: int) -> Callable[..., bytes]:
+    """A function of `cls`'s fields, keyword-only, that returns the frame of `cls(**fields)` without building it.
+
+    Its parameters are the dataclass's fields, so a caller names every field and the frame takes them
+    in declaration order: reordering the dataclass moves both together, and a missing, extra or
+    misspelled field is a TypeError at the call. Every field is required (no defaults filled in).
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert not any(keyword.iskeyword(n) or n.startswith("_") for n in names), names
+    ns: dict[str, Any] = {}
+    body = ", ".join(_field_exprs(cls, ns, "{}"))
+    src = (
+        f"def frame_{cls.__name__}(*, {', '.join(names)}):\n"
+        f"    return _pack([{version!r}, {cls.TAG!r}, {body}])"  # type: ignore[attr-defined]
+    )
+    exec(src, ns)  # noqa: S102 - source built from the dataclass's own field names
+    frame: Callable[..., bytes] = ns[f"frame_{cls.__name__}"]
+    return frame
+
+
+_STRUCT_FIELDS: dict[type, Callable[[Any], list[object]]] = {}
+
+
+def struct_fields(cls: type) -> Callable[[Any], list[object]]:
     """The field list of a nested struct (e.g. TraceRow inside SessionFinished), as the wire carries it."""
-    ns: dict[str, Any] = {"_pack_array": pack_array}
-    body = ", ".join(_field_exprs(cls, struct_fields, ns))
-    exec(f"def fields_{cls.__name__}(m):\n    return [{body}]", ns)  # noqa: S102
-    fields: Callable[[Any], list[object]] = ns[f"fields_{cls.__name__}"]
+    fields = _STRUCT_FIELDS.get(cls)
+    if fields is None:
+        ns: dict[str, Any] = {}
+        body = ", ".join(_field_exprs(cls, ns, "m.{}"))
+        exec(f"def fields_{cls.__name__}(m):\n    return [{body}]", ns)  # noqa: S102
+        fields = _STRUCT_FIELDS[cls] = ns[f"fields_{cls.__name__}"]
     return fields
 
 
-def _field_exprs(
-    cls: type, struct_fields: Callable[[type], Callable[[Any], list[object]]], ns: dict[str, Any]
-) -> list[str]:
+def _field_exprs(cls: type, ns: dict[str, Any], ref: str) -> list[str]:
+    """One expression per field, in declaration order; `ref` formats a field name into how the code reads it."""
+    ns.update(_pack=pack, _pack_array=pack_array, _pack_message=pack_message)
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        hint = hints[f.name]
+        hint, value = hints[f.name], ref.format(f.name)
         if f.metadata.get("packed"):
-            out.append(f"_pack_array(m.{f.name})")
+            out.append(f"_pack_array({value})")
             continue
         if f.metadata.get("packed_maps"):
-            assert ns.get("_pack_message") is not None, f"{cls.__name__}.{f.name} needs pack_message"
             if typing.get_origin(hint) is list:
-                out.append(f"[_pack_message(v) for v in m.{f.name}]")
+                out.append(f"[_pack_message(v) for v in {value}]")
             else:
-                out.append(f"_pack_message(m.{f.name})")
+                out.append(f"_pack_message({value})")
             continue
         if typing.get_origin(hint) is list:
             (item,) = typing.get_args(hint)
             if isinstance(item, type) and dataclasses.is_dataclass(item):
                 ns[f"_f_{f.name}"] = struct_fields(item)
-                out.append(f"[_f_{f.name}(v) for v in m.{f.name}]")
+                out.append(f"[_f_{f.name}(v) for v in {value}]")
                 continue
-        out.append(f"m.{f.name}")
+        out.append(value)
     return out

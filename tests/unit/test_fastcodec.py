@@ -1,6 +1,6 @@
 """broker.codec.fast: the generated per-class codecs give exactly what the generic codec gives, and are used.
 
-The reference is `protocol`'s generic walk (`_build` per field spec, `_encode_generic`), which the
+The reference is the generic walk (`codec.generic`: `build` per field spec, `encode`), which the
 generated decoders fall back to: for every message of `test_protocol`, for older peers' shorter
 frames and for random field values (hypothesis), the decoded message, or the ProtocolError with its
 text and request id, must be the same; every generated encoder must write the same bytes. Also pins
@@ -10,6 +10,7 @@ that valid frames take the fast path (the fallback is not called) and `encode_as
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import typing
 
@@ -21,6 +22,7 @@ from test_protocol import ALL, DECODERS, _values, unpacked
 
 from broker import protocol
 from broker.codec import fast as fastcodec
+from broker.codec import generic
 
 
 def generic_decode(direction: str, frame: bytes) -> protocol.Message:
@@ -46,7 +48,7 @@ def generic_decode(direction: str, frame: bytes) -> protocol.Message:
     if cls is None:
         raise protocol.ProtocolError(f"unknown message {tag!r} for {direction}", rid)
     try:
-        return protocol._build(cls, items[2:])
+        return generic.build(cls, items[2:])
     except TypeError as e:
         raise protocol.ProtocolError(f"malformed {tag}: {e}", rid) from e
 
@@ -62,7 +64,7 @@ def outcome(decode: typing.Callable[[bytes], object], frame: bytes) -> tuple[obj
 
 @pytest.mark.parametrize(("direction", "msg"), ALL, ids=lambda v: getattr(v, "TAG", v))
 def test_generated_encoders_write_the_generic_frame(direction, msg):
-    assert protocol.encode(msg) == protocol._encode_generic(msg)
+    assert protocol.encode(msg) == generic.encode(msg, protocol.PROTOCOL_VERSION)
 
 
 @pytest.mark.parametrize(("direction", "msg"), ALL, ids=lambda v: getattr(v, "TAG", v))
@@ -72,23 +74,23 @@ def test_valid_frames_take_the_fast_path_and_decode_like_the_generic_codec(direc
 
     def spy(cls_: type, values: list[object]) -> object:
         fallbacks.append(values)
-        return protocol._build(cls_, values)
+        return generic.build(cls_, values)
 
-    converters = {name: decoder for name, decoder, _ in protocol._spec(cls)}
+    converters = generic.converters(cls)
     decode = fastcodec.build_decoder(cls, converters, spy, True)
     items = msgpack.unpackb(protocol.encode(msg), raw=False, strict_map_key=False)
     decoded = decode(items)
     assert fallbacks == [], f"{cls.__name__} fell back to the generic build"
     assert unpacked(decoded) == msg and type(decoded) is cls
-    assert decoded == protocol._build(cls, items[2:])
+    assert decoded == generic.build(cls, items[2:])
     with pytest.raises(AttributeError):  # still a frozen dataclass
         decoded.request_id = 0  # type: ignore[misc]
     # an older peer's frame, without the trailing defaulted fields, is the generic build's to decode
     n_required = sum(
-        1 for f in protocol.dataclasses.fields(cls) if f.default is f.default_factory is protocol.dataclasses.MISSING
+        1 for f in dataclasses.fields(cls) if f.default is f.default_factory is dataclasses.MISSING
     )
     if n_required < len(items) - 2:
-        assert decode(items[: 2 + n_required]) == protocol._build(cls, items[2 : 2 + n_required])
+        assert decode(items[: 2 + n_required]) == generic.build(cls, items[2 : 2 + n_required])
         assert len(fallbacks) == 1
 
 
@@ -151,7 +153,7 @@ def test_a_decoded_message_is_an_ordinary_instance_of_its_class(direction, msg):
     decoded = DECODERS[direction](protocol.encode(msg))
     cls = type(msg)
     assert decoded.__class__ is cls and not hasattr(decoded, "__dict__")
-    assert protocol.dataclasses.replace(decoded) == decoded and type(protocol.dataclasses.replace(decoded)) is cls
+    assert dataclasses.replace(decoded) == decoded and type(dataclasses.replace(decoded)) is cls
     assert copy.copy(decoded) == decoded and pickle.loads(pickle.dumps(decoded)) == decoded
     with pytest.raises(AttributeError):  # frozen: neither set nor deleted
         del decoded.request_id
