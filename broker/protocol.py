@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 
 import msgpack
 
-from broker.codec import fast, frames, generic, wire
+from broker.codec import fast, frames, generic
 from broker.codec.wire import IDS, LOGPROBS, MASK, PACKED_MAPS
 from broker.codec.wire import is_packed_map as is_packed_map
 from broker.codec.wire import pack_message as pack_message
@@ -448,14 +448,14 @@ def encode(msg: Message) -> bytes:
     return encoder(msg)
 
 
-def encode_as(cls: type[Message], *fields: object) -> bytes:
-    """The frame `encode(cls(*fields))` gives, without building the message: a hot reply's shortcut.
+def frame_encoder(cls: type[Message]) -> Callable[..., bytes]:
+    """A function of `cls`'s fields, all by keyword, giving the frame `encode(cls(**fields))` gives.
 
-    Only for messages whose fields all travel as they are (no packed arrays, no nested structs),
-    given in full; the broker answers every commit this way (building the frozen ACK costs more
-    than encoding it).
+    A hot reply's shortcut: the broker answers every commit this way (building the frozen ACK
+    costs more than encoding it). Generated from the dataclass's fields, so it cannot put them
+    out of order. Build it once (at import), not per call.
     """
-    return wire.pack([PROTOCOL_VERSION, cls.TAG, *fields])
+    return fast.build_frame_encoder(cls, PROTOCOL_VERSION)
 
 
 def unpack_messages(buf: bytes | bytearray | memoryview) -> list[dict[str, Any]]:

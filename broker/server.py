@@ -56,6 +56,12 @@ _send_part = getattr(zmq.backend, "Socket", zmq.Socket).send
 
 Handler = Callable[[list[bytes], bytes], "protocol.Message | bytes | None"]
 
+# The worker side's replies are encoded straight from their fields: building the frozen message
+# costs more than encoding it, and these answer every turn.
+_encode_turn_opened = protocol.frame_encoder(protocol.TurnOpened)
+_encode_turn_committed = protocol.frame_encoder(protocol.TurnCommitted)
+_encode_turn_aborted = protocol.frame_encoder(protocol.TurnAborted)
+
 
 def _waiting(probe: list[tuple[zmq.Socket, int]]) -> bool:
     """Whether a frame waits on the socket of `probe` (`[(socket, POLLIN)]`).
@@ -280,7 +286,7 @@ class BrokerServer:
             self._send(self._control, envelope, reply)
 
     def _send(self, sock: zmq.Socket, envelope: list[bytes], reply: protocol.Message | bytes) -> None:
-        """Send one reply: a message, or a frame a handler encoded itself (`protocol.encode_as`)."""
+        """Send one reply: a message, or a frame a handler encoded itself (`protocol.frame_encoder`)."""
         if type(reply) is bytes:
             frame = reply
         else:
@@ -333,23 +339,22 @@ class BrokerServer:
                     parked = self.finishes.turn_ended(msg.session_id, time.monotonic())
                     if parked:
                         self._send_all(parked)
-                    return protocol.encode_as(protocol.TurnCommitted, msg.request_id, msg.turn_id, outcome)
+                    return _encode_turn_committed(request_id=msg.request_id, turn_id=msg.turn_id, outcome=outcome)
                 case protocol.OpenTurn():
                     session, seq = self.registry.open_turn(msg.session_id, msg.turn_id)
-                    return protocol.encode_as(
-                        protocol.TurnOpened,
-                        msg.request_id,
-                        msg.turn_id,
-                        seq,
-                        session.sampling_defaults,
-                        session.max_context_tokens,
+                    return _encode_turn_opened(
+                        request_id=msg.request_id,
+                        turn_id=msg.turn_id,
+                        seq=seq,
+                        sampling_defaults=session.sampling_defaults,
+                        max_context_tokens=session.max_context_tokens,
                     )
                 case protocol.AbortTurn():
                     self.registry.abort_turn(msg.session_id, msg.turn_id)
                     parked = self.finishes.turn_ended(msg.session_id, time.monotonic())
                     if parked:
                         self._send_all(parked)
-                    return protocol.encode_as(protocol.TurnAborted, msg.request_id, msg.turn_id)
+                    return _encode_turn_aborted(request_id=msg.request_id, turn_id=msg.turn_id)
                 case protocol.GetTurn():
                     return self.handle_get_turn(msg)
                 case protocol.RequestFinish():

@@ -65,11 +65,11 @@ def test_an_unanswered_commit_is_resent_under_a_new_id_and_a_late_reply_answers_
             (peer, first), = await frames(sock, 1)  # fmt: skip
             assert (first.request_id, first.turn_id) == (message.request_id, "t0")  # the message itself, first
             (_, second), = await frames(sock, 1)  # fmt: skip  # unanswered for ATTEMPT_S: resent
-            late = protocol.encode_as(protocol.TurnCommitted, first.request_id, "t0", "stored")
+            late = protocol.encode(protocol.TurnCommitted(first.request_id, "t0", "stored"))
             sock.send_multipart([peer, late])  # answers the first attempt: nobody waits for it any more
             await asyncio.sleep(ATTEMPT_S / 2)
             assert backplane._commits, "a late reply to an earlier attempt must not settle the commit"
-            ack = protocol.encode_as(protocol.TurnCommitted, second.request_id, "t0", "stored")
+            ack = protocol.encode(protocol.TurnCommitted(second.request_id, "t0", "stored"))
             sock.send_multipart([peer, ack])
             await backplane.drain(DEADLINE_S)
             base = backplane.bases.get("s")

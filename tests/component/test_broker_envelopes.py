@@ -2,7 +2,7 @@
 
 The loop reads the parts of a message itself (identity, then parts until the last) and sends
 replies part by part; commit, open and abort replies leave as frames the handler encoded
-(`protocol.encode_as`). A REQ peer on the worker endpoint, a DEALER with extra envelope parts,
+(`protocol.frame_encoder`). A REQ peer on the worker endpoint, a DEALER with extra envelope parts,
 and a reply to a peer that is gone (counted as dropped, never raised) pin that behaviour.
 """
 
@@ -89,7 +89,8 @@ def test_a_reply_to_a_peer_that_is_gone_is_counted_as_dropped():
         sock = server._workers
         assert sock is not None
         # ROUTER_MANDATORY: an identity no peer has raises at once; the loop counts it and goes on
-        server._send(sock, [b"gone"], protocol.encode_as(protocol.TurnCommitted, 1, "t", "stored"))
+        frame = protocol.frame_encoder(protocol.TurnCommitted)(request_id=1, turn_id="t", outcome="stored")
+        server._send(sock, [b"gone"], frame)
         server._send(sock, [b"gone", b""], protocol.TurnAborted(2, "t"))
         assert server.stats()["replies_dropped"] == 2
     finally:

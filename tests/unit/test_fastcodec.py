@@ -4,7 +4,8 @@ The reference is the generic walk (`codec.generic`: `build` per field spec, `enc
 generated decoders fall back to: for every message of `test_protocol`, for older peers' shorter
 frames and for random field values (hypothesis), the decoded message, or the ProtocolError with its
 text and request id, must be the same; every generated encoder must write the same bytes. Also pins
-that valid frames take the fast path (the fallback is not called) and `encode_as`.
+that valid frames take the fast path (the fallback is not called), and that `protocol.frame_encoder`
+(the hot replies' shortcut) writes `encode`'s bytes for every message type and follows the field order.
 """
 
 from __future__ import annotations
@@ -136,15 +137,57 @@ def test_packed_arrays_keep_their_typecode_and_values():
     assert decoded.prompt_ids is not msg.prompt_ids
 
 
-def test_encode_as_writes_the_frame_of_the_built_message():
-    assert protocol.encode_as(protocol.TurnCommitted, 7, "t-1", "stored") == protocol.encode(
+def test_frame_encoder_writes_the_frame_of_the_built_message():
+    committed = protocol.frame_encoder(protocol.TurnCommitted)
+    assert committed(request_id=7, turn_id="t-1", outcome="stored") == protocol.encode(
         protocol.TurnCommitted(7, "t-1", "stored")
     )
     opened = protocol.TurnOpened(8, "t-2", 3, {"temperature": 0.7}, None)
-    assert protocol.encode_as(protocol.TurnOpened, 8, "t-2", 3, {"temperature": 0.7}, None) == protocol.encode(opened)
-    assert protocol.decode_broker_to_worker(protocol.encode_as(protocol.TurnAborted, 9, "t-3")) == (
-        protocol.TurnAborted(9, "t-3")
+    frame = protocol.frame_encoder(protocol.TurnOpened)(
+        request_id=8, turn_id="t-2", seq=3, sampling_defaults={"temperature": 0.7}, max_context_tokens=None
     )
+    assert frame == protocol.encode(opened)
+    aborted = protocol.frame_encoder(protocol.TurnAborted)(request_id=9, turn_id="t-3")
+    assert protocol.decode_broker_to_worker(aborted) == protocol.TurnAborted(9, "t-3")
+
+
+@pytest.mark.parametrize(("direction", "msg"), ALL, ids=lambda v: getattr(v, "TAG", v))
+def test_every_message_type_frame_encoded_from_its_fields_is_encodes_frame_and_round_trips(direction, msg):
+    # ALL holds every class of every direction (test_protocol's coverage test), so this covers each type
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    frame = protocol.frame_encoder(type(msg))(**fields)
+    assert frame == protocol.encode(msg) == generic.encode(msg, protocol.PROTOCOL_VERSION)
+    decoded = DECODERS[direction](frame)
+    assert type(decoded) is type(msg) and unpacked(decoded) == msg
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Pair(protocol.Message):
+    TAG: typing.ClassVar[str] = "pair"
+    first: str
+    second: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PairReordered(protocol.Message):  # _Pair with its two fields swapped
+    TAG: typing.ClassVar[str] = "pair"
+    second: str
+    first: str
+
+
+def test_frame_encoder_follows_the_dataclass_field_order_and_takes_fields_only_by_name():
+    for cls in (_Pair, _PairReordered):
+        frame = protocol.frame_encoder(cls)(request_id=1, first="a", second="b")
+        assert frame == protocol.encode(cls(request_id=1, first="a", second="b"))  # the wire follows the class
+    items = msgpack.unpackb(protocol.frame_encoder(_PairReordered)(request_id=1, first="a", second="b"))
+    assert items[3:] == ["b", "a"]
+    encode_pair = protocol.frame_encoder(_Pair)
+    with pytest.raises(TypeError):
+        encode_pair(1, "a", "b")  # positional: the order could silently drift
+    with pytest.raises(TypeError):
+        encode_pair(request_id=1, first="a")  # every field given
+    with pytest.raises(TypeError):
+        encode_pair(request_id=1, first="a", second="b", third="c")
 
 
 @pytest.mark.parametrize(("direction", "msg"), ALL, ids=lambda v: getattr(v, "TAG", v))
