@@ -11,7 +11,7 @@ import pytest
 from assets import TOOLS
 
 from broker.protocol import TurnFound
-from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
+from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses, responses_items
 from gateway_workers.adapters.common import from_list
 from gateway_workers.engines.base import EngineResult
 from gateway_workers.formats import ParsedResponse
@@ -181,7 +181,7 @@ def test_anthropic_user_turns_keep_tool_results_and_text_in_order():
 
 
 def test_responses_fold_a_model_turn_and_split_consecutive_turns():
-    messages = openai_responses.canonical_messages(
+    messages = responses_items.canonical_messages(
         [
             {"type": "reasoning", "id": "r1", "summary": [{"type": "summary_text", "text": "first"}]},
             {"type": "function_call", "call_id": "x", "name": "f", "arguments": "{}"},
