@@ -1,21 +1,33 @@
 """`python -m broker`: the broker process's command line (`rollout-gateway broker` execs exactly this).
 
 Builds one `BrokerConfig` from flags over `ROLLOUT_BROKER_*` environment variables over
-defaults, configures logging to stderr, and runs `server.run_broker`. Once both sockets
-are bound it prints one line on stdout, `BROKER READY worker=<endpoint> control=<endpoint>`,
-which supervisors parse. Imports `broker.*` only.
+defaults, configures logging to stderr, and runs the process (`run_broker`: startup, the
+server's loop, signals). Once both sockets are bound it prints one line on stdout,
+`BROKER READY worker=<endpoint> control=<endpoint>`, which supervisors parse. Imports `broker.*` only.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
+import signal
 import sys
+from types import FrameType
+from typing import Any
+
+import zmq
 
 from broker import protocol
 from broker.config import BrokerConfig
-from broker.server import run_broker
+from broker.server import BrokerServer
+
+# Run as `python -m broker`, this module is `__main__`: the process's lines keep the name they have
+# always carried, the server's.
+logger = logging.getLogger("broker.server")
+
+READY_LINE = "BROKER READY worker={worker} control={control}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,6 +60,49 @@ def _parser() -> argparse.ArgumentParser:
         "--outbox-max-bytes", type=int, default=None, help="approximate row bytes held for subscribers (default 2 GiB)"
     )
     return p
+
+
+def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
+    """Bind, print the READY line, serve until SIGINT/SIGTERM; the process entry point. Returns an exit code."""
+    server = BrokerServer(config)
+    try:
+        worker, control = server.bind()
+    except zmq.ZMQError as e:
+        logger.error("%s", e)
+        return 1
+
+    try:
+        # Load the response tokenizer now: lazily, the first finish would stall the loop for
+        # seconds (every worker's OPEN waiting behind it), and a bad file should fail at start.
+        server.warm_up()
+    except Exception:
+        logger.exception("cannot load the response tokenizer %s", config.tokenizer)
+        server.close()
+        return 1
+
+    # Startup objects (modules, the response tokenizer's tables) live as long as the process: out of
+    # the collector's sight, full collections scan only session state. Everything allocated later is
+    # collected as usual (cyclic garbage included).
+    gc.collect()
+    gc.freeze()
+    server.trim_start_up_heap()
+
+    def handle_signal(signum: int, frame: FrameType | None) -> None:
+        server.request_exit()
+
+    previous = {sig: signal.signal(sig, handle_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        logger.info("broker serving workers on %s, trainers on %s", worker, control)
+        stream = out if out is not None else sys.stdout
+        print(READY_LINE.format(worker=worker, control=control), file=stream, flush=True)
+        server.run()
+    except Exception:
+        logger.exception("the broker loop failed")
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """BrokerConfig: every setting of the broker process, with defaults, in one picklable record.
 
 The CLI (`python -m broker`, or the lead's `rollout-gateway broker`) builds it once from
-flags and `ROLLOUT_BROKER_*` environment variables and hands it to `server.run_broker`.
+flags and `ROLLOUT_BROKER_*` environment variables and hands it to `__main__.run_broker`.
 Nothing here reads the environment at import time. Imports only the stdlib and
 `broker.protocol` (for the default endpoints); never zmq, never the other packages.
 """

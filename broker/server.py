@@ -2,8 +2,9 @@
 
 Owns the ZeroMQ side of the broker: binds the worker and control endpoints (port 0
 works; the bound addresses are reported), decodes each frame with `broker.protocol`,
-dispatches it to `sessions.SessionRegistry`, `finishes.Finishes` and `outbox.Outbox`, and
-answers every request exactly once with the same request id (`Refused` on any error).
+dispatches it (one `match` on the message class, for both sockets) to `sessions.SessionRegistry`,
+`finishes.Finishes` and `outbox.Outbox`, and answers every request exactly once with the same
+request id (`Refused` on any error). The process around it (signals, READY line) is `broker.__main__`.
 Finishes that wait for in-flight turns, and subscribers' long polls, are parked there, never
 blocking the loop; their deadlines set the poll timeout. Plain blocking pyzmq: no asyncio.
 Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
@@ -11,17 +12,13 @@ Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import select
-import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 
@@ -31,11 +28,10 @@ from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
-from broker.sessions.registry import Refusal, SessionRegistry
+from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry
 
 logger = logging.getLogger(__name__)
 
-READY_LINE = "BROKER READY worker={worker} control={control}"
 # The loop wakes at least this often to notice should_exit (signals only set a flag).
 MAX_POLL_MS = 100
 # Frames handled per socket before the loop looks at the other socket and the clock:
@@ -54,7 +50,10 @@ _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 # they cost as much as the rest of an ACK's way out (measured with callgrind).
 _send_part = getattr(zmq.backend, "Socket", zmq.Socket).send
 
-Handler = Callable[[list[bytes], bytes], "protocol.Message | bytes | None"]
+# Which socket a frame came from: it picks the decoder (what each side may send), names the peer in
+# logs, and says who finished a session on a RequestFinish (a worker relays an agent's).
+Side = Literal["worker", "trainer"]
+Decoder = Callable[[bytes], "protocol.WorkerToBroker | protocol.TrainerToBroker"]
 
 # The worker side's replies are encoded straight from their fields: building the frozen message
 # costs more than encoding it, and these answer every turn.
@@ -192,9 +191,9 @@ class BrokerServer:
             workers_ready = control_ready = True  # whatever arrived before the loop: look once
             while not self.should_exit:
                 if workers_ready:
-                    workers_ready = self._drain(workers, self._handle_worker_frame)
+                    workers_ready = self._drain(workers, protocol.decode_worker_to_broker, "worker")
                 if control_ready:
-                    control_ready = self._drain(control, self._handle_trainer_frame)
+                    control_ready = self._drain(control, protocol.decode_trainer_to_broker, "trainer")
                 now = time.monotonic()
                 for parked in (self.finishes, self.outbox):
                     due = parked.next_deadline()
@@ -234,7 +233,7 @@ class BrokerServer:
         wait = min(due) - time.monotonic()
         return max(0, min(MAX_POLL_MS, math.ceil(wait * 1000)))
 
-    def _drain(self, sock: zmq.Socket, handle: Handler) -> bool:
+    def _drain(self, sock: zmq.Socket, decode: Decoder, side: Side) -> bool:
         """Handle the frames waiting on `sock` (up to DRAIN_BATCH) and send their replies.
 
         Returns whether frames may still be waiting: the batch bound stopped it, or some arrived
@@ -242,7 +241,7 @@ class BrokerServer:
         descriptor will wake the loop for the next one.
         """
         replies: list[tuple[list[bytes], protocol.Message | bytes]] = []
-        recv = sock.recv
+        recv, handle = sock.recv, self._handle_frame
         probe = [(sock, _POLLIN)]
         for n in range(1, DRAIN_BATCH + 1):
             # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter. Echo the
@@ -259,7 +258,7 @@ class BrokerServer:
                 part = recv(_NOBLOCK, copy=False)
             payload = part.bytes
             try:
-                reply = handle(envelope, payload)
+                reply = handle(envelope, payload, decode, side)
             except Exception:  # the handlers answer their own failures; this guards the loop itself
                 logger.exception("unhandled failure on a %d-byte frame", len(payload))
                 reply = protocol.Refused(-1, "internal", "the broker failed on this frame; see its log")
@@ -327,13 +326,17 @@ class BrokerServer:
         rid = e.request_id if e.request_id is not None else -1
         return protocol.Refused(rid, code, str(e))
 
-    def _handle_worker_frame(self, envelope: list[bytes], payload: bytes) -> protocol.Message | bytes | None:
+    def _handle_frame(
+        self, envelope: list[bytes], payload: bytes, decode: Decoder, side: Side
+    ) -> protocol.Message | bytes | None:
+        """Decode one frame of `side` and carry it out; the reply (or None when it is parked) repeats its request id."""
         try:
-            msg = protocol.decode_worker_to_broker(payload)
+            msg = decode(payload)
         except protocol.ProtocolError as e:
-            return self._protocol_error("worker", e)
+            return self._protocol_error(side, e)
         try:
             match msg:
+                # worker side, the hot cases first (a commit and an open per turn)
                 case protocol.CommitTurn():
                     outcome = self.registry.commit_turn(msg)
                     parked = self.finishes.turn_ended(msg.session_id, time.monotonic())
@@ -357,43 +360,23 @@ class BrokerServer:
                     return _encode_turn_aborted(request_id=msg.request_id, turn_id=msg.turn_id)
                 case protocol.GetTurn():
                     return self.handle_get_turn(msg)
+                # either side: an agent's finish comes through its worker
                 case protocol.RequestFinish():
-                    accepted, replies = self.finishes.request_finish(msg, "agent", time.monotonic())
+                    origin: FinishOrigin = "agent" if side == "worker" else "trainer"
+                    accepted, replies = self.finishes.request_finish(msg, origin, time.monotonic())
                     self._send_all(replies)
                     return accepted
-            raise TypeError(f"no handler for {type(msg).__name__}")
-        except Refusal as r:
-            return protocol.Refused(msg.request_id, r.code, r.message)
-        except Exception:
-            logger.exception("%s for session %s failed", msg.TAG, getattr(msg, "session_id", None))
-            return protocol.Refused(msg.request_id, "internal", f"the broker failed handling {msg.TAG}; see its log")
-
-    def _handle_trainer_frame(self, envelope: list[bytes], payload: bytes) -> protocol.Message | None:
-        try:
-            msg = protocol.decode_trainer_to_broker(payload)
-        except protocol.ProtocolError as e:
-            return self._protocol_error("trainer", e)
-        try:
-            match msg:
+                # trainer side
                 case protocol.OpenSession():
                     session = self.registry.open_session(
-                        msg.session_id,
-                        msg.sampling_defaults,
-                        msg.max_context_tokens,
-                        msg.max_turns,
-                        msg.metadata,
-                        msg.client_id,
-                        msg.group,
-                    )
+                        msg.session_id, msg.sampling_defaults, msg.max_context_tokens, msg.max_turns,
+                        msg.metadata, msg.client_id, msg.group,
+                    )  # fmt: skip
                     return protocol.SessionOpened(msg.request_id, session.sid)
                 case protocol.FetchEpisodes():
                     reply, others = self.outbox.fetch(envelope, msg, time.monotonic())
                     self._send_all(others)
                     return reply
-                case protocol.RequestFinish():
-                    accepted, replies = self.finishes.request_finish(msg, "trainer", time.monotonic())
-                    self._send_all(replies)
-                    return accepted
                 case protocol.FinishSession():
                     return self.finishes.finish(envelope, msg, time.monotonic())
                 case protocol.DropSession():
@@ -444,46 +427,3 @@ class BrokerServer:
             self._ctx.destroy(linger=self.config.shutdown_linger_ms)
             self._ctx = None
         logger.info("broker stopped")
-
-
-def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
-    """Bind, print the READY line, serve until SIGINT/SIGTERM; the process entry point. Returns an exit code."""
-    server = BrokerServer(config)
-    try:
-        worker, control = server.bind()
-    except zmq.ZMQError as e:
-        logger.error("%s", e)
-        return 1
-
-    try:
-        # Load the response tokenizer now: lazily, the first finish would stall the loop for
-        # seconds (every worker's OPEN waiting behind it), and a bad file should fail at start.
-        server.warm_up()
-    except Exception:
-        logger.exception("cannot load the response tokenizer %s", config.tokenizer)
-        server.close()
-        return 1
-
-    # Startup objects (modules, the response tokenizer's tables) live as long as the process: out of
-    # the collector's sight, full collections scan only session state. Everything allocated later is
-    # collected as usual (cyclic garbage included).
-    gc.collect()
-    gc.freeze()
-    server.trim_start_up_heap()
-
-    def handle_signal(signum: int, frame: FrameType | None) -> None:
-        server.request_exit()
-
-    previous = {sig: signal.signal(sig, handle_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        logger.info("broker serving workers on %s, trainers on %s", worker, control)
-        stream = out if out is not None else sys.stdout
-        print(READY_LINE.format(worker=worker, control=control), file=stream, flush=True)
-        server.run()
-    except Exception:
-        logger.exception("the broker loop failed")
-        return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0
