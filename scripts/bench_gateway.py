@@ -239,7 +239,7 @@ def median_of(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], float]
 def warm_up(bench: Bench) -> None:
     """A short unrecorded run per system and dialect: lazy imports and loads (the broker's tokenizer on the
     first finish), compiled templates, pooled connections, and each worker's start-up checks of its twins
-    (`twin_checks.VERIFY_FIRST` uses each, compared with the slow originals). Agents land on workers by
+    (`twins.checks.VERIFY_FIRST` uses each, compared with the slow originals). Agents land on workers by
     the kernel's accept race, so each worker gets several agents' turns: past the checks with room to spare."""
     for name, system in bench.systems.items():
         engine = None if name == "direct" else bench.engine_url

@@ -24,7 +24,7 @@ from packaging.version import Version
 from transformers import PreTrainedTokenizerBase
 
 from gateway_workers.rendering.twins.bpe import token_decoder
-from gateway_workers.rendering.twins.checks import checked_use
+from gateway_workers.rendering.twins.checks import Twin
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class ResponseFormat:
         string_arguments: argument values are untyped text (XML formats): cast by the tool's JSON schema.
         supports_tools / reasoning / parallel_calls: what the family can express (README coverage table).
         native_reader: reads a checked body exactly as the declarative engine does, in a fraction of its
-            time; used in place of that engine while sampled comparisons with it agree (`twin_checks`).
+            time; used in place of that engine while sampled comparisons with it agree (`twins.checks.Twin`).
     """
 
     name: str
@@ -157,9 +157,13 @@ class FormatParser:
         self._anchor_first_id = anchor_ids[0]
         self._template: Any = self._compiled_template() if self.engine == "template" else None
         # Only the declarative engine has a twin: the legacy one reads some edges (e.g. \x1c-\x1f as
-        # whitespace) its own way.
-        self._native: NativeReader | None = fmt.native_reader if self.engine == "template" else None
-        self._native_uses = 0
+        # whitespace) its own way. The engine refusing a reply the reader took is a difference too.
+        self.reader_twin: Twin[NativeReader, dict[str, Any]] | None = None
+        if self.engine == "template" and fmt.native_reader is not None:
+            self.reader_twin = Twin(
+                "response_reader", fmt.name, fmt.native_reader, self._run_engine, describe=_reader_difference,
+                log=logger, same=_same_reading, refusal_differs=True,
+            )
 
     def parse(
         self,
@@ -198,29 +202,14 @@ class FormatParser:
 
     def _read(self, body: str, text: str, head: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
         """The reply read by the format's native reader when it takes it (checked on a sample), else the engine."""
-        native = self._native
-        found = native(body) if native is not None else None
-        if found is None:
-            return self._run_engine(text, head, tools)
-        count = self._native_uses
-        self._native_uses = count + 1
-        if not checked_use(count):
-            return found
-        try:
-            expected = self._run_engine(text, head, tools)
-        except Exception as e:
-            self._drop_native(body, f"the engine refused it ({type(e).__name__})")
-            raise
-        if _reading(expected) != _reading(found):
-            self._drop_native(body, f"the engine read {_reading(expected)[:200]}, the twin {_reading(found)[:200]}")
-        return expected
-
-    def _drop_native(self, body: str, why: str) -> None:
-        logger.error(
-            "format %s: the native reader differs from the %s engine on %.200r: %s; using the engine from now on",
-            self.format_name, self.engine, body, why,
-        )
-        self._native = None
+        twin = self.reader_twin
+        if twin is not None and twin.active:
+            found = twin.fast(body)
+            if found is not None:
+                if twin.use():
+                    return twin.check(found, text, head, tools)
+                return found
+        return self._run_engine(text, head, tools)
 
     def _run_engine(self, text: str, head: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
         if self.engine == "template":
@@ -278,6 +267,25 @@ class FormatParser:
         if any(marker in head for marker in self.format.end_markers):
             return ""
         return head
+
+
+def _reader_difference(
+    twin: Twin[NativeReader, dict[str, Any]], found: dict[str, Any], expected: Any, args: tuple[Any, ...]
+) -> str:
+    text, head, _ = args
+    if isinstance(expected, BaseException):
+        why = f"the engine refused it ({type(expected).__name__})"
+    else:
+        why = f"the engine read {_reading(expected)[:200]}, the twin {_reading(found)[:200]}"
+    # only the declarative engine has a reader twin
+    return (
+        f"format {twin.name}: the native reader differs from the template engine on {head + text!r:.200}: "
+        f"{why}; using the engine from now on"
+    )
+
+
+def _same_reading(found: dict[str, Any], expected: dict[str, Any]) -> bool:
+    return _reading(found) == _reading(expected)
 
 
 def _reading(parsed: dict[str, Any]) -> str:

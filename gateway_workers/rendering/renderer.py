@@ -6,9 +6,9 @@ rendered to text, then encoded with ids identical to `apply_chat_template(tokeni
 but at a cost proportional to what is new: the text is cut at added-token boundaries
 (which the tokenizer splits on before normalizing and BPE, so no merge crosses them) and
 each piece's ids come from a bounded per-process LRU cache (`SegmentCache`); new pieces are
-encoded by a tiktoken twin of the tokenizer where one exists (`bpe_twin`). Known templates
-render through their plain-Python twin (`native_templates`). Both twins are checked against
-the original (Jinja, the `tokenizers` encode) on a sample of live renders.
+encoded by a tiktoken twin of the tokenizer where one exists (`twins.bpe`). Known templates
+render through their plain-Python twin (`twins.native_templates`). Both are `twins.checks.Twin`s,
+checked against the original (Jinja, the `tokenizers` encode) on a sample of live renders.
 `Renderer.render` is safe to call from any thread; the app runs long renders on the renderer's
 own thread (`Renderer.thread`), which keeps a tiktoken encoding of its own.
 Must not import the app, adapters, engines or the backplane.
@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from gateway_workers.rendering.session_renders import LastRender, SessionRenders, shared_prefix
 from gateway_workers.rendering.twins.bpe import BpeTwin
 from gateway_workers.rendering.twins.bpe import bpe_twin as _bpe_twin
-from gateway_workers.rendering.twins.checks import checked_use
+from gateway_workers.rendering.twins.checks import Twin
 from gateway_workers.rendering.twins.native_templates import NativeTemplate, native_template
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class Renderer:
         template_kwargs: extra variables every render passes to the template (e.g. enable_thinking).
         cache_bytes: bound of the piece cache; 0 turns incremental encoding off (every render encodes all).
         native_templates: render known templates with their plain-Python twin (`native_templates.py`).
-        bpe_twin: encode new pieces with a tiktoken twin of the tokenizer when it has one (`bpe_twin.py`).
+        bpe_twin: encode new pieces with a tiktoken twin of the tokenizer when it has one (`twins/bpe.py`).
     """
 
     def __init__(
@@ -162,13 +162,18 @@ class Renderer:
         self._splitter, why_not = _special_splitter(self._backend) if cache_bytes else (None, "cache_bytes=0")
         if self._splitter is None:
             logger.info("incremental prompt encoding is off (%s); every render encodes the whole prompt", why_not)
-        # The twin encodes pieces without added tokens in them, so it needs the splitter.
-        self._twin: BpeTwin | None = None
+        # The twin encodes pieces without added tokens in them, so it needs the splitter. It is checked
+        # per batch of new pieces, not per piece: its fast path is `BpeTwin.encode_many`.
+        self.encode_twin: Twin[BpeTwin, list[array]] | None = None
         if self._splitter is not None and bpe_twin:
-            self._twin, why_not = _bpe_twin(self._backend)
-            if self._twin is None:
+            encoder, why_not = _bpe_twin(self._backend)
+            if encoder is None:
                 logger.info("new prompt text is encoded by `tokenizers` (no tiktoken twin: %s)", why_not)
-        self._twin_uses = 0  # racy across threads on purpose: a skipped or doubled check is harmless
+            else:
+                self.encode_twin = Twin(
+                    "bpe_encode", "tiktoken", encoder, self._encode_pieces_exactly, describe=_encode_difference,
+                    log=logger,
+                )
         # One thread for renders too long for the event loop: the same thread each time keeps the twin's
         # regex caches its own (`BpeTwin.own_encoding`), and one core's worth of work needs no more.
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
@@ -177,8 +182,12 @@ class Renderer:
         self._sessions: SessionRenders | None = None
         if self._splitter is not None and not _nested(self._splitter.ids):
             self._sessions = SessionRenders()
-        self._native: NativeTemplate | None = native_template(tokenizer.chat_template) if native_templates else None
-        self._native_uses = 0
+        native = native_template(tokenizer.chat_template) if native_templates else None
+        self.template_twin: Twin[NativeTemplate, str] | None = None
+        if native is not None:
+            self.template_twin = Twin(
+                "template", native.name, native, self._jinja, describe=_template_difference, log=logger
+            )
         try:
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": "ping"}], tokenize=False, add_generation_prompt=True
@@ -193,18 +202,19 @@ class Renderer:
     @property
     def native_template(self) -> str | None:
         """The name of the template twin in use, if any."""
-        native = self._native
-        return native.name if native is not None else None
+        twin = self.template_twin
+        return twin.fast.name if twin is not None and twin.active else None
 
     def prepare_thread(self) -> None:
         """Give `thread` its twin encoding now, in the background (~0.3 s there), not on the first long render."""
-        if self._twin is not None:
-            self.thread.submit(self._twin.own_encoding)
+        if self.encode_twin is not None:
+            self.thread.submit(self.encode_twin.fast.own_encoding)
 
     @property
     def bpe_twin(self) -> bool:
         """Whether new pieces are encoded by the tiktoken twin (it passed its checks and has not diverged)."""
-        return self._twin is not None
+        twin = self.encode_twin
+        return twin is not None and twin.active
 
     @property
     def incremental(self) -> bool:
@@ -233,38 +243,19 @@ class Renderer:
         chat = template_messages(messages)
         tool_list = _check_tools(tools)
         kwargs = {**self._template_kwargs, **(template_kwargs or {})}
-        native = self._native
-        if native is not None and native.variables.issuperset(kwargs):
-            try:
-                text = native.render(chat, tool_list, True, **kwargs)
-            except (TypeError, ValueError, KeyError):
-                pass  # something the twin does not cover (e.g. arguments json cannot encode): Jinja decides
-            else:
-                count = self._native_uses
-                self._native_uses = count + 1
-                if checked_use(count):
-                    return self._verified(native, text, chat, tool_list, kwargs)
-                return text
+        twin = self.template_twin
+        if twin is not None and twin.active:
+            native = twin.fast
+            if native.variables.issuperset(kwargs):
+                try:
+                    text = native.render(chat, tool_list, True, **kwargs)
+                except (TypeError, ValueError, KeyError):
+                    pass  # something the twin does not cover (e.g. arguments json cannot encode): Jinja decides
+                else:
+                    if twin.use():
+                        return twin.check(text, chat, tool_list, kwargs)
+                    return text
         return self._jinja(chat, tool_list, kwargs)
-
-    def _verified(
-        self, native: NativeTemplate, text: str, chat: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]
-    ) -> str:
-        expected = self._jinja(chat, tools, kwargs)
-        if expected != text:
-            at = next(
-                (i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b),
-                min(len(text), len(expected)),
-            )
-            logger.error(
-                "the %s template twin rendered differently from Jinja at char %d (%r vs %r); using Jinja from now on",
-                native.name,
-                at,
-                text[max(0, at - 40) : at + 40],
-                expected[max(0, at - 40) : at + 40],
-            )
-            self._native = None
-        return expected
 
     def _jinja(self, chat: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]) -> str:
         try:
@@ -297,13 +288,16 @@ class Renderer:
         most turns, and it saves the thread hand-off (two wake-ups) on the critical path. `session`
         names the conversation, whose previous render spares re-cutting their shared text.
         """
-        if self._native is None or self._splitter is None or checked_use(self._native_uses):
+        template = self.template_twin
+        if template is None or not template.active or self._splitter is None or template.next_checked():
             return functools.partial(self.render, messages, tools)
         text = self.render_text(messages, tools)
         pieces = self._lookup(text, session)
+        encoder = self.encode_twin
         if pieces.missing and (
-            self._twin is None
-            or checked_use(self._twin_uses)
+            encoder is None
+            or not encoder.active
+            or encoder.next_checked()
             or sum(len(pieces.texts[i]) for i in pieces.missing) > INLINE_NEW_CHARS
         ):
             return lambda: RenderedPrompt(prompt_ids=self._assemble(pieces, session), text=text)
@@ -362,22 +356,12 @@ class Renderer:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def _encode_pieces(self, pieces: list[str]) -> list[array]:
-        twin = self._twin
-        if twin is None:
+        twin = self.encode_twin
+        if twin is None or not twin.active:
             return self._encode_pieces_exactly(pieces)
-        ids = [twin.encode(piece) for piece in pieces]
-        count = self._twin_uses
-        self._twin_uses = count + 1
-        if checked_use(count):
-            expected = self._encode_pieces_exactly(pieces)
-            if expected != ids:
-                at = next(i for i, (a, b) in enumerate(zip(ids, expected, strict=True)) if a != b)
-                logger.error(
-                    "the tiktoken twin encoded %r differently from the tokenizer; using the tokenizer from now on",
-                    pieces[at][:200],
-                )
-                self._twin = None
-            return expected
+        ids = twin.fast.encode_many(pieces)
+        if twin.use():
+            return twin.check(ids, pieces)
         return ids
 
     def _encode_pieces_exactly(self, pieces: list[str]) -> list[array]:
@@ -385,6 +369,24 @@ class Renderer:
         # for the whole encode) and skips offset tracking, which we never read.
         encodings = self._backend.encode_batch_fast(pieces, add_special_tokens=False)  # type: ignore[union-attr]
         return [array("i", e.ids) for e in encodings]
+
+
+def _template_difference(twin: Twin[NativeTemplate, str], text: str, expected: str, args: tuple[Any, ...]) -> str:
+    at = next(
+        (i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b), min(len(text), len(expected))
+    )
+    return (
+        f"the {twin.fast.name} template twin rendered differently from Jinja at char {at} "
+        f"({text[max(0, at - 40) : at + 40]!r} vs {expected[max(0, at - 40) : at + 40]!r}); using Jinja from now on"
+    )
+
+
+def _encode_difference(twin: Twin[BpeTwin, list[array]], ids: list[array], expected: Any, args: tuple[Any, ...]) -> str:
+    at = next(i for i, (a, b) in enumerate(zip(ids, expected, strict=True)) if a != b)
+    return (
+        f"the tiktoken twin encoded {args[0][at][:200]!r} differently from the tokenizer; "
+        "using the tokenizer from now on"
+    )
 
 
 @dataclass(frozen=True, slots=True)

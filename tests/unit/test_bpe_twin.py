@@ -174,7 +174,7 @@ def test_renderer_drops_a_diverging_twin_and_keeps_exact_ids(builtin_tokenizer, 
             return ids[::-1]
 
     good, _ = bpe_twin(builtin_tokenizer.backend_tokenizer)
-    renderer._twin = Wrong(lambda: good._shared, nfc=True)
+    renderer.encode_twin.fast = Wrong(lambda: good._shared, nfc=True)
     messages = [{"role": "user", "content": "several words that are surely more than one token"}]
     with caplog.at_level(logging.ERROR, logger="gateway_workers.rendering.renderer"):
         ids = renderer.render(messages).prompt_ids
@@ -188,13 +188,13 @@ def test_live_encodes_are_checked_on_a_sample(builtin_tokenizer, monkeypatch):
     """Past the first checked renders, one in VERIFY_EVERY is still compared with the tokenizer."""
     calls = itertools.count()
     renderer = Renderer(builtin_tokenizer)
-    exact_encode = renderer._encode_pieces_exactly
+    exact_encode = renderer.encode_twin.exact
 
     def counting(pieces):
         next(calls)
         return exact_encode(pieces)
 
-    monkeypatch.setattr(renderer, "_encode_pieces_exactly", counting)
+    monkeypatch.setattr(renderer.encode_twin, "exact", counting)
     monkeypatch.setattr(twin_checks, "VERIFY_EVERY", 4)
     for k in range(twin_checks.VERIFY_FIRST + 8):
         renderer.render([{"role": "user", "content": f"question number {k} " * 3}])
@@ -205,8 +205,8 @@ def test_live_encodes_are_checked_on_a_sample(builtin_tokenizer, monkeypatch):
 def test_the_render_thread_encodes_with_its_own_encoding_and_the_same_ids(builtin_tokenizer):
     """tiktoken serves only the first thread to use an encoding lock-free: the render thread gets its own."""
     renderer = Renderer(builtin_tokenizer)
-    twin = renderer._twin
-    assert twin is not None
+    assert renderer.encode_twin is not None
+    twin = renderer.encode_twin.fast
     texts = ["plain words here", "  indented\n    code()\n", "数字 12345 🙂", "\t\ttabs  and  runs  \n"]
     try:
         renderer.prepare_thread()

@@ -90,8 +90,8 @@ def test_parse_uses_the_reader_and_checks_a_sample(parser: FormatParser, builtin
         engine_calls.append(args)
         return run_engine(*args)
 
-    monkeypatch.setattr(parser, "_run_engine", counting)
-    monkeypatch.setattr(parser, "_native_uses", 0)
+    monkeypatch.setattr(parser.reader_twin, "exact", counting)
+    monkeypatch.setattr(parser.reader_twin, "uses", 0)
     ids = builtin_tokenizer.encode('Done.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>')
     results = {repr(parser.parse(ids, "<|im_start|>assistant\n")) for _ in range(VERIFY_FIRST + 20)}
     assert len(engine_calls) == VERIFY_FIRST  # then one in VERIFY_EVERY
@@ -100,16 +100,18 @@ def test_parse_uses_the_reader_and_checks_a_sample(parser: FormatParser, builtin
 
 def test_a_reader_that_differs_is_dropped_for_the_engine(parser: FormatParser, builtin_tokenizer, monkeypatch,
                                                         caplog) -> None:
-    monkeypatch.setattr(parser, "_native", lambda body: {"content": "wrong", "reasoning": None, "tool_calls": []})
-    monkeypatch.setattr(parser, "_native_uses", 0)
+    wrong = {"content": "wrong", "reasoning": None, "tool_calls": []}
+    monkeypatch.setattr(parser.reader_twin, "fast", lambda body: wrong)
+    monkeypatch.setattr(parser.reader_twin, "uses", 0)
+    monkeypatch.setattr(parser.reader_twin, "active", True)  # switched back on for the module's later tests
     ids = builtin_tokenizer.encode("The answer is 4.")
     with caplog.at_level(logging.ERROR):
         parsed = parser.parse(ids, "<|im_start|>assistant\n")
     assert parsed.content == "The answer is 4." and not parsed.ill_formed
-    assert parser._native is None and "native reader differs" in caplog.text
+    assert not parser.reader_twin.active and "native reader differs" in caplog.text
     assert parser.parse(ids, "<|im_start|>assistant\n").content == "The answer is 4."
 
 
 def test_the_legacy_engine_has_no_twin(builtin_tokenizer) -> None:
     """The legacy schemas read some edges their own way (their regexes' whitespace): no reader there."""
-    assert FormatParser(builtin_tokenizer, QWEN3, engine="schema")._native is None
+    assert FormatParser(builtin_tokenizer, QWEN3, engine="schema").reader_twin is None

@@ -82,7 +82,7 @@ def renderer(tokenizer):
     r = Renderer(tokenizer)
     assert r.incremental and r.bpe_twin
     # Past the renders that double-check the tiktoken twin: what the properties below see is the twin's.
-    r._twin_uses = VERIFY_FIRST + 1
+    r.encode_twin.uses = VERIFY_FIRST + 1
     return r
 
 
@@ -119,7 +119,7 @@ def session_render(renderer, messages, tools, session):
 def test_a_session_renders_every_turn_as_a_full_render(tokenizer, renderer, messages, edits, other):
     """Each render of a session starts from its previous one: as the episode grows, after an earlier
     message is rewritten (a template re-rendering history), and for another conversation under the key."""
-    renderer._native_uses = VERIFY_FIRST + 1  # past the renders that go wholly to Jinja
+    renderer.template_twin.uses = VERIFY_FIRST + 1  # past the renders that go wholly to Jinja
     session = f"s{id(messages)}-{len(messages)}"
     turns = [messages[:cut] for cut in range(1, len(messages) + 1)]
     for at, text in edits:
@@ -135,7 +135,7 @@ def test_a_session_renders_every_turn_as_a_full_render(tokenizer, renderer, mess
 
 def test_a_session_render_reuses_the_shared_prefix(builtin_tokenizer):
     renderer = Renderer(builtin_tokenizer)
-    renderer._native_uses = VERIFY_FIRST + 1
+    renderer.template_twin.uses = VERIFY_FIRST + 1
     episode = [{"role": "system", "content": "sys " * 500}, {"role": "user", "content": "question " * 800}]
     session_render(renderer, episode, TOOLS, "s1")
     episode += [{"role": "assistant", "content": "", "tool_calls": [{"name": "search", "arguments": {"q": 1}}]},
@@ -281,7 +281,7 @@ def test_begin_render_does_cheap_renders_on_the_calling_thread_and_hands_off_the
     first = renderer.begin_render(episode)
     assert callable(first)  # the first renders are checked against the originals: on a worker thread
     assert list(first().prompt_ids) == list(Renderer(builtin_tokenizer, cache_bytes=0).render(episode).prompt_ids)
-    renderer._native_uses = renderer._twin_uses = VERIFY_FIRST + 1
+    renderer.template_twin.uses = renderer.encode_twin.uses = VERIFY_FIRST + 1
     episode += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     on_loop = renderer.begin_render(episode)
     assert not callable(on_loop)
@@ -296,5 +296,6 @@ def test_begin_render_does_cheap_renders_on_the_calling_thread_and_hands_off_the
 
 def test_begin_render_hands_templates_without_a_twin_to_a_thread(builtin_tokenizer):
     renderer = Renderer(builtin_tokenizer, native_templates=False)
-    renderer._native_uses = renderer._twin_uses = VERIFY_FIRST + 1
+    assert renderer.template_twin is None
+    renderer.encode_twin.uses = VERIFY_FIRST + 1
     assert callable(renderer.begin_render([{"role": "user", "content": "hi"}]))

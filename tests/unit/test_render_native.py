@@ -81,8 +81,9 @@ def test_registry_matches_the_template_files(qwen3_template_path, builtin_tokeni
 def test_unknown_template_variables_and_unencodable_arguments_go_to_jinja(qwen3_tokenizer):
     renderer = Renderer(qwen3_tokenizer)
     calls = []
-    real = renderer._native
-    renderer._native = nt.NativeTemplate("spy", lambda *a, **k: calls.append(k) or real.render(*a, **k), real.variables)
+    twin = renderer.template_twin
+    real = twin.fast
+    twin.fast = nt.NativeTemplate("spy", lambda *a, **k: calls.append(k) or real.render(*a, **k), real.variables)
     messages = [{"role": "user", "content": "hi"}]
     assert renderer.render_text(messages, template_kwargs={"custom_flag": 1}).endswith("<|im_start|>assistant\n")
     assert calls == []  # a variable the twin does not know: Jinja renders
@@ -96,7 +97,8 @@ def test_unknown_template_variables_and_unencodable_arguments_go_to_jinja(qwen3_
 
 def test_a_twin_that_disagrees_is_switched_off(builtin_tokenizer, caplog):
     renderer = Renderer(builtin_tokenizer)
-    renderer._native = nt.NativeTemplate("broken", lambda *a, **k: "not the template", frozenset({"enable_thinking"}))
+    broken = nt.NativeTemplate("broken", lambda *a, **k: "not the template", frozenset({"enable_thinking"}))
+    renderer.template_twin.fast = broken
     messages = [{"role": "user", "content": "hi"}]
     with caplog.at_level(logging.ERROR, logger="gateway_workers.rendering.renderer"):
         text = renderer.render_text(messages)
@@ -106,10 +108,10 @@ def test_a_twin_that_disagrees_is_switched_off(builtin_tokenizer, caplog):
 
 def test_twin_is_verified_on_early_renders_then_trusted(builtin_tokenizer):
     renderer = Renderer(builtin_tokenizer)
-    real = renderer._native
+    real = renderer.template_twin.fast
     jinja_calls = []
-    original = renderer._jinja
-    renderer._jinja = lambda *a: jinja_calls.append(1) or original(*a)  # type: ignore[method-assign]
+    original = renderer.template_twin.exact
+    renderer.template_twin.exact = lambda *a: jinja_calls.append(1) or original(*a)
     for _ in range(VERIFY_FIRST + 10):
         renderer.render_text([{"role": "user", "content": "hi"}])
-    assert len(jinja_calls) == VERIFY_FIRST and renderer._native is real
+    assert len(jinja_calls) == VERIFY_FIRST and renderer.template_twin.fast is real

@@ -1,18 +1,18 @@
 """A tiktoken twin of a byte-level BPE tokenizer: the same ids for text pieces, ~10x faster.
 
-The renderer cuts prompts at added tokens and encodes only the new pieces (`render.py`);
+The renderer cuts prompts at added tokens and encodes only the new pieces (`renderer.py`);
 that encode is most of a long turn's CPU (HF `tokenizers` costs ~3.5 µs per token here,
 tiktoken ~0.35 µs). Both run the same algorithm on the same data when the tokenizer is
 byte-level BPE whose merge order follows token ids (as for every vocabulary converted from
 tiktoken ranks: Qwen, Llama 3, GPT-4 style): split with one regex, map bytes, merge the
 lowest-ranked pair first, take whole pieces that are in the vocabulary. `bpe_twin` accepts a
-tokenizer only when its structure says so and probe texts agree; the renderer also re-checks
-live encodes against the original on a sample and drops the twin on any difference.
+tokenizer only when its structure says so and probe texts agree; the renderer's `Twin` also
+re-checks live encodes against the original on a sample and drops it on any difference.
 Where the split pattern ends in GPT-4's lookahead for runs of spaces (`_LOOKAHEAD_TAIL`), the twin splits
 without it (faster, most on indented text) and restores its pieces by marking where it would have cut.
 `token_decoder` is the reverse twin: ids to text by a bytes table (the parser and the live
-stream decode every reply), checked the same way.
-Imports only tiktoken, numpy, orjson, `twin_checks` and the stdlib; must not import the app or the renderer.
+stream decode every reply), a `Twin` checked the same way.
+Imports only tiktoken, numpy, orjson, `twins.checks` and the stdlib; must not import the app or the renderer.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import orjson
 
-from gateway_workers.rendering.twins.checks import checked_use
+from gateway_workers.rendering.twins.checks import Twin
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,11 @@ class BpeTwin:
         """Give the calling thread an encoding of its own (see the class docstring); idempotent."""
         if not hasattr(self._own, "encoding"):
             self._own.encoding = self._make_encoding()
+
+    def encode_many(self, pieces: list[str]) -> list[array]:
+        """Each piece's ids: the renderer's twin checks a batch of new pieces at once, not each piece."""
+        encode = self.encode
+        return [encode(piece) for piece in pieces]
 
     def encode(self, piece: str) -> array:
         if self._nfc and not unicodedata.is_normalized("NFC", piece):
@@ -280,32 +285,33 @@ def _ranks(model: dict[str, Any]) -> tuple[dict[bytes, int] | None, str]:
 class TableDecoder:
     """ids -> text as a ByteLevel decoder does it: each token's bytes, joined, decoded as lossy UTF-8.
 
-    Checked against the tokenizer on the first decodes and one in `VERIFY_EVERY`; any difference
+    A `Twin` of the tokenizer's decode (`twin`): checked on a sample of decodes, and any difference
     hands every later decode to the tokenizer. Ids outside the vocabulary (a model's padded
     embedding rows) are the tokenizer's to decode (it drops them).
     """
 
     def __init__(self, table: list[bytes], exact: Decode) -> None:
         self._table = table
-        self._exact = exact
-        self._uses = 0
-        self._broken = False
+        self.twin: Twin[list[bytes], str] = Twin(
+            "token_decode", "bytes-table", table, exact, describe=_decode_difference, log=logger
+        )
 
     def __call__(self, ids: Sequence[int]) -> str:
         table = self._table
-        if self._broken or (ids and (min(ids) < 0 or max(ids) >= len(table))):
-            return self._exact(ids)
+        twin = self.twin
+        if not twin.active or (ids and (min(ids) < 0 or max(ids) >= len(table))):
+            return twin.exact(ids)
         text = b"".join([table[i] for i in ids]).decode("utf-8", "replace")
-        count = self._uses
-        self._uses = count + 1
-        if checked_use(count):
-            expected = self._exact(ids)
-            if expected != text:
-                logger.error("the bytes-table decoder decoded %r as %r, the tokenizer as %r; using the tokenizer "
-                             "from now on", list(ids)[:50], text[:200], expected[:200])
-                self._broken = True
-                return expected
+        if twin.use():
+            return twin.check(text, ids)
         return text
+
+
+def _decode_difference(twin: Twin[list[bytes], str], text: str, expected: Any, args: tuple[Any, ...]) -> str:
+    return (
+        f"the bytes-table decoder decoded {list(args[0])[:50]!r} as {text[:200]!r}, the tokenizer as "
+        f"{expected[:200]!r}; using the tokenizer from now on"
+    )
 
 
 def token_decoder(tokenizer: Any) -> Decode:
