@@ -186,8 +186,8 @@ class BrokerServer:
         poller.register(worker_fd, select.POLLIN)
         poller.register(int(control.getsockopt(zmq.FD)), select.POLLIN)
         try:
-            registry, compact, trimmer = self.registry, self.config.compact_idle, self.trimmer
-            counters = registry.counters
+            compact, compaction, trimmer = self.config.compact_idle, self.registry.compaction, self.trimmer
+            counters = self.registry.counters
             workers_ready = control_ready = True  # whatever arrived before the loop: look once
             while not self.should_exit:
                 if workers_ready:
@@ -207,17 +207,17 @@ class BrokerServer:
                     # busy worker socket never keeps the trainers waiting (and the reverse).
                     events = poller.poll(0)
                 else:
-                    # Idle time compresses older session logs, one bounded step per loop (`compact_step`),
+                    # Idle time compresses older session logs, one bounded step per loop (`compaction.step`),
                     # and gives freed heap pages back to the OS (`heap_trim`: rate-limited, one call):
                     # a frame waiting always goes first, so this costs the commit path nothing.
                     trim = trimmer.due(counters["bytes_freed"])
-                    idle_work = trim or (compact and registry.compaction_pending)
+                    idle_work = trim or (compact and compaction.pending)
                     events = poller.poll(0 if idle_work else self._poll_timeout_ms())
                     if idle_work and not events:
                         if trim:
                             trimmer.trim(counters["bytes_freed"])
                         else:
-                            registry.compact_step()
+                            compaction.step()
                 for fd, _ in events:
                     if fd == worker_fd:
                         workers_ready = True

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from broker import protocol  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
-from broker.sessions.registry import AGE_BUCKETS  # noqa: E402
+from broker.sessions.compaction import AGE_BUCKETS  # noqa: E402
 from gateway_workers.capture.commit_bases import CommitBases  # noqa: E402
 from trainer_client import TrainerClient  # noqa: E402
 

@@ -1,10 +1,10 @@
 """Session registry and turn store: the broker's state, and the lifecycle rules of DESIGN.md.
 
 Pure bookkeeping: no sockets, no encoding; the one clock (injectable) only ages log bytes for
-idle-time compaction. `server.py` calls it from its single thread and turns `Refusal` into
-`protocol.Refused`. Each session keeps its committed turns in a deduplicated
-`turn_store.TurnStore` (about its unique tokens); `TurnRecord`s are materialized only at
-finish. Imports only the stdlib and `broker`.
+idle-time compaction, which `compaction.CompactionScheduler` schedules. `server.py` calls it from
+its single thread and turns `Refusal` into `protocol.Refused`. Each session keeps its committed
+turns in a deduplicated `turn_store.TurnStore` (about its unique tokens); `TurnRecord`s are
+materialized only at finish. Imports only the stdlib, `broker.protocol` and `broker.sessions`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import logging
 import re
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from broker import protocol
+from broker.sessions.compaction import COMPACT_CHUNK_BYTES, COMPACT_SLICE_BYTES, AgingEntry, CompactionScheduler
 from broker.sessions.logs.append_logs import packed_messages
-from broker.sessions.logs.cold_log import PendingChunk
 from broker.sessions.turn_record import TurnRecord
 from broker.sessions.turn_store import TurnStore
 
@@ -31,14 +31,6 @@ _SESSION_ID_RE = re.compile(r"[!-~]{1,256}")
 _MAX_TURN_ID_LEN = 256
 _MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
 _MINTED_KEY_PREFIX = "rg-"
-# Idle-time compaction compresses chunks of this many raw log bytes (a cold read decompresses a
-# whole chunk), COMPACT_SLICE_BYTES per step: a frame that arrives during a step waits for it, and
-# 2 KiB of token ids is ~45 us of zlib level 1 here (text ~15 us; a chunk's last step adds its flush).
-COMPACT_CHUNK_BYTES = 16 * 1024
-COMPACT_SLICE_BYTES = 2 * 1024
-# Commits of one session within compact_age_s / AGE_BUCKETS of each other share one aging entry
-# (stamped with the first one's time, due that much later): a few entries per session, not one a commit.
-AGE_BUCKETS = 4
 
 State = Literal["open", "closing"]
 # Who finished a session: named in the refusal the later finishers get.
@@ -71,9 +63,10 @@ class Session:
     in_flight: dict[str, int] = field(default_factory=dict)  # turn_id -> seq
     aborted: set[str] = field(default_factory=set)
     committed: TurnStore = field(default_factory=TurnStore)
+    # Compaction's per-session state (`compaction.CompactionScheduler`):
     serial: int = 0  # which opening of `sid` (ids may be reused): aging entries name it
     aged_to: tuple[int, int, int] = (0, 0, 0)  # `TurnStore.log_ends` of its last commit that is compact_age_s old
-    aging: list[Any] | None = None  # its newest aging entry, while commits may still join it
+    aging: AgingEntry | None = None  # its newest aging entry, while commits may still join it
     idle: bool = False  # no commit for compact_age_s when its last aging entry came of age: its tail compresses too
 
 
@@ -128,20 +121,10 @@ class SessionRegistry:
         self._max_sessions = max_sessions
         self._max_turns_cap = max_turns_cap
         self._finished_memory = finished_memory
-        # Idle-time compaction (`compact_step`) compresses log bytes that have been held compact_age_s:
-        # compressing costs ~100 instructions a byte and the finish decompresses it again (~30), so
-        # bytes of a session that finishes sooner are never compressed, and memory that stays long is.
-        # Sessions under compact_min_bytes of raw logs never pay at all (see `config`).
+        # Idle-time compaction compresses log bytes held compact_age_s (`compaction`); sessions under
+        # compact_min_bytes of raw logs never pay at all (see `config`).
         self._compact = compact
         self._compact_min_bytes = compact_min_bytes
-        self._compact_age = compact_age_s
-        self._age_bucket = compact_age_s / AGE_BUCKETS
-        self._clock = clock
-        # [due time, sid, serial, `TurnStore.log_ends`]: a session's log ends after some commits,
-        # due compact_age_s after the first of them (+ a bucket). Oldest first, so due times ascend.
-        self._aging: deque[list[Any]] = deque()
-        self._ready: dict[str, None] = {}  # sessions with aged bytes to compress (FIFO)
-        self._pending: tuple[Session, PendingChunk] | None = None  # the chunk being compressed
         # bytes_freed: what the registry let go to the allocator (compressed chunks' raw bytes, finished
         # and dropped sessions' logs); the server trims the C heap by it (`heap_trim`).
         self.counters: dict[str, int] = dict.fromkeys(
@@ -162,6 +145,7 @@ class SessionRegistry:
             ),
             0,
         )
+        self.compaction = CompactionScheduler(self._sessions, self.counters, age_s=compact_age_s, clock=clock)
 
     # --- lookups ---------------------------------------------------------------------
 
@@ -342,89 +326,8 @@ class SessionRegistry:
         del in_flight[turn_id]
         counters["commits_stored"] += 1
         if self._compact and store.raw_bytes >= self._compact_min_bytes:
-            self._age(session)
+            self.compaction.note_commit(session)
         return "stored"
-
-    # --- idle-time compaction ------------------------------------------------------------
-
-    def _age(self, session: Session) -> None:
-        """Note the session's log ends now: they become compressible compact_age_s (+ a bucket) later."""
-        now = self._clock()
-        session.idle = False
-        entry = session.aging
-        if entry is not None and now < entry[0] - self._compact_age:  # within the entry's bucket: join it
-            entry[3] = session.committed.log_ends
-        else:
-            due = now + self._age_bucket + self._compact_age  # the last commit to join it is compact_age_s old then
-            entry = [due, session.sid, session.serial, session.committed.log_ends]
-            session.aging = entry
-            self._aging.append(entry)
-
-    @property
-    def compaction_pending(self) -> bool:
-        """Whether some session has log bytes held compact_age_s to compress (`compact_step`).
-
-        Moves entries that came of age to the sessions they name, so the aging queue holds only
-        the last compact_age_s of commits even when the loop is never idle.
-        """
-        aging = self._aging
-        if aging:
-            now = self._clock()
-            if aging[0][0] <= now:
-                self._promote(aging, now)
-        return self._pending is not None or bool(self._ready)
-
-    def _promote(self, aging: deque[list[Any]], now: float) -> None:
-        sessions, ready = self._sessions, self._ready
-        while aging and aging[0][0] <= now:
-            entry = aging.popleft()
-            _, sid, serial, ends = entry
-            session = sessions.get(sid)
-            if session is not None and session.serial == serial:  # else finished (or its id reopened)
-                session.aged_to = ends  # a session's entries come of age in commit order
-                # Its newest entry: no commit since it closed, so the whole session is compact_age_s old.
-                # Its raw tail (kept for the next delta's prefix check) compresses too: a delta after
-                # such a pause is rare, and reads the few bytes it needs from the last chunk.
-                session.idle = session.aging is entry and self._compact_age > 0  # (age 0: never idle)
-                ready[sid] = None
-
-    def compact_step(self, slice_bytes: int = COMPACT_SLICE_BYTES, chunk_bytes: int = COMPACT_CHUNK_BYTES) -> bool:
-        """Compress the next `slice_bytes` of aged log bytes (of one chunk of one session); False when none are due.
-
-        The server calls it when a poll finds no frame waiting, so it costs the commit path
-        nothing, and a frame that arrives meanwhile waits for one slice at most.
-        """
-        pending = self._pending
-        if pending is None:
-            pending = self._next_chunk(chunk_bytes) if self.compaction_pending else None
-            if pending is None:
-                return False
-        session, chunk = pending
-        if self._sessions.get(session.sid) is not session:  # finished or dropped meanwhile: drop the chunk
-            self._pending = None
-            return True
-        if chunk.step(slice_bytes):
-            self._pending = None
-            self.counters["bytes_compacted"] += len(chunk.raw)
-            self.counters["bytes_freed"] += len(chunk.raw)  # the raw bytes left the hot logs
-        return True
-
-    def _next_chunk(self, chunk_bytes: int) -> tuple[Session, PendingChunk] | None:
-        ready = self._ready
-        while ready:
-            sid = next(iter(ready))
-            session = self._sessions.get(sid)
-            chunk = (
-                None
-                if session is None
-                else session.committed.start_compaction(chunk_bytes, session.aged_to, session.idle)
-            )
-            if session is None or chunk is None:
-                del ready[sid]  # gone, or less than a chunk aged: its next aging entry puts it back
-                continue
-            self._pending = session, chunk
-            return self._pending
-        return None
 
     def abort_turn(self, sid: str, turn_id: str) -> Session | None:
         """Forget an in-flight turn. Unknown sessions and turns are fine: the turn is gone either way."""
@@ -453,6 +356,21 @@ class SessionRegistry:
                 raise Refusal("turn_pending", f"turn {turn_id!r} is not committed yet")
             raise Refusal("unknown_turn", f"session {sid!r} has no committed turn {turn_id!r}")
         return found
+
+    # --- idle-time compaction (`compaction.CompactionScheduler`) ---------------------------
+
+    @property
+    def compaction_pending(self) -> bool:
+        """Whether some session has log bytes held compact_age_s to compress (`compact_step`)."""
+        return self.compaction.pending
+
+    def compact_step(self, slice_bytes: int = COMPACT_SLICE_BYTES, chunk_bytes: int = COMPACT_CHUNK_BYTES) -> bool:
+        """Compress the next `slice_bytes` of aged log bytes (of one chunk of one session); False when none are due.
+
+        The server calls it when a poll finds no frame waiting, so it costs the commit path
+        nothing, and a frame that arrives meanwhile waits for one slice at most.
+        """
+        return self.compaction.step(slice_bytes, chunk_bytes)
 
     # --- observability -----------------------------------------------------------------
 

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from broker import protocol
 from broker.config import BrokerConfig
-from broker.sessions import registry as sessions
+from broker.sessions import compaction
 from broker.sessions.logs.cold_log import MIN_CHUNK
 from broker.sessions.registry import SessionRegistry
 from gateway_workers.capture.commit_bases import CommitBases
 
 AGE = 10.0
-BUCKET = AGE / sessions.AGE_BUCKETS
+BUCKET = AGE / compaction.AGE_BUCKETS
 
 
 class Clock:
@@ -153,7 +153,7 @@ def test_a_session_finished_before_its_bytes_age_is_never_compressed_and_leaves_
     clock.now += AGE + BUCKET
     assert not reg.compaction_pending and not reg.compact_step()
     assert reg.counters["bytes_compacted"] == 0
-    assert not reg._aging and not reg._ready  # its aging entries were let go
+    assert not reg.compaction.aging and not reg.compaction.ready  # its aging entries were let go
 
 
 def test_a_busy_session_keeps_a_few_aging_entries_not_one_per_commit():
@@ -164,7 +164,7 @@ def test_a_busy_session_keeps_a_few_aging_entries_not_one_per_commit():
         ep.turn(50)
         clock.now += 0.05
         assert not reg.compaction_pending or clock.now >= 1000.0 + AGE + BUCKET
-    assert len(reg._aging) <= sessions.AGE_BUCKETS + 1
+    assert len(reg.compaction.aging) <= compaction.AGE_BUCKETS + 1
 
 
 def test_a_reopened_session_id_is_not_compacted_on_its_predecessors_schedule():
@@ -222,13 +222,13 @@ def test_small_sessions_and_a_broker_without_compaction_queue_nothing():
     small = Episode(reg, "small")
     for _ in range(4):
         small.turn(4000)  # 16 KB of ids + 8 KB of text a turn: 96 KB, under the floor
-    assert small.store.start_compaction(sessions.COMPACT_CHUNK_BYTES) is not None
-    assert not reg.compaction_pending and not reg._aging
+    assert small.store.start_compaction(compaction.COMPACT_CHUNK_BYTES) is not None
+    assert not reg.compaction_pending and not reg.compaction.aging
     off = SessionRegistry(max_sessions=1, compact=False)
     big = Episode(off, "s")
     for _ in range(4):
         big.turn(8192)
-    assert not off._aging and not off.compaction_pending and not off.compact_step()
+    assert not off.compaction.aging and not off.compaction_pending and not off.compact_step()
 
 
 def test_the_policy_settings_come_from_the_environment_and_are_checked():
