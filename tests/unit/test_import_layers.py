@@ -4,6 +4,10 @@
   starlette, transformers or gateway_workers.
 - `broker.protocol` is shared by everyone: stdlib + msgpack only, so not even zmq.
 - `broker` never imports `gateway_workers` or `trainer_client`, nor the asyncio stack.
+- Per broker sub-package (every module of it imported, found by file): `broker.codec` and
+  `broker.protocol` load no zmq and nothing of `broker` but each other; `broker.sessions` nothing
+  of `broker.episodes`; neither of those two opens sockets (no zmq, no `broker.server`).
+  `broker.episodes` may import `broker.sessions`, not the reverse.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -20,7 +25,14 @@ IMPORT_TIMEOUT_S = 60
 
 CASES = {
     "trainer_client": ["zmq.asyncio", "asyncio", "uvloop", "starlette", "transformers", "gateway_workers"],
-    "broker.protocol": ["zmq", "asyncio", "broker.server", "broker.sessions.registry", "gateway_workers", "trainer_client"],
+    "broker.protocol": [
+        "zmq",
+        "asyncio",
+        "broker.server",
+        "broker.sessions.registry",
+        "gateway_workers",
+        "trainer_client",
+    ],
     "broker.server": [
         "zmq.asyncio",
         "asyncio",
@@ -33,6 +45,56 @@ CASES = {
     ],
     "broker.__main__": ["zmq.asyncio", "asyncio", "transformers", "gateway_workers", "trainer_client"],
 }
+
+
+class Layer(NamedTuple):
+    """What importing every module of a sub-package may load: nothing under `forbid`, and of `broker`
+    only what is under `broker_only` (when given)."""
+
+    forbid: tuple[str, ...]
+    broker_only: tuple[str, ...] | None = None
+
+
+_WIRE = ("broker.protocol", "broker.codec")
+SUBPACKAGES = {
+    "broker.protocol": Layer(forbid=("zmq", "asyncio"), broker_only=_WIRE),
+    "broker.codec": Layer(forbid=("zmq", "asyncio"), broker_only=_WIRE),
+    "broker.sessions": Layer(forbid=("broker.episodes", "broker.server", "zmq", "asyncio")),
+    "broker.episodes": Layer(forbid=("broker.server", "zmq", "asyncio")),  # broker.sessions is allowed
+}
+
+
+def modules_of(package: str) -> list[str]:
+    """Every module of `package` (a module or a package), by its files: no import in this process."""
+    path = REPO_ROOT.joinpath(*package.split("."))
+    if not path.is_dir():
+        return [package]
+    names = []
+    for file in sorted(path.rglob("*.py")):
+        parts = file.relative_to(REPO_ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def all_loaded_after_import(modules: list[str]) -> list[str]:
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=IMPORT_TIMEOUT_S,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def loaded_after_import(module: str, watch: list[str]) -> list[str]:
@@ -57,7 +119,22 @@ def test_import_layers(module):
     assert loaded_after_import(module, CASES[module]) == []
 
 
+@pytest.mark.parametrize("package", list(SUBPACKAGES))
+def test_broker_sub_package_layers(package):
+    layer = SUBPACKAGES[package]
+    modules = modules_of(package)
+    assert modules, f"no modules found for {package}"
+    loaded = all_loaded_after_import(modules)
+    assert [m for m in loaded if under(m, layer.forbid)] == []
+    if layer.broker_only is not None:
+        assert [m for m in loaded if under(m, ("broker",)) and m != "broker" and not under(m, layer.broker_only)] == []
+
+
 def test_the_watch_is_real():
     # the probe sees what an import does load, so an empty answer above means something
     assert "zmq" in loaded_after_import("trainer_client", ["zmq"])
     assert "msgpack" in loaded_after_import("broker.protocol", ["msgpack"])
+    # the sub-package probe finds every module and sees what they pull in
+    assert {"broker.sessions.compaction", "broker.sessions.logs.ranges"} <= set(modules_of("broker.sessions"))
+    assert "broker.codec.fast" in all_loaded_after_import(["broker.protocol"])
+    assert any(under(m, ("broker.sessions",)) for m in all_loaded_after_import(modules_of("broker.episodes")))
