@@ -9,19 +9,20 @@ lazily, `tokenizers` (the Rust library: never transformers) and `numpy`.
 Decoding a row is most of a finish (a 24k-token row: ~46 ms in `tokenizers` here): a byte-level
 BPE's text is the UTF-8 decode of its tokens' bytes, so such tokenizers decode by gathering their
 tokens' bytes from one table (`_ByteTable`, ~10x fewer instructions than `tokenizers`), and fall
-back to the tokenizer for anything that is not valid UTF-8.
+back to the tokenizer for anything that is not valid UTF-8. The table is `broker.token_ids`' (the
+one the workers decode replies with), validated against the tokenizer when it is loaded.
 """
 
 from __future__ import annotations
 
 import codecs
-import json
 import logging
 import os
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
-from broker import protocol
+from broker import protocol, token_ids
 from broker.episodes.trajectory import Row, build_rows
 from broker.sessions.registry import FinishedSession
 
@@ -84,9 +85,14 @@ class RowBuilder:
 
         assert self._path is not None
         path = os.path.join(self._path, "tokenizer.json") if os.path.isdir(self._path) else self._path
-        self._tokenizer = Tokenizer.from_file(path)
-        self._token_bytes = _byte_level_table(self._tokenizer)
-        logger.info("loaded tokenizer %s for response text (byte table: %s)", path, self._token_bytes is not None)
+        tokenizer = self._tokenizer = Tokenizer.from_file(path)
+
+        def exact(ids: Sequence[int]) -> str:
+            return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
+        table, why = token_ids.byte_table(tokenizer, exact)
+        self._token_bytes = None if table is None else _ByteTable(table)
+        logger.info("loaded tokenizer %s for response text (byte table: %s)", path, why or "yes")
 
 
 class _ByteTable:
@@ -132,37 +138,3 @@ class _ByteTable:
             self._positions = np.arange(max(n, 2 * len(self._positions)))
         index += self._positions[:n]
         return self._bytes.take(index)
-
-
-def _byte_level_table(tokenizer: Any) -> _ByteTable | None:
-    """Each id's bytes as a `_ByteTable`, if the tokenizer decodes by byte-level mapping alone; else None."""
-    token_bytes = token_bytes_list(tokenizer)
-    return None if token_bytes is None else _ByteTable(token_bytes)
-
-
-def token_bytes_list(tokenizer: Any) -> list[bytes] | None:
-    """Each id's bytes, if the tokenizer decodes by byte-level mapping alone (GPT-2 style BPE); else None."""
-    decoder = tokenizer.decoder
-    if decoder is None or json.loads(decoder.__getstate__()).get("type") != "ByteLevel":
-        return None
-    to_byte = _byte_alphabet()
-    added = tokenizer.get_added_tokens_decoder()
-    vocab = tokenizer.get_vocab(with_added_tokens=False)
-    table = [b""] * (max([*vocab.values(), *added, -1]) + 1)
-    try:
-        for token, token_id in vocab.items():
-            table[token_id] = token.translate(to_byte).encode("latin-1")
-    except UnicodeEncodeError:
-        return None  # a token outside the byte-level alphabet
-    for token_id, token in added.items():
-        table[token_id] = token.content.encode()
-    return table
-
-
-def _byte_alphabet() -> dict[int, int]:
-    """GPT-2's byte-level alphabet, inverted, as a str.translate table: printable bytes are themselves,
-    the others (in order) take code points from 256 up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: b for b in printable}
-    table.update({256 + k: b for k, b in enumerate(b for b in range(256) if b not in table)})
-    return table

@@ -8,6 +8,9 @@
   `broker.protocol` load no zmq and nothing of `broker` but each other; `broker.sessions` nothing
   of `broker.episodes`; neither of those two opens sockets (no zmq, no `broker.server`).
   `broker.episodes` may import `broker.sessions`, not the reverse.
+- `broker.token_ids` (byte tables, matching prefixes) is the other broker module workers may import:
+  stdlib only (no zmq, numpy or msgpack) and nothing else of `broker`; workers load nothing of the
+  broker's server, sessions or episodes.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ CASES = {
         "tokenizers",
     ],
     "broker.__main__": ["zmq.asyncio", "asyncio", "transformers", "gateway_workers", "trainer_client"],
+    "gateway_workers.app": ["broker.server", "broker.sessions", "broker.episodes", "trainer_client"],
 }
 
 
@@ -61,6 +65,9 @@ SUBPACKAGES = {
     "broker.codec": Layer(forbid=("zmq", "asyncio"), broker_only=_WIRE),
     "broker.sessions": Layer(forbid=("broker.episodes", "broker.server", "zmq", "asyncio")),
     "broker.episodes": Layer(forbid=("broker.server", "zmq", "asyncio")),  # broker.sessions is allowed
+    "broker.token_ids": Layer(
+        forbid=("zmq", "asyncio", "numpy", "msgpack", "tokenizers"), broker_only=("broker.token_ids",)
+    ),
 }
 
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from broker.episodes import rows as rows_module
+from broker import token_ids
 from broker.episodes.rows import RowBuilder
 
 SPECIAL_IDS = [151643, 151644, 151645, 151657, 151658, 151667, 151668]
@@ -61,7 +61,7 @@ def test_without_a_tokenizer_the_text_is_empty():
 
 @pytest.fixture(scope="module")
 def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
-    table = rows_module.token_bytes_list(tokenizer)
+    table, why = token_ids.byte_table(tokenizer, lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False))
     assert table is not None and len(table) > 151_000
     return table
 

@@ -12,7 +12,8 @@ Where the split pattern ends in GPT-4's lookahead for runs of spaces (`_LOOKAHEA
 without it (faster, most on indented text) and restores its pieces by marking where it would have cut.
 `token_decoder` is the reverse twin: ids to text by a bytes table (the parser and the live
 stream decode every reply), a `Twin` checked the same way.
-Imports only tiktoken, numpy, orjson, `twins.checks` and the stdlib; must not import the app or the renderer.
+The byte alphabet and the table come from `broker.token_ids`, shared with the broker's row decoder.
+Imports only tiktoken, numpy, orjson, `twins.checks`, `broker.token_ids` and the stdlib: not the app or renderer.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import orjson
 
+from broker import token_ids
 from gateway_workers.rendering.twins.checks import Twin
 
 logger = logging.getLogger(__name__)
@@ -74,18 +76,6 @@ def _per_backend(cache: dict[int, tuple[Any, _Built]], backend: Any, build: Call
             cache.pop(next(iter(cache)))
         cache[key] = (backend, build(backend))
     return cache[key][1]
-
-
-def _byte_alphabet() -> dict[int, int]:
-    """Byte-level alphabet char -> its byte (GPT-2's bytes_to_unicode, inverted) as a str.translate table.
-
-    Printable bytes stand for themselves; the other bytes, in order, take code points from 256 up.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: b for b in printable}
-    others = [b for b in range(256) if b not in table]
-    table.update({256 + k: b for k, b in enumerate(others)})
-    return table
 
 
 class BpeTwin:
@@ -264,7 +254,7 @@ def _model_refusal(model: dict[str, Any]) -> str:
 
 def _ranks(model: dict[str, Any]) -> tuple[dict[bytes, int] | None, str]:
     """Token bytes -> id, if ids order the merges as tiktoken's ranks do (each merge's result outranks the last)."""
-    table = _byte_alphabet()
+    table = token_ids.byte_alphabet()
     vocab: dict[str, int] = model["vocab"]
     try:
         # translate maps each alphabet char to the char of its byte value, which latin-1 encodes as that byte
@@ -301,6 +291,7 @@ class TableDecoder:
         twin = self.twin
         if not twin.active or (ids and (min(ids) < 0 or max(ids) >= len(table))):
             return twin.exact(ids)
+        # `token_ids.decode`, inlined: the live stream decodes twice per chunk
         text = b"".join([table[i] for i in ids]).decode("utf-8", "replace")
         if twin.use():
             return twin.check(text, ids)
@@ -329,7 +320,7 @@ def _build_decoder(backend: Any) -> Decode:
     def exact(ids: Sequence[int]) -> str:
         return str(backend.decode(list(ids), skip_special_tokens=False))
 
-    table, why = _decode_table(backend, exact)
+    table, why = token_ids.byte_table(backend, exact)
     if table is None:
         logger.info("ids are decoded by the tokenizer: %s", why)
         return exact
@@ -338,34 +329,3 @@ def _build_decoder(backend: Any) -> Decode:
 
 def _joined(text: str | list[str]) -> str:
     return text if isinstance(text, str) else "".join(text)
-
-
-def _decode_table(backend: Any, exact: Decode) -> tuple[list[bytes] | None, str]:
-    """Each id's bytes as the ByteLevel decoder writes them, if decoding the whole vocabulary agrees."""
-    decoder = _state(backend.decoder)
-    if not isinstance(decoder, dict) or decoder.get("type") != "ByteLevel":
-        return None, f"decoder {decoder and decoder.get('type')} is not ByteLevel"
-    alphabet = _byte_alphabet()
-    size = backend.get_vocab_size(with_added_tokens=True)
-    table = [b""] * size
-    added = backend.get_added_tokens_decoder()
-    try:
-        for token_id in range(size):
-            token = backend.id_to_token(token_id)
-            if token is not None and token_id not in added:
-                table[token_id] = token.translate(alphabet).encode("latin-1")
-    except UnicodeEncodeError:
-        return None, "the vocabulary is not byte-level"
-    for token_id, added_token in added.items():
-        if not 0 <= token_id < size:
-            return None, f"added token id {token_id} is outside the vocabulary's {size}"
-        # An added token made only of alphabet chars stands for their bytes; any other for its own UTF-8.
-        text = added_token.content
-        byte_level = all(ord(c) in alphabet for c in text)
-        table[token_id] = text.translate(alphabet).encode("latin-1") if byte_level else text.encode("utf-8")
-    everything = list(range(size))
-    if b"".join(table).decode("utf-8", "replace") != exact(everything):
-        return None, "decoding the whole vocabulary differs from the tokenizer"
-    if any(table[i].decode("utf-8", "replace") != exact([i]) for i in added):
-        return None, "an added token decodes differently"
-    return table, ""
