@@ -6,8 +6,8 @@ already holds; a delta COMMIT names that turn and sends only what follows the sh
 an entry being there) and turns a full commit into a delta. Only ACKed turns become bases.
 The prefix is found with memcmp over the int32 bytes (bisected on a mismatch), never a
 Python loop over ids, and its CRC-32 continues the base's prompt CRC (each turn's prompt CRC
-continues the one its delta sent), so only new ids are checksummed. Imports only the stdlib and
-`broker.protocol`; no sockets, no asyncio.
+continues the one its delta sent), so only new ids are checksummed. Imports only the stdlib,
+`broker.protocol` and `broker.token_ids`; no sockets, no asyncio.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import protocol
+from broker.token_ids import matching_prefix
 
 MAX_SESSIONS = 4096
 # Bound on the held context bytes (4 per token): 128 MiB is ~1300 sessions at 24k tokens.
@@ -142,21 +143,16 @@ def shared_ids(base: bytes, offset: int, new: memoryview) -> int:
     """How many leading int32 ids of `new` (bytes) equal those of `base` from byte `offset` on.
 
     One memcmp when all match; otherwise a bisection of memcmps over the remaining range
-    (about two passes over the prefix in all).
+    (`token_ids.matching_prefix`: about two passes over the prefix in all).
     """
     n = min((len(base) - offset) // _ID_BYTES, len(new) // _ID_BYTES)
     if n <= 0:
         return 0
     if base.startswith(new[: n * _ID_BYTES], offset):
         return n
-    lo, hi = 0, n  # ids [0, lo) match, [0, hi) do not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if base.startswith(new[lo * _ID_BYTES : mid * _ID_BYTES], offset + lo * _ID_BYTES):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return matching_prefix(
+        n, lambda lo, hi: base.startswith(new[lo * _ID_BYTES : hi * _ID_BYTES], offset + lo * _ID_BYTES)
+    )
 
 
 def shared_items(base: list[Any], new: list[Any]) -> int:
@@ -164,11 +160,4 @@ def shared_items(base: list[Any], new: list[Any]) -> int:
     n = min(len(base), len(new))
     if base[:n] == new[:n]:
         return n
-    lo, hi = 0, n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if base[lo:mid] == new[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return matching_prefix(n, lambda lo, hi: base[lo:hi] == new[lo:hi])

@@ -1,8 +1,9 @@
-"""`broker.token_ids`: the one bytes table both sides decode with, validated on both.
+"""`broker.token_ids`: the one bytes table both sides decode with, validated on both, and the prefix bisection.
 
 The table is built and validated once in `token_ids`; the workers' `TableDecoder` and the broker's
 `RowBuilder` both take it from there, and both refuse a table that decodes differently from the
-tokenizer (and then decode with the tokenizer).
+tokenizer (and then decode with the tokenizer). `matching_prefix` is property-tested against a plain
+scan, alone and through its three users (commit bases' ids and messages, the turn store's log ranges).
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from broker import token_ids
 from broker.episodes.rows import RowBuilder
+from broker.sessions.logs.ranges import common_prefix
+from gateway_workers.capture.commit_bases import shared_ids, shared_items
 from gateway_workers.rendering.twins.bpe import TableDecoder, token_decoder
 
 
@@ -113,3 +118,59 @@ def test_tokenizers_that_are_not_byte_level_get_no_table():
     odd = Tokenizer(models.WordLevel({"a": 0, "\u4e00": 1, "[UNK]": 2}, unk_token="[UNK]"))
     odd.decoder = decoders.ByteLevel()
     assert token_ids.build_byte_table(odd) == (None, "the vocabulary is not byte-level")
+
+
+def naive_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# few distinct values, so prefixes of every length (and mismatches anywhere) are common
+items = st.lists(st.integers(0, 2), max_size=80)
+
+
+@given(a=items, b=items)
+def test_matching_prefix_equals_a_plain_scan(a, b):
+    n = min(len(a), len(b))
+    calls = []
+
+    def same(lo: int, hi: int) -> bool:
+        calls.append((lo, hi))
+        return a[lo:hi] == b[lo:hi]
+
+    expected = naive_prefix(a, b)
+    if expected == n:
+        return  # the whole matches: callers answer that with their own first compare
+    assert token_ids.matching_prefix(n, same) == expected
+    assert len(calls) <= max(n - 1, 0).bit_length()  # a bisection: one compare per halving
+    assert all(0 <= lo < hi <= n for lo, hi in calls)
+
+
+@given(a=items, b=items, offset=st.integers(0, 3))
+def test_the_three_users_equal_a_plain_scan(a, b, offset):
+    base = array("i", [7] * offset + a)
+    with memoryview(array("i", b)) as new, new.cast("B") as new_bytes:
+        assert shared_ids(base.tobytes(), offset * 4, new_bytes) == naive_prefix(a, b)
+    assert shared_items([{"v": x} for x in a], [{"v": x} for x in b]) == naive_prefix(a, b)
+
+
+def spell(log: list[int], ranges) -> list[int]:
+    """The items the (start, stop) ranges spell in the log, read back to back."""
+    return [log[i] for lo, hi in zip(ranges[0::2], ranges[1::2], strict=True) for i in range(lo, hi)]
+
+
+@given(log=st.lists(st.integers(0, 2), min_size=1, max_size=60), cuts=st.lists(st.integers(0, 60), max_size=6),
+       seq=items)
+def test_common_prefix_over_log_ranges_equals_a_plain_scan(log, cuts, seq):
+    # ranges: consecutive slices of the log between sorted cut points
+    points = sorted({0, len(log), *(c % (len(log) + 1) for c in cuts)})
+    ranges = [x for lo, hi in zip(points, points[1:], strict=False) for x in (lo, hi)]
+
+    def same(i: int, j: int, n: int) -> bool:
+        return seq[i : i + n] == log[j : j + n]
+
+    n, cut = common_prefix(len(seq), same, ranges)
+    assert n == naive_prefix(seq, spell(log, ranges))
+    assert spell(log, cut) == seq[:n]

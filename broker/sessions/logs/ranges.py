@@ -2,12 +2,15 @@
 
 `turn_store.TurnStore` keeps each turn's context (ids) and messages as such runs of its
 session's logs, sharing them between turns; these helpers compare, cut and extend them.
-Pure functions over sequences of ints (tuples or `array('q')` slices); imports only the stdlib.
+Pure functions over sequences of ints (tuples or `array('q')` slices); imports only the stdlib and
+`broker.token_ids` (its `matching_prefix` bisects a range that differs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from broker.token_ids import matching_prefix
 
 
 def common_prefix(
@@ -32,13 +35,7 @@ def common_prefix(
             if n < stop - start:
                 break
             continue
-        lo, hi = 0, n  # items [off, off+lo) match, [off, off+hi) do not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if same(off + lo, start + lo, mid - lo):
-                lo = mid
-            else:
-                hi = mid
+        lo = matching_prefix(n, lambda i, j: same(off + i, start + i, j - i))  # noqa: B023  (used before the loop moves on)
         if lo:
             out += (start, start + lo)
             off += lo
