@@ -20,6 +20,7 @@ import orjson
 from gateway_workers.adapters.base import no_history
 from gateway_workers.adapters.common import (
     BlockEvent,
+    PendingCalls,
     bad,
     block_events,
     canonical_tools,
@@ -49,6 +50,7 @@ _HANDLED = {
     "top_k",
     "stream",
 }
+MIN_THINKING_BUDGET = 1024  # the Messages API's own floor for thinking.budget_tokens
 SIGNATURE = "rollout-gateway"  # thinking blocks carry a signature; ours only says where they came from
 
 _ERROR_TYPES = {
@@ -88,7 +90,7 @@ def _text_blocks(content: Any, where: str, joiner: str) -> str:
     return joiner.join(texts)
 
 
-def _assistant(content: Any, where: str, call_names: dict[str, str]) -> dict[str, Any]:
+def _assistant(content: Any, where: str, pending: PendingCalls) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
@@ -106,8 +108,12 @@ def _assistant(content: Any, where: str, call_names: dict[str, str]) -> dict[str
             name, arguments = block.get("name"), block.get("input", {})
             if not isinstance(name, str) or not name or not isinstance(arguments, dict):
                 raise bad(f"{where}.content[{j}]: tool_use needs a name and an object input", "messages")
-            if isinstance(block.get("id"), str):
-                call_names[block["id"]] = name
+            call_id = block.get("id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad(f"{where}.content.{j}.tool_use.id: Field required (a string)", "messages",
+                          code="missing_required_parameter")
+            if not pending.make(call_id, name):
+                raise bad(f"{where}.content.{j}: `tool_use` ids must be unique: {call_id!r}", "messages")
             calls.append({"name": name, "arguments": arguments})
         else:
             raise bad(f"{where}.content[{j}]: block type {kind!r} is not supported in assistant messages", "messages")
@@ -119,7 +125,7 @@ def _assistant(content: Any, where: str, call_names: dict[str, str]) -> dict[str
     return message
 
 
-def _user(content: Any, where: str, call_names: dict[str, str]) -> list[dict[str, Any]]:
+def _user(content: Any, where: str, pending: PendingCalls) -> list[dict[str, Any]]:
     """A user turn: its tool results become tool messages and its text a user message, in order."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
@@ -140,9 +146,16 @@ def _user(content: Any, where: str, call_names: dict[str, str]) -> list[dict[str
                 "role": "tool",
                 "content": _text_blocks(result, f"{where}.content[{j}].content", "\n"),
             }
-            name = call_names.get(block.get("tool_use_id") or "")
-            if name:
-                tool["name"] = name
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad(f"{where}.content.{j}.tool_result.tool_use_id: Field required (a string)", "messages",
+                          code="missing_required_parameter")
+            name = pending.answer(call_id)
+            if name is None:
+                raise bad(f"{where}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {call_id}. "
+                          "Each `tool_result` block must have a corresponding `tool_use` block in the previous "
+                          "message.", "messages")
+            tool["name"] = name
             out.append(tool)
         else:
             raise bad(
@@ -163,22 +176,57 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         text = _text_blocks(system, "system", "\n")
         if text:
             messages.append({"role": "system", "content": text})
-    call_names: dict[str, str] = {}
+    pending = PendingCalls()
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise bad(f"{where} must be an object with role 'user' or 'assistant'", "messages")
+        # a tool_use's result must come in the very next message, which must then answer all of them
+        opened = dict(pending.open)
         if message["role"] == "assistant":
-            messages.append(_assistant(message.get("content"), where, call_names))
+            _unanswered(opened, i)
+            messages.append(_assistant(message.get("content"), where, pending))
         else:
-            messages.extend(_user(message.get("content"), where, call_names))
+            messages.extend(_user(message.get("content"), where, pending))
+            _unanswered(pending.open, i - 1)
+            pending.open.clear()
+    _unanswered(pending.open, len(raw) - 1)
     return messages
+
+
+def _unanswered(open_calls: dict[str, str], index: int) -> None:
+    if open_calls:
+        raise bad(f"messages.{index}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                  f"{', '.join(open_calls)}. Each `tool_use` block must have a corresponding `tool_result` block "
+                  "in the next message.", "messages")
+
+
+def _tool_fields(tool: dict[str, Any]) -> tuple[Any, Any, Any]:
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise bad(f"tools: tool {tool.get('name')!r} needs an 'input_schema' object", "tools",
+                  code="missing_required_parameter" if schema is None else "invalid_request")
+    return tool.get("name"), tool.get("description"), schema
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
     """Client tools only: server tools (web search, ...) have a `type` and are not ours to run."""
-    return canonical_tools(raw, "custom", lambda t: (t.get("name"), t.get("description"), t.get("input_schema")),
-                           default_kind="custom")
+    return canonical_tools(raw, "custom", _tool_fields, default_kind="custom")
+
+
+def _check_thinking(thinking: Any, max_tokens: int | None) -> None:
+    """`thinking` has no effect here (the chat template decides), but a malformed one is the agent's bug."""
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad("thinking.type: must be 'enabled', 'disabled' or 'adaptive'", "thinking")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+            raise bad(f"thinking.budget_tokens: must be an integer >= {MIN_THINKING_BUDGET}", "thinking")
+        if max_tokens is not None and budget >= max_tokens:
+            raise bad("max_tokens must be greater than thinking.budget_tokens", "max_tokens")
 
 
 load_history = no_history  # a request carries its whole conversation
@@ -196,7 +244,8 @@ def parse_request(body: Any, *, counting: bool = False) -> MessagesRequest:
         raise bad("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
     max_tokens = integer(body, "max_tokens", 1)
     if max_tokens is None and not counting:
-        raise bad("'max_tokens' is required", "max_tokens")
+        raise bad("'max_tokens' is required", "max_tokens", code="missing_required_parameter")
+    _check_thinking(body.get("thinking"), max_tokens)
     turn = TurnRequest(
         messages=_messages(body),
         tools=_tools(body.get("tools")),

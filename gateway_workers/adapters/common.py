@@ -20,9 +20,9 @@ from gateway_workers.formats.live_split import DeltaKind, LiveDelta
 from gateway_workers.http.errors import ApiError
 
 
-def bad(message: str, param: str | None = None) -> ApiError:
-    """A 400 for a request the agent must fix."""
-    return ApiError(400, "invalid_request", message, code="invalid_request", param=param)
+def bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    """A 400 for a request the agent must fix (the SDKs never retry a 400)."""
+    return ApiError(400, "invalid_request", message, code=code, param=param)
 
 
 def check_object(body: Any) -> dict[str, Any]:
@@ -63,6 +63,30 @@ def flag(body: Mapping[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise bad(f"'{name}' must be a boolean", name)
     return value
+
+
+class PendingCalls:
+    """The order rule for tool calls that every dialect enforces: each result answers an open call by its id.
+
+    An assistant message's calls open; each result closes one; a dialect decides when the calls left open
+    are an error (Chat Completions and Messages: at the next message that is not a result).
+    """
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open: dict[str, str] = {}  # call id -> tool name, in call order
+
+    def make(self, call_id: str, name: str) -> bool:
+        """Open a call; False if its id is already open (a reused id)."""
+        if call_id in self.open:
+            return False
+        self.open[call_id] = name
+        return True
+
+    def answer(self, call_id: str) -> str | None:
+        """Close the open call with this id and return its tool name, or None if no such call is open."""
+        return self.open.pop(call_id, None)
 
 
 def canonical_tool(name: Any, description: Any, parameters: Any, where: str, param: str = "tools") -> dict[str, Any]:

@@ -16,7 +16,15 @@ from typing import Any
 import orjson
 
 from gateway_workers.adapters.base import no_history
-from gateway_workers.adapters.common import arguments_json, bad, canonical_tools, integer, number, parse_arguments
+from gateway_workers.adapters.common import (
+    PendingCalls,
+    arguments_json,
+    bad,
+    canonical_tools,
+    integer,
+    number,
+    parse_arguments,
+)
 from gateway_workers.http.errors import ApiError
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
@@ -84,12 +92,18 @@ def _text(content: Any, where: str) -> str:
     raise bad(f"{where}: 'content' must be a string or a list of parts", "messages")
 
 
-def _message(raw: Any, index: int, call_names: dict[str, str]) -> dict[str, Any]:
+def _message(raw: Any, index: int, pending: PendingCalls) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise bad(f"messages[{index}] must be an object", "messages")
     role = raw.get("role")
     if role not in _ROLES:
         raise bad(f"messages[{index}]: unknown role {role!r}", "messages")
+    if role != "tool" and pending.open:
+        raise bad(
+            "an assistant message with 'tool_calls' must be followed by tool messages responding to each "
+            f"'tool_call_id'; these did not have response messages: {', '.join(pending.open)}",
+            f"messages.[{index}].role",
+        )
     content = raw.get("content")
     message: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
@@ -106,21 +120,37 @@ def _message(raw: Any, index: int, call_names: dict[str, str]) -> dict[str, Any]
         calls = raw.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
-                raise bad(f"{where}: 'tool_calls' must be a list", "messages")
-            canonical = []
-            for j, call in enumerate(calls):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise bad(f"{where}.tool_calls[{j}] needs function.name", "messages")
-                if isinstance(call.get("id"), str):
-                    call_names[call["id"]] = fn["name"]
-                canonical.append({"name": fn["name"], "arguments": parse_arguments(fn.get("arguments"))})
-            message["tool_calls"] = canonical
+                raise bad(f"{where}: 'tool_calls' must be a list", f"messages.[{index}].tool_calls")
+            message["tool_calls"] = [_call(call, index, j, pending) for j, call in enumerate(calls)]
     elif role == "tool":
-        name = raw.get("name") or call_names.get(raw.get("tool_call_id") or "")
-        if name:
-            message["name"] = name
+        call_id = raw.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad(f"missing required parameter: 'messages[{index}].tool_call_id' (a string)",
+                      f"messages.[{index}].tool_call_id", code="missing_required_parameter")
+        name = pending.answer(call_id)
+        if name is None:
+            raise bad(f"messages[{index}]: a message with role 'tool' must be a response to a preceding message "
+                      f"with 'tool_calls' (no open call has id {call_id!r})", f"messages.[{index}].tool_call_id")
+        given = raw.get("name")
+        message["name"] = given if isinstance(given, str) and given else name
     return message
+
+
+def _call(call: Any, index: int, j: int, pending: PendingCalls) -> dict[str, Any]:
+    """An echoed tool call -> canonical (name + parsed arguments); its id opens a call the tool messages answer."""
+    where, param = f"messages[{index}].tool_calls[{j}]", f"messages.[{index}].tool_calls.[{j}]"
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad(f"{where} needs function.name", f"{param}.function.name")
+    if call.get("type", "function") != "function":
+        raise bad(f"{where}: only function tool calls are supported", f"{param}.type")
+    call_id = call.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(f"missing required parameter: '{where}.id' (a string)", f"{param}.id",
+                  code="missing_required_parameter")
+    if not pending.make(call_id, fn["name"]):
+        raise bad(f"{where}: duplicate tool call id {call_id!r}", f"{param}.id")
+    return {"name": fn["name"], "arguments": parse_arguments(fn.get("arguments"))}
 
 
 def _function_fields(tool: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -161,8 +191,14 @@ def parse_request(body: Any) -> ChatRequest:
     tool_choice = body.get("tool_choice", "auto")
     if tool_choice not in ("auto", None):
         raise bad("only tool_choice='auto' is supported", "tool_choice")
-    call_names: dict[str, str] = {}
-    messages = [_message(m, i, call_names) for i, m in enumerate(raw_messages)]
+    pending = PendingCalls()
+    messages = [_message(m, i, pending) for i, m in enumerate(raw_messages)]
+    if pending.open:
+        raise bad(
+            "an assistant message with 'tool_calls' must be followed by tool messages responding to each "
+            f"'tool_call_id'; these did not have response messages: {', '.join(pending.open)}",
+            f"messages.[{len(raw_messages) - 1}].tool_calls",
+        )
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

@@ -111,7 +111,8 @@ def parse_request(body: Any) -> ResponsesRequest:
             raise bad(f"previous_response_id {previous!r} is not a response of this session", "previous_response_id")
         previous_turn = match.group(1)
     items = body.get("input")
-    messages = canonical_messages(items, {})
+    # With previous_response_id, call outputs may answer that response's calls: checked once it is loaded.
+    messages = canonical_messages(items, None if previous_turn is not None else {})
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     turn = TurnRequest(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway_workers.adapters.common import bad, parse_arguments
+from gateway_workers.adapters.common import PendingCalls, bad, parse_arguments
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -41,8 +41,16 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
     return "".join(t for t in texts if t)
 
 
-def canonical_messages(items: Any, call_names: dict[str, str]) -> list[dict[str, Any]]:
-    """Input items -> canonical messages; `call_names` (call id -> name) is read and extended."""
+def canonical_messages(items: Any, earlier_calls: dict[str, str] | None) -> list[dict[str, Any]]:
+    """Input items -> canonical messages, each call output answering a call by its id.
+
+    `earlier_calls` (call id -> name) are the calls of the response this input continues, which the
+    input must answer too; None while that response is not known yet (the check is then left to the
+    call that knows it: `openai_responses.with_history`).
+    """
+    pending = PendingCalls()
+    for call_id, name in (earlier_calls or {}).items():
+        pending.make(call_id, name)
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -80,10 +88,12 @@ def canonical_messages(items: Any, call_names: dict[str, str]) -> list[dict[str,
             if text:
                 turn["reasoning"] = turn.get("reasoning", "") + text
         elif kind == "function_call":
-            name = item.get("name")
-            if not isinstance(name, str) or not name or not isinstance(item.get("call_id"), str):
-                raise bad(f"{where}: a function_call needs a name and a call_id", "input")
-            call_names[item["call_id"]] = name
+            name, call_id = item.get("name"), item.get("call_id")
+            if not isinstance(name, str) or not name or not isinstance(call_id, str) or not call_id:
+                raise bad(f"{where}: a function_call needs a name and a call_id", "input",
+                          code="missing_required_parameter")
+            if not pending.make(call_id, name):
+                raise bad(f"{where}: duplicate function_call call_id {call_id!r}", "input")
             turn = turn or {"role": "assistant", "content": ""}
             turn.setdefault("tool_calls", []).append(
                 {"name": name, "arguments": parse_arguments(item.get("arguments"))}
@@ -91,11 +101,15 @@ def canonical_messages(items: Any, call_names: dict[str, str]) -> list[dict[str,
         elif kind == "function_call_output":
             flush()
             call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise bad(f"{where}: a function_call_output needs a call_id", "input")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad(f"{where}: a function_call_output needs a call_id", "input",
+                          code="missing_required_parameter")
             message = {"role": "tool", "content": _text(item.get("output", ""), where)}
-            if call_id in call_names:
-                message["name"] = call_names[call_id]
+            name = pending.answer(call_id)
+            if name is not None:
+                message["name"] = name
+            elif earlier_calls is not None:
+                raise bad(f"{where}: no tool call found for function call output with call_id {call_id}", "input")
             out.append(message)
         else:
             raise bad(
@@ -104,4 +118,6 @@ def canonical_messages(items: Any, call_names: dict[str, str]) -> list[dict[str,
                 "input",
             )
     flush()
+    if earlier_calls is not None and pending.open:
+        raise bad(f"no tool output found for function call {', '.join(pending.open)}", "input")
     return out

@@ -167,7 +167,7 @@ def test_anthropic_user_turns_keep_tool_results_and_text_in_order():
                     "content": [
                         {"type": "tool_result", "tool_use_id": "a", "content": "1"},
                         {"type": "tool_result", "tool_use_id": "b"},
-                        {"type": "tool_result", "tool_use_id": "unknown", "content": "3"},
+                        {"type": "text", "text": "and?"},
                     ],
                 },
             ],
@@ -176,7 +176,7 @@ def test_anthropic_user_turns_keep_tool_results_and_text_in_order():
     assert turn.messages[1:] == [
         {"role": "tool", "content": "1", "name": "f"},
         {"role": "tool", "content": "", "name": "g"},
-        {"role": "tool", "content": "3"},
+        {"role": "user", "content": "and?"},
     ]
 
 
