@@ -85,7 +85,8 @@ def in_thread(fn: Callable[[], float]) -> float:
 
 
 def measure(tokenizer: Any, context_tokens: int, reps: int) -> dict[str, Any]:
-    from gateway_workers.rendering.renderer import Renderer, template_messages
+    from gateway_workers.rendering.messages import template_messages
+    from gateway_workers.rendering.renderer import Renderer
 
     messages = episode(context_tokens)
     jinja = Renderer(tokenizer, native_templates=False, cache_bytes=0)

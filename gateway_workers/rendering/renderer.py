@@ -5,24 +5,20 @@ Sits on the seam between the wire adapters (which produce canonical messages, se
 rendered to text, then encoded with ids identical to `apply_chat_template(tokenize=True)`,
 but at a cost proportional to what is new: the text is cut at added-token boundaries
 (which the tokenizer splits on before normalizing and BPE, so no merge crosses them) and
-each piece's ids come from a bounded per-process LRU cache (`SegmentCache`); new pieces are
-encoded by a tiktoken twin of the tokenizer where one exists (`twins.bpe`). Known templates
-render through their plain-Python twin (`twins.native_templates`). Both are `twins.checks.Twin`s,
+each piece's ids come from a bounded per-process LRU cache (`pieces`); new pieces are encoded
+by a tiktoken twin of the tokenizer where one exists (`twins.bpe`). Known templates render
+through their plain-Python twin (`twins.native_templates`). Both are `twins.checks.Twin`s,
 checked against the original (Jinja, the `tokenizers` encode) on a sample of live renders.
-`Renderer.render` is safe to call from any thread; the app runs long renders on the renderer's
-own thread (`Renderer.thread`), which keeps a tiktoken encoding of its own.
-Must not import the app, adapters, engines or the backplane.
+Messages are checked and shaped for the template by `messages`. `Renderer.render` is safe to
+call from any thread; the app runs long renders on the renderer's own thread (`Renderer.thread`),
+which keeps a tiktoken encoding of its own. Must not import the app, adapters, engines or the backplane.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import re
-import sys
-import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +27,8 @@ from typing import Any
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
+from gateway_workers.rendering.messages import RenderError, check_tools, template_messages
+from gateway_workers.rendering.pieces import DEFAULT_CACHE_BYTES, Pieces, SegmentCache, nested, special_splitter
 from gateway_workers.rendering.session_renders import LastRender, SessionRenders, shared_prefix
 from gateway_workers.rendering.twins.bpe import BpeTwin
 from gateway_workers.rendering.twins.bpe import bpe_twin as _bpe_twin
@@ -39,20 +37,8 @@ from gateway_workers.rendering.twins.native_templates import NativeTemplate, nat
 
 logger = logging.getLogger(__name__)
 
-CANONICAL_ROLES = frozenset({"system", "user", "assistant", "tool"})
-# Per worker process. A 24k-token conversation holds ~200 KB (text + ids), so the default keeps
-# ~1,000 such conversations; an agent whose pieces were evicted just pays a full encode once.
-DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
-_ENTRY_OVERHEAD_BYTES = 100  # the OrderedDict slot and links, on top of the str and array objects
-# Texts that exercise every boundary effect we know of (leading space markers, NFC across a cut,
-# CRLF, digits, trailing whitespace): a tokenizer that encodes a piece differently alone fails this.
-_PROBE_TEXTS = ("hello world", " x", "  two\n\n", "e\u0301t\u00e9 12345", "\r\n\tz ", "\u0301a", "", "b c\n")
 # New text a render may tokenize on the event loop's thread (~0.1 µs per char with the tiktoken twin here).
 INLINE_NEW_CHARS = 8192
-
-
-class RenderError(ValueError):
-    """The conversation cannot be rendered with this chat template (bad shape or a template refusal): a 400."""
 
 
 class TemplateConfigError(Exception):
@@ -65,70 +51,6 @@ class RenderedPrompt:
 
     prompt_ids: array  # array('i'), the same packed form the protocol ships
     text: str
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    """A snapshot of a `SegmentCache`: hits and misses count pieces, bytes is the current estimate."""
-
-    hits: int
-    misses: int
-    evictions: int
-    entries: int
-    bytes: int
-
-
-class SegmentCache:
-    """A thread-safe LRU map from a text piece to its token ids, bounded by an estimate of its bytes."""
-
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
-        if max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0")
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, array] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self._hits = self._misses = self._evictions = 0
-
-    @staticmethod
-    def cost(piece: str, ids: array) -> int:
-        # getsizeof is O(1) here and counts 1, 2 or 4 bytes per character, as CPython stores the text.
-        return sys.getsizeof(piece) + sys.getsizeof(ids) + _ENTRY_OVERHEAD_BYTES
-
-    def get_many(self, pieces: Sequence[str]) -> list[array | None]:
-        """The cached ids of each piece (None for a miss), refreshing the hits' recency."""
-        out: list[array | None] = []
-        with self._lock:
-            entries = self._entries
-            for piece in pieces:
-                ids = entries.get(piece)
-                if ids is not None:
-                    entries.move_to_end(piece)
-                out.append(ids)
-            hits = sum(ids is not None for ids in out)
-            self._hits += hits
-            self._misses += len(out) - hits
-        return out
-
-    def put_many(self, items: Sequence[tuple[str, array]]) -> None:
-        with self._lock:
-            for piece, ids in items:
-                cost = self.cost(piece, ids)
-                if cost > self.max_bytes:
-                    continue  # larger than the whole cache: keeping it would evict everything else
-                old = self._entries.pop(piece, None)
-                if old is not None:
-                    self._bytes -= self.cost(piece, old)
-                self._entries[piece] = ids
-                self._bytes += cost
-            while self._bytes > self.max_bytes:
-                piece, ids = self._entries.popitem(last=False)
-                self._bytes -= self.cost(piece, ids)
-                self._evictions += 1
-
-    def stats(self) -> CacheStats:
-        with self._lock:
-            return CacheStats(self._hits, self._misses, self._evictions, len(self._entries), self._bytes)
 
 
 class Renderer:
@@ -159,7 +81,7 @@ class Renderer:
         # wrapper may touch truncation/padding state, which is not thread-safe.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.cache = SegmentCache(cache_bytes)
-        self._splitter, why_not = _special_splitter(self._backend) if cache_bytes else (None, "cache_bytes=0")
+        self._splitter, why_not = special_splitter(self._backend) if cache_bytes else (None, "cache_bytes=0")
         if self._splitter is None:
             logger.info("incremental prompt encoding is off (%s); every render encodes the whole prompt", why_not)
         # The twin encodes pieces without added tokens in them, so it needs the splitter. It is checked
@@ -180,7 +102,7 @@ class Renderer:
         # A session's next render re-cuts only what follows its last render's last shared added token;
         # that is the same cut only if no added token occurs inside another.
         self._sessions: SessionRenders | None = None
-        if self._splitter is not None and not _nested(self._splitter.ids):
+        if self._splitter is not None and not nested(self._splitter.ids):
             self._sessions = SessionRenders()
         native = native_template(tokenizer.chat_template) if native_templates else None
         self.template_twin: Twin[NativeTemplate, str] | None = None
@@ -241,7 +163,7 @@ class Renderer:
     ) -> str:
         """The chat template's text for these messages, ending with the generation prompt."""
         chat = template_messages(messages)
-        tool_list = _check_tools(tools)
+        tool_list = check_tools(tools)
         kwargs = {**self._template_kwargs, **(template_kwargs or {})}
         twin = self.template_twin
         if twin is not None and twin.active:
@@ -309,7 +231,7 @@ class Renderer:
             return array("i", self.encode(text))
         return self._assemble(self._lookup(text))
 
-    def _lookup(self, text: str, session: str | None = None) -> _Pieces:
+    def _lookup(self, text: str, session: str | None = None) -> Pieces:
         """Cut the text at added tokens and look its pieces up. A session's last render lends the ids of the
         text the two share, up to an added token: only what follows is cut and looked up."""
         assert self._splitter is not None
@@ -320,9 +242,9 @@ class Renderer:
         texts = parts[0::2]
         cached = self.cache.get_many(texts)
         missing = [i for i, ids in enumerate(cached) if ids is None]
-        return _Pieces(text, at, head, last if head is not None else None, parts, texts, cached, missing)
+        return Pieces(text, at, head, last if head is not None else None, parts, texts, cached, missing)
 
-    def _assemble(self, pieces: _Pieces, session: str | None = None) -> array:
+    def _assemble(self, pieces: Pieces, session: str | None = None) -> array:
         """Encode the missing pieces (caching them), then join every piece's ids with the added tokens' ids."""
         assert self._splitter is not None
         cached, missing, texts = pieces.cached, pieces.missing, pieces.texts
@@ -389,156 +311,3 @@ def _encode_difference(twin: Twin[BpeTwin, list[array]], ids: list[array], expec
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Pieces:
-    """Rendered text cut at added tokens, with each piece's cached ids (None where missing)."""
-
-    text: str
-    at: int  # parts cut text[at:]; what comes before, the session's last render lends
-    head: array | None  # the ids of text[:at]
-    lender: LastRender | None  # the session's last render, if it lent `head`
-    parts: list[str]  # [piece, added token, piece, ..., piece]
-    texts: list[str]  # the pieces: parts[0::2]
-    cached: list[array | None]
-    missing: list[int]  # indices into texts
-
-
-@dataclass(frozen=True, slots=True)
-class _Splitter:
-    """Where the tokenizer itself cuts text before BPE: its added tokens (leftmost-longest), and their ids."""
-
-    pattern: re.Pattern[str]  # one capturing group, so pattern.split keeps the tokens
-    ids: dict[str, int]
-
-
-def _nested(tokens: Mapping[str, int]) -> bool:
-    """Whether some added token occurs inside another (then a cut cannot be resumed after a token)."""
-    return any(a != b and a in b for a in tokens for b in tokens)
-
-
-def _special_splitter(backend: Any) -> tuple[_Splitter | None, str]:
-    """A splitter whose pieces encode independently to exactly the full encode's ids, or (None, why not).
-
-    The `tokenizers` pipeline first splits raw text on its non-normalized added tokens (Aho-Corasick,
-    leftmost-longest), then normalizes, pre-tokenizes and BPE-encodes each piece on its own. A regex
-    alternation of the same tokens, longest first, finds the same cuts. Tokens that strip neighbouring
-    whitespace or match only whole words move the cuts, and some pre-tokenizers look at a piece's
-    offset in the whole text: those tokenizers are refused, and a probe encode checks the rest.
-    """
-    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
-        return None, "no fast (Rust) tokenizer"
-    if getattr(backend, "encode_special_tokens", False):
-        return None, "the tokenizer encodes special tokens as text"
-    if backend.padding is not None or backend.truncation is not None:
-        return None, "the tokenizer pads or truncates"
-    ids: dict[str, int] = {}
-    for token_id, token in backend.get_added_tokens_decoder().items():
-        if token.normalized:
-            continue  # matched inside normalized pieces, which are encoded whole anyway
-        if token.lstrip or token.rstrip or token.single_word:
-            return None, f"added token {token.content!r} strips whitespace or matches whole words only"
-        if not token.content:
-            return None, "an added token is empty"
-        ids[token.content] = token_id
-    if not ids:
-        return None, "the tokenizer has no added tokens to cut at"
-    # Metaspace(prepend_scheme="first") marks only the piece at offset 0: cut pieces would all get it.
-    # (__getstate__ is the component's own JSON; the whole tokenizer's to_str() takes seconds.)
-    pre_tokenizer = backend.pre_tokenizer
-    if pre_tokenizer is not None and b'"prepend_scheme":"first"' in pre_tokenizer.__getstate__():
-        return None, "the pre-tokenizer treats the text's first piece specially"
-    alternation = "|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))
-    splitter = _Splitter(re.compile(f"({alternation})"), ids)
-    for probe in _probes(list(ids)):
-        whole = backend.encode(probe, add_special_tokens=False).ids
-        parts = splitter.pattern.split(probe)
-        pieces = backend.encode_batch_fast(parts[0::2], add_special_tokens=False)
-        cut = list(pieces[0].ids)
-        for k in range(1, len(parts), 2):
-            cut += [ids[parts[k]], *pieces[(k + 1) // 2].ids]
-        if cut != whole:
-            return None, f"a probe encodes differently when cut at added tokens: {probe[:80]!r}"
-    return splitter, ""
-
-
-def _probes(tokens: list[str]) -> list[str]:
-    """Probe texts: every added token between every pair of boundary-sensitive texts."""
-    out = []
-    for i, token in enumerate(tokens):
-        left = _PROBE_TEXTS[i % len(_PROBE_TEXTS)]
-        out.append("".join(f"{a}{token}{b}" for a in _PROBE_TEXTS for b in (left, "")))
-    out.append("".join(tokens) + " " + "".join(reversed(tokens)))
-    return out
-
-
-def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Canonical messages -> the dicts HF chat templates read (reasoning_content, function-wrapped calls)."""
-    # `type(...) is` first: an isinstance check against an ABC is a Python-level call (~0.4 us a message).
-    if not messages or (
-        type(messages) is not list and (not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)))
-    ):
-        raise RenderError("messages must be a non-empty list")
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        if type(message) is not dict and not isinstance(message, Mapping):
-            raise RenderError(f"messages[{i}] must be an object")
-        role = message.get("role")
-        if role not in CANONICAL_ROLES:
-            raise RenderError(f"messages[{i}].role must be one of {sorted(CANONICAL_ROLES)}, got {role!r}")
-        content = message.get("content", "")
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise RenderError(f"messages[{i}].content must be a string")
-        item: dict[str, Any] = {"role": role, "content": content}
-        reasoning = message.get("reasoning")
-        if reasoning is not None:
-            if not isinstance(reasoning, str):
-                raise RenderError(f"messages[{i}].reasoning must be a string")
-            item["reasoning_content"] = reasoning
-        calls = message.get("tool_calls")
-        if calls:
-            item["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(_as_list(i, calls))]
-        name = message.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise RenderError(f"messages[{i}].name must be a string")
-            item["name"] = name
-        out.append(item)
-    return out
-
-
-def _as_list(i: int, calls: object) -> list[Any]:
-    if not isinstance(calls, list):
-        raise RenderError(f"messages[{i}].tool_calls must be a list")
-    return calls
-
-
-def _template_call(i: int, j: int, call: object) -> dict[str, Any]:
-    if not isinstance(call, Mapping):
-        raise RenderError(f"messages[{i}].tool_calls[{j}] must be an object")
-    name, arguments = call.get("name"), call.get("arguments", {})
-    if not isinstance(name, str) or not name:
-        raise RenderError(f"messages[{i}].tool_calls[{j}].name must be a non-empty string")
-    # Arguments are an object canonically; a string is passed through verbatim (templates print it as is).
-    if not isinstance(arguments, (Mapping, str)):
-        raise RenderError(f"messages[{i}].tool_calls[{j}].arguments must be an object")
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
-        raise RenderError("tools must be a list")
-    out = []
-    for k, tool in enumerate(tools):
-        if not isinstance(tool, Mapping):
-            raise RenderError(f"tools[{k}] must be an object")
-        fn = tool.get("function")
-        if tool.get("type", "function") != "function" or not isinstance(fn, Mapping):
-            raise RenderError(f"tools[{k}] must be a function tool: {{'type': 'function', 'function': {{...}}}}")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise RenderError(f"tools[{k}].function.name must be a non-empty string")
-        out.append(dict(tool))
-    return out

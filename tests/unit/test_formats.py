@@ -36,7 +36,7 @@ from gateway_workers.formats import (
     template_from_dir,
     template_sha256,
 )
-from gateway_workers.rendering.renderer import template_messages
+from gateway_workers.rendering.messages import template_messages
 
 QUESTION = [
     {"role": "system", "content": "You are a careful assistant."},

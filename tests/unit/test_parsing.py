@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from packaging.version import Version
 
 from gateway_workers.formats import FormatParser, ParsedResponse, ParserUnavailable, detect_parser, parsing_engine
-from gateway_workers.rendering.renderer import Renderer, template_messages
+from gateway_workers.rendering.messages import template_messages
+from gateway_workers.rendering.renderer import Renderer
 
 QUESTION = [
     {"role": "system", "content": "You are a careful assistant."},

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from assets import TOOLS, TRL_QWEN3_SHA256, sha256_file
 
-from gateway_workers.rendering.renderer import Renderer, RenderError, TemplateConfigError, template_messages
+from gateway_workers.rendering.messages import template_messages
+from gateway_workers.rendering.renderer import Renderer, RenderError, TemplateConfigError
 from gateway_workers.rendering.tokenizer import TokenizerLoadError, load_tokenizer, prepare_tokenizer_dir
 
 QWEN3_SPECIALS = {

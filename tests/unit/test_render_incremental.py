@@ -20,13 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
-from gateway_workers.rendering.renderer import (
-    INLINE_NEW_CHARS,
-    Renderer,
-    SegmentCache,
-    _special_splitter,
-    template_messages,
-)
+from gateway_workers.rendering.messages import template_messages
+from gateway_workers.rendering.pieces import SegmentCache, special_splitter
+from gateway_workers.rendering.renderer import INLINE_NEW_CHARS, Renderer
 from gateway_workers.rendering.session_renders import LastRender, shared_prefix
 from gateway_workers.rendering.twins.checks import VERIFY_FIRST
 
@@ -240,7 +236,7 @@ def _word_level(pre_tokenizer=None, normalizer=None) -> Tokenizer:
 def test_splitter_accepts_a_plain_tokenizer_with_added_tokens():
     tok = _word_level()
     tok.add_special_tokens([AddedToken("<s>", normalized=False)])
-    splitter, why = _special_splitter(tok)
+    splitter, why = special_splitter(tok)
     assert splitter is not None and why == "" and splitter.ids == {"<s>": 6}
 
 
@@ -248,7 +244,7 @@ def test_splitter_accepts_a_plain_tokenizer_with_added_tokens():
 def test_splitter_refuses_tokens_that_move_the_cut(flag):
     tok = _word_level()
     tok.add_special_tokens([AddedToken("<s>", normalized=False, **{flag: True})])
-    splitter, why = _special_splitter(tok)
+    splitter, why = special_splitter(tok)
     assert splitter is None and "strips whitespace" in why
 
 
@@ -256,17 +252,17 @@ def test_splitter_refuses_position_dependent_pre_tokenizers():
     tok = _word_level(pre_tokenizers.Metaspace(prepend_scheme="first"))
     tok.add_special_tokens([AddedToken("<s>", normalized=False)])
     assert tok.encode("a<s>a").ids != tok.encode("a").ids + [6] + tok.encode("a").ids  # the hazard is real
-    splitter, why = _special_splitter(tok)
+    splitter, why = special_splitter(tok)
     assert splitter is None and "first piece" in why
 
 
 def test_splitter_refuses_tokenizers_with_nothing_to_cut_at_or_special_tokens_as_text():
-    assert _special_splitter(_word_level())[0] is None
+    assert special_splitter(_word_level())[0] is None
     tok = _word_level(normalizer=normalizers.NFC())
     tok.add_special_tokens([AddedToken("<s>", normalized=False)])
     tok.encode_special_tokens = True
-    assert "as text" in _special_splitter(tok)[1]
-    assert _special_splitter(None)[0] is None
+    assert "as text" in special_splitter(tok)[1]
+    assert special_splitter(None)[0] is None
 
 
 def test_incremental_off_is_logged(builtin_tokenizer, caplog):

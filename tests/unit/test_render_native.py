@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_render_incremental import content, conversation
 
-from gateway_workers.rendering.renderer import Renderer, template_messages
+from gateway_workers.rendering.messages import template_messages
+from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import builtin_template_text
 from gateway_workers.rendering.twins import native_templates as nt
 from gateway_workers.rendering.twins.checks import VERIFY_FIRST

@@ -6,7 +6,7 @@ registered for, matched by the sha256 of the exact template text (any other temp
 extra template variable, falls back to Jinja). Each function is a line-by-line transcription of
 its template and is property-tested against it (tests/unit/test_render_native.py); `Renderer`
 also re-renders a sample of live requests with Jinja and switches the twin off on a mismatch.
-Inputs are `render.template_messages` output and checked tools. Imports only the stdlib and
+Inputs are `messages.template_messages` output and checked tools. Imports only the stdlib and
 `json_texts` (the `tojson` texts of values a conversation prints on every turn).
 """
 
