@@ -38,6 +38,7 @@ from gateway_workers.formats import PLAIN_TEXT, ResponseParser, detect_parser
 from gateway_workers.http.connection import AgentConnection, session_key
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session
+from gateway_workers.http.limits import RequestLimits, check_content_length, check_headers, too_large
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
 from gateway_workers.turns.live import start_live_turn
@@ -121,7 +122,10 @@ def _error(adapter: Adapter[Any], error: ApiError, counters: Counter[str]) -> Re
     counters[f"http_{error.status}"] += 1
     if error.status >= 500:
         logger.error("turn failed with %d: %s", error.status, error.message)
-    return Response(orjson.dumps(adapter.error_body(error)), status_code=error.status, media_type="application/json")
+    # After a 413/431 the rest of the request is unread: closing the connection keeps uvicorn from buffering it.
+    headers = {"connection": "close"} if error.status in (413, 431) else None
+    return Response(orjson.dumps(adapter.error_body(error)), status_code=error.status, media_type="application/json",
+                    headers=headers)
 
 
 def _json(raw: bytes) -> Any:
@@ -131,13 +135,19 @@ def _json(raw: bytes) -> Any:
         raise ApiError(400, "invalid_request", f"the body is not valid JSON: {e}") from None
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
+async def _read_body(headers: Headers, receive: Receive, limits: RequestLimits) -> bytes:
+    """The request body, refused (413) by its declared length before reading, or as soon as it outgrows the limit."""
+    check_content_length(headers.get("content-length"), limits)
+    chunks, size, most = [], 0, limits.max_body_bytes
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ApiError(499, "invalid_request", "client disconnected")
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > most:
+            raise too_large(f"the request body is over {most} bytes (the limit); the rest was not read")
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -173,9 +183,12 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapte
     counters = state["counters"]
     pipeline = state["pipeline"]
     counters["requests"] += 1
+    limits = state["config"].limits
     try:
-        sid = _key(Headers(scope=scope))
-        parsed = adapter.parse_request(_json(await _read_body(receive)))
+        check_headers(scope["headers"], limits)
+        request_headers = Headers(scope=scope)
+        sid = _key(request_headers)
+        parsed = adapter.parse_request(_json(await _read_body(request_headers, receive, limits)), limits)
         parsed = await adapter.load_history(parsed, sid, pipeline)
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
@@ -238,9 +251,12 @@ class GatewayApp:
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token counting: the prompt rendered exactly as a turn would be; records nothing."""
     state = request.state
+    limits = state.config.limits
     try:
+        check_headers(request.scope["headers"], limits)
         sid = _key(request.headers)
-        parsed = anthropic_messages.parse_request(_json(await request.body()), counting=True)
+        body = await _read_body(request.headers, request.receive, limits)
+        parsed = anthropic_messages.parse_request(_json(body), limits, counting=True)
         await state.pipeline.check_session(sid)
         count = await state.pipeline.count_tokens(parsed.turn)
     except ApiError as e:

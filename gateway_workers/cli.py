@@ -29,6 +29,7 @@ from gateway_workers.capture import commit_bases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines.base import EngineConfig
 from gateway_workers.engines.http.client import tls_context
+from gateway_workers.http.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +75,53 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "the trainer's episodes() stream. Off: that route answers 404")
 
 
+# RequestLimits field -> what its flag bounds; each flag's default comes from ROLLOUT_GATEWAY_<FIELD> when set.
+_LIMIT_FLAGS = {
+    "max_body_bytes": "request body bytes (413 above; checked before reading)",
+    "max_header_bytes": "request header bytes, names and values together (431 above)",
+    "max_messages": "messages (or input items) in one request",
+    "max_tools": "tools declared in one request",
+    "max_content_parts": "content parts in one message",
+    "max_string_chars": "characters in one string (a message's text, a tool result, an argument)",
+    "max_json_depth": "nesting depth of tool schemas and tool-call arguments",
+}
+LIMITS_ENV_PREFIX = "ROLLOUT_GATEWAY_"
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("request limits (a 4xx that names the limit)")
+    defaults = RequestLimits()
+    for name, what in _LIMIT_FLAGS.items():
+        env = LIMITS_ENV_PREFIX + name.upper()
+        raw = os.environ.get(env)
+        try:
+            default = int(raw) if raw is not None else getattr(defaults, name)
+        except ValueError:
+            raise SystemExit(f"rollout-gateway: {env}={raw!r} is not an integer") from None
+        group.add_argument("--" + name.replace("_", "-"), type=int, default=default, metavar="N",
+                           help=f"{what} (default {default}; env {env})")
+
+
+def _limits(args: argparse.Namespace) -> RequestLimits:
+    try:
+        return RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
+    except ValueError as e:
+        raise SystemExit(f"rollout-gateway: {e}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-gateway", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="broker + N workers in one command")
     _add_worker_flags(serve)
+    _add_limit_flags(serve)
     serve.add_argument("--control", default=protocol.DEFAULT_CONTROL_ENDPOINT,
                        help="ZeroMQ endpoint trainer clients connect to")
     serve.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0",
                        help="ZeroMQ endpoint between broker and workers (default: a free local port)")
     workers = sub.add_parser("workers", help="N workers against a broker running elsewhere")
     _add_worker_flags(workers)
+    _add_limit_flags(workers)
     workers.add_argument("--broker", default=protocol.DEFAULT_WORKER_ENDPOINT, help="the broker's worker endpoint")
     sub.add_parser("broker", help="the broker alone (flags: see `rollout-gateway broker --help`)", add_help=False)
     return parser
@@ -113,6 +150,7 @@ def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir
         allow_agent_finish=args.allow_agent_finish,
         commit_base_sessions=args.commit_base_sessions,
         commit_base_mib=args.commit_base_mib,
+        limits=_limits(args),
     )
 
 

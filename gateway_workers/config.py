@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from broker import protocol
 from gateway_workers.capture import commit_bases
 from gateway_workers.engines.base import EngineConfig
+from gateway_workers.http.limits import RequestLimits
 
 CONFIG_ENV = "ROLLOUT_GATEWAY_WORKER_CONFIG"
 
@@ -39,6 +40,7 @@ class WorkerConfig:
             that declare tools get a 400) instead of refusing to start.
         allow_agent_finish: serve `POST /rollout/v1/sessions/finish` (agents finish their own session
             with a reward); off, it answers 404.
+        limits: bounds on one agent request (`http.limits`).
     """
 
     broker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -54,6 +56,7 @@ class WorkerConfig:
     response_format: str | None = None
     allow_plain_text: bool = False
     allow_agent_finish: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}
@@ -68,6 +71,7 @@ class WorkerConfig:
             engine = values.get("engine", {})
             engine["urls"] = tuple(engine.get("urls", ()))
             values["engine"] = EngineConfig(**engine)
+            values["limits"] = RequestLimits(**values.get("limits", {}))
             return cls(**values)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{CONFIG_ENV} is not a valid worker config: {e}") from e

@@ -26,6 +26,7 @@ from gateway_workers.adapters.common import (
     canonical_tools,
     check_known,
     check_object,
+    check_parts,
     flag,
     integer,
     number,
@@ -33,6 +34,7 @@ from gateway_workers.adapters.common import (
     sse,
 )
 from gateway_workers.http.errors import ApiError
+from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
@@ -60,6 +62,8 @@ _ERROR_TYPES = {
     "not_found": "not_found_error",
     "rate_limit": "rate_limit_error",
     "unavailable": "overloaded_error",
+    "too_large": "request_too_large",
+    "headers_too_large": "request_too_large",
 }
 
 
@@ -166,10 +170,15 @@ def _user(content: Any, where: str, pending: PendingCalls) -> list[dict[str, Any
     return out
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list", "messages")
+    check_count(len(raw), limits.max_messages, "messages", "messages")
+    check_parts(raw, limits, "content", "messages")
+    system = body.get("system")
+    if type(system) is list:
+        check_count(len(system), limits.max_content_parts, "content parts in one message", "system")
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
@@ -232,7 +241,7 @@ def _check_thinking(thinking: Any, max_tokens: int | None) -> None:
 load_history = no_history  # a request carries its whole conversation
 
 
-def parse_request(body: Any, *, counting: bool = False) -> MessagesRequest:
+def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, *, counting: bool = False) -> MessagesRequest:
     """Validate a Messages body (`counting`: a count_tokens body, without max_tokens)."""
     body = check_object(body)
     check_known(body, _HANDLED, _IGNORED)
@@ -246,9 +255,11 @@ def parse_request(body: Any, *, counting: bool = False) -> MessagesRequest:
     if max_tokens is None and not counting:
         raise bad("'max_tokens' is required", "max_tokens", code="missing_required_parameter")
     _check_thinking(body.get("thinking"), max_tokens)
+    messages, tools = _messages(body, limits), _tools(body.get("tools"))
+    check_turn(messages, tools, limits)
     turn = TurnRequest(
-        messages=_messages(body),
-        tools=_tools(body.get("tools")),
+        messages=messages,
+        tools=tools,
         max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, 1.0),
         top_p=number(body, "top_p", 0.0, 1.0),

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol, TypeVar
 
 from gateway_workers.http.errors import ApiError
+from gateway_workers.http.limits import RequestLimits
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnRequest
 
@@ -33,8 +34,8 @@ RequestT = TypeVar("RequestT", bound=ParsedRequest)
 class Adapter(Protocol[RequestT]):
     """One wire dialect, as `app.serve_turn` drives it."""
 
-    def parse_request(self, body: Any, /) -> RequestT:
-        """The validated request, or an ApiError (400) naming the field."""
+    def parse_request(self, body: Any, limits: RequestLimits = ..., /) -> RequestT:
+        """The validated request within `limits`, or an ApiError (400) naming the field."""
         ...
 
     async def load_history(self, request: RequestT, session_id: str, pipeline: TurnPipeline, /) -> RequestT:

@@ -18,6 +18,7 @@ import orjson
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import DeltaKind, LiveDelta
 from gateway_workers.http.errors import ApiError
+from gateway_workers.http.limits import RequestLimits, check_count
 
 
 def bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
@@ -29,6 +30,15 @@ def check_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
+
+
+def check_parts(items: list[Any], limits: RequestLimits, key: str, param: str) -> None:
+    """Each item's `key` list (a message's content parts) within `max_content_parts`, before it is walked."""
+    most = limits.max_content_parts
+    for item in items:
+        parts = item.get(key) if type(item) is dict else None
+        if type(parts) is list and len(parts) > most:
+            check_count(len(parts), most, "content parts in one message", param)
 
 
 def check_known(body: Mapping[str, Any], handled: set[str], ignored: set[str]) -> None:

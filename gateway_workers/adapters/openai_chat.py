@@ -21,11 +21,13 @@ from gateway_workers.adapters.common import (
     arguments_json,
     bad,
     canonical_tools,
+    check_parts,
     integer,
     number,
     parse_arguments,
 )
 from gateway_workers.http.errors import ApiError
+from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
@@ -59,6 +61,8 @@ _ERROR_TYPES = {
     "timeout": "api_error",
     "unavailable": "api_error",
     "internal": "api_error",
+    "too_large": "invalid_request_error",
+    "headers_too_large": "invalid_request_error",
 }
 
 
@@ -177,7 +181,7 @@ class ChatRequest:
 load_history = no_history  # a request carries its whole conversation
 
 
-def parse_request(body: Any) -> ChatRequest:
+def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     unknown = sorted(set(body) - _HANDLED - _IGNORED)
@@ -186,6 +190,8 @@ def parse_request(body: Any) -> ChatRequest:
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise bad("'messages' must be a non-empty list", "messages")
+    check_count(len(raw_messages), limits.max_messages, "messages", "messages")
+    check_parts(raw_messages, limits, "content", "messages")
     if body.get("n", 1) != 1:
         raise bad("only n=1 is supported", "n")
     tool_choice = body.get("tool_choice", "auto")
@@ -214,9 +220,11 @@ def parse_request(body: Any) -> ChatRequest:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad("'seed' must be an integer", "seed")
     max_tokens = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
+    tools = _tools(body.get("tools"))
+    check_turn(messages, tools, limits)
     turn = TurnRequest(
         messages=messages,
-        tools=_tools(body.get("tools")),
+        tools=tools,
         max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, 2.0),
         top_p=number(body, "top_p", 0.0, 1.0),

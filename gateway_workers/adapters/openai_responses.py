@@ -28,6 +28,7 @@ from gateway_workers.adapters.common import (
     canonical_tools,
     check_known,
     check_object,
+    check_parts,
     flag,
     integer,
     number,
@@ -38,6 +39,7 @@ from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the
 from gateway_workers.adapters.responses_items import canonical_messages
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.http.errors import ApiError
+from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnRequest, tool_call_id
 
@@ -88,7 +90,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
     return canonical_tools(raw, "function", lambda t: (t.get("name"), t.get("description"), t.get("parameters")))
 
 
-def parse_request(body: Any) -> ResponsesRequest:
+def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ResponsesRequest:
     body = check_object(body)
     check_known(body, _HANDLED, _IGNORED)
     if flag(body, "background"):
@@ -111,13 +113,18 @@ def parse_request(body: Any) -> ResponsesRequest:
             raise bad(f"previous_response_id {previous!r} is not a response of this session", "previous_response_id")
         previous_turn = match.group(1)
     items = body.get("input")
+    if type(items) is list:
+        check_count(len(items), limits.max_messages, "input items", "input")
+        check_parts(items, limits, "content", "input")
     # With previous_response_id, call outputs may answer that response's calls: checked once it is loaded.
     messages = canonical_messages(items, None if previous_turn is not None else {})
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
+    tools = _tools(body.get("tools"))
+    check_turn(messages, tools, limits)
     turn = TurnRequest(
         messages=messages,
-        tools=_tools(body.get("tools")),
+        tools=tools,
         max_tokens=integer(body, "max_output_tokens", 1),
         temperature=number(body, "temperature", 0.0, 2.0),
         top_p=number(body, "top_p", 0.0, 1.0),

@@ -105,9 +105,9 @@ def canonical_messages(items: Any, earlier_calls: dict[str, str] | None) -> list
                 raise bad(f"{where}: a function_call_output needs a call_id", "input",
                           code="missing_required_parameter")
             message = {"role": "tool", "content": _text(item.get("output", ""), where)}
-            name = pending.answer(call_id)
-            if name is not None:
-                message["name"] = name
+            answered = pending.answer(call_id)
+            if answered is not None:
+                message["name"] = answered
             elif earlier_calls is not None:
                 raise bad(f"{where}: no tool call found for function call output with call_id {call_id}", "input")
             out.append(message)
