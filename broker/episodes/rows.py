@@ -9,8 +9,8 @@ lazily, `tokenizers` (the Rust library: never transformers) and `numpy`.
 Decoding a row is most of a finish (a 24k-token row: ~46 ms in `tokenizers` here): a byte-level
 BPE's text is the UTF-8 decode of its tokens' bytes, so such tokenizers decode by gathering their
 tokens' bytes from one table (`_ByteTable`, ~10x fewer instructions than `tokenizers`), and fall
-back to the tokenizer for anything that is not valid UTF-8. The table is `broker.token_ids`' (the
-one the workers decode replies with), validated against the tokenizer when it is loaded.
+back to the tokenizer for anything that is not valid UTF-8. The table comes from `broker.token_ids`
+(the one the workers decode replies with), validated against the tokenizer when it is loaded.
 """
 
 from __future__ import annotations
