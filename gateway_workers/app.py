@@ -41,6 +41,7 @@ from gateway_workers.http.finish_route import FINISH_PATH, finish_session
 from gateway_workers.http.limits import RequestLimits, check_content_length, check_headers, too_large
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
+from gateway_workers.rendering.twins.checks import twin_stats
 from gateway_workers.turns.live import start_live_turn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline
 
@@ -284,6 +285,12 @@ async def metrics(request: Request) -> Response:
     lines = [f'rollout_gateway_{name}_total{{pid="{pid}"}} {value}' for name, value in sorted(counters.items())]
     # 1 while new prompt text is encoded by the tiktoken twin (0: never had one, or it diverged and was dropped)
     lines.append(f'rollout_gateway_render_bpe_twin{{pid="{pid}"}} {int(pipeline.renderer.bpe_twin)}')
+    for twin in twin_stats():  # every fast twin: how often it ran, was checked, differed, and whether it is on
+        labels = f'pid="{pid}",twin="{twin.kind}",name="{twin.name}"'
+        lines += [f"rollout_gateway_twin_uses_total{{{labels}}} {twin.uses}",
+                  f"rollout_gateway_twin_checks_total{{{labels}}} {twin.checks}",
+                  f"rollout_gateway_twin_mismatches_total{{{labels}}} {twin.mismatches}",
+                  f"rollout_gateway_twin_active{{{labels}}} {int(twin.active)}"]
     return PlainTextResponse("\n".join(lines) + "\n")
 
 

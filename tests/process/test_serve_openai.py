@@ -209,6 +209,12 @@ def test_mock_engine_default_serve_and_clean_shutdown(qwen3_tokenizer_dir: str) 
         assert wait_until(lambda: delta_sent.search(httpx.get(f"{root}/metrics").text), timeout=10)
         text = httpx.get(f"{root}/metrics").text
         assert re.search(r"rollout_gateway_render_bpe_twin\{[^}]*\} 1", text)  # the built-in Qwen BPE has a twin
+        # every fast twin reports itself; the BPE encode twin has run and been checked, and agreed
+        for kind in ("template", "bpe_encode", "token_decode"):
+            assert re.search(rf'rollout_gateway_twin_active\{{[^}}]*twin="{kind}"[^}}]*\}} 1', text), kind
+        uses = re.search(r'rollout_gateway_twin_checks_total\{[^}]*twin="bpe_encode"[^}]*\} (\d+)', text)
+        assert uses is not None and int(uses.group(1)) >= 1
+        assert not re.search(r'rollout_gateway_twin_mismatches_total\{[^}]*\} [1-9]', text)
         records = gw.client.finish_session(sid)
         assert sum(sum(r.loss_mask) for r in records) == (
             reply.usage.completion_tokens + second.usage.completion_tokens
