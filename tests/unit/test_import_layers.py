@@ -11,6 +11,11 @@
 - `broker.token_ids` (byte tables, matching prefixes) is the other broker module workers may import:
   stdlib only (no zmq, numpy or msgpack) and nothing else of `broker`; workers load nothing of the
   broker's server, sessions or episodes.
+- Per gateway sub-package, along a turn's path: the HTTP edge's connection, errors and limits load
+  nothing of the gateway; `rendering` nothing of the turn, the formats, engines or capture;
+  `formats` nothing of adapters, turns, engines or capture; `engines` and `capture` nothing of the
+  rest of the turn (and capture no transformers); `turns` nothing of the adapters; no sub-package
+  loads the app, and rendering, formats and engines load no zmq.
 """
 
 from __future__ import annotations
@@ -69,6 +74,30 @@ SUBPACKAGES = {
         forbid=("zmq", "asyncio", "numpy", "msgpack", "tokenizers"), broker_only=("broker.token_ids",)
     ),
 }
+_GW = "gateway_workers."
+_TURN_PATH = tuple(_GW + p for p in ("adapters", "turns", "rendering", "formats", "engines", "capture"))
+_NOT_BROKER_STATE = ("broker.server", "broker.sessions", "broker.episodes")
+
+
+def _gateway_layer(*forbid: str, also: tuple[str, ...] = ()) -> Layer:
+    return Layer(forbid=(*(_GW + f for f in forbid), _GW + "app", *_NOT_BROKER_STATE, "trainer_client", *also))
+
+
+SUBPACKAGES.update({
+    "gateway_workers.http.connection": Layer(forbid=(*_TURN_PATH, _GW + "app", "starlette", "zmq")),
+    "gateway_workers.http.errors": Layer(forbid=(*_TURN_PATH, _GW + "app", "starlette", "zmq")),
+    "gateway_workers.http.limits": Layer(forbid=(*_TURN_PATH, _GW + "app", "starlette", "zmq")),
+    "gateway_workers.rendering": _gateway_layer("adapters", "turns", "formats", "engines", "capture", "http",
+                                                also=("zmq", "starlette", "broker.protocol")),
+    "gateway_workers.formats": _gateway_layer("adapters", "turns", "engines", "capture", "http",
+                                              also=("zmq", "starlette")),
+    "gateway_workers.engines": _gateway_layer("adapters", "turns", "rendering", "formats", "capture", "http",
+                                              also=("zmq", "starlette")),
+    "gateway_workers.capture": _gateway_layer("adapters", "turns", "rendering", "formats", "engines", "http",
+                                              also=("transformers", "starlette")),
+    "gateway_workers.turns": _gateway_layer("adapters", also=("starlette",)),
+    "gateway_workers.adapters": _gateway_layer(also=("starlette",)),
+})
 
 
 def modules_of(package: str) -> list[str]:
@@ -127,7 +156,7 @@ def test_import_layers(module):
 
 
 @pytest.mark.parametrize("package", list(SUBPACKAGES))
-def test_broker_sub_package_layers(package):
+def test_sub_package_layers(package):
     layer = SUBPACKAGES[package]
     modules = modules_of(package)
     assert modules, f"no modules found for {package}"
@@ -145,3 +174,5 @@ def test_the_watch_is_real():
     assert {"broker.sessions.compaction", "broker.sessions.logs.ranges"} <= set(modules_of("broker.sessions"))
     assert "broker.codec.fast" in all_loaded_after_import(["broker.protocol"])
     assert any(under(m, ("broker.sessions",)) for m in all_loaded_after_import(modules_of("broker.episodes")))
+    assert any(under(m, (_GW + "engines",)) for m in all_loaded_after_import(modules_of(_GW + "turns")))
+    assert "zmq" in all_loaded_after_import(modules_of(_GW + "capture"))
