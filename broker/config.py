@@ -52,11 +52,10 @@ COMPACT_MIN_SESSION_BYTES = 64 * 1024
 # Heap trimming (see `heap_trim`): glibc keeps the pages that compaction and finished sessions free,
 # so once the broker has freed TRIM_MIN_BYTES since its last trim, malloc_trim(0) gives them back in
 # the loop's idle time, at most once per TRIM_INTERVAL_S (and at most 0.5% of the time: the next trim
-# waits 200x the last pause, `heap_trim.PAUSE_SPACING`). Measured (scripts/bench_heap_trim.py, 2 shared
-# cores): the pause is ~7 ms at 1 GiB of sessions and ~22 ms at 4 GiB (~3 / ~9 ms with nothing freed),
-# so memory goes back within a second or two of compaction (~5 s at 4 GiB); a quarter MiB is ~0.4 B
-# per token of the memory benchmark's 20 sessions (a small broker's last wave is worth it too); and a
-# busy broker never trims more than once a second.
+# waits 200x the last pause, `heap_trim.PAUSE_SPACING`). A trim's pause grows with the heap
+# (scripts/bench_heap_trim.py; figures in docs/performance.md), so memory goes back within seconds of
+# compaction; a quarter MiB is a small fraction of a byte per token of the memory benchmark's sessions
+# (a small broker's last wave is worth it too); and a busy broker never trims more than once a second.
 TRIM_MIN_BYTES = 256 * 1024
 TRIM_INTERVAL_S = 1.0
 

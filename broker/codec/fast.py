@@ -128,8 +128,8 @@ def build_decoder(
     lines += body
     lines.append("    except TypeError:")
     lines.append("        return _fallback(_cls, items[2:])")
-    # Filled as a `_fill` (plain attribute stores, which the interpreter specializes to a slot write:
-    # ~20 instructions each, where a slot descriptor's __set__ call was ~500), then made a `cls`.
+    # Filled as a `_fill` (plain attribute stores, which the interpreter specializes to a slot write, far
+    # cheaper than a slot descriptor's __set__ call: docs/performance.md), then made a `cls`.
     lines.append("    o = _new(_fill)")
     lines += [f"    o.{f.name} = {var}" for f, var in zip(fields, names, strict=True)]
     lines.append("    o.__class__ = _cls")

@@ -6,9 +6,9 @@ the configured `tokenizers` tokenizer, loaded at first use; empty without one), 
 rollout id, status and merged metadata. No sockets; imports the stdlib, `broker.*` and,
 lazily, `tokenizers` (the Rust library: never transformers) and `numpy`.
 
-Decoding a row is most of a finish (a 24k-token row: ~46 ms in `tokenizers` here): a byte-level
+Decoding a row is most of a finish (docs/performance.md): a byte-level
 BPE's text is the UTF-8 decode of its tokens' bytes, so such tokenizers decode by gathering their
-tokens' bytes from one table (`_ByteTable`, ~10x fewer instructions than `tokenizers`), and fall
+tokens' bytes from one table (`_ByteTable`, far fewer instructions than `tokenizers`), and fall
 back to the tokenizer for anything that is not valid UTF-8. The table comes from `broker.token_ids`
 (the one the workers decode replies with), validated against the tokenizer when it is loaded.
 """
@@ -98,8 +98,8 @@ class RowBuilder:
 class _ByteTable:
     """Every id's bytes back to back, and each one's offset and length: a row's bytes are one gather.
 
-    Joining per-id `bytes` objects costs ~500 instructions an id (an int object, a call and a list
-    slot each); numpy gathers the bytes of all ids at once (~250 an id, bytes included). Ids index
+    Joining per-id `bytes` objects costs an int object, a call and a list slot per id; numpy gathers the
+    bytes of all ids at once, about half the instructions (docs/performance.md). Ids index
     the way a list does: negative ones from the end, anything else out of range raises IndexError.
     """
 

@@ -21,8 +21,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # After a trim that paused the loop P seconds, the next waits at least this many times P: trims take
-# at most 0.5% of the broker's time however large its heap grows (their pause grows with it: ~7 ms at
-# 1 GiB of sessions, ~22 ms at 4 GiB), so at most ~0.5% of frames can arrive during one.
+# at most 0.5% of the broker's time however large its heap grows (their pause grows with it; measured
+# pauses: docs/performance.md, "Broker memory"), so at most ~0.5% of frames can arrive during one.
 PAUSE_SPACING = 200.0
 _STATM = "/proc/self/statm"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

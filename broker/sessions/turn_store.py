@@ -50,7 +50,7 @@ _CRC_LEN: Final = 8
 _FINISH: Final = 9
 _FIELDS: Final = 10
 # Rows are packed with struct (one C call a row) rather than stored item by item in an array('q'),
-# whose every item store parses its argument (~400 instructions each on the commit path).
+# whose every item store parses its argument (costly on the commit path: docs/performance.md).
 _ROW = struct.Struct(f"={_FIELDS}q")
 _CRC_FIELDS = struct.Struct("=2q")  # _CRC and _CRC_LEN, rewritten in place
 _CRC_AT: Final = 8 * _CRC

@@ -293,7 +293,7 @@ class Backplane:
 
 def _readable(sock: zmq.Socket[bytes]) -> bool:
     # zmq_poll without a timeout reads ZMQ_EVENTS like getsockopt(EVENTS), which pyzmq wraps in
-    # an enum on every call (and `& zmq.POLLIN` in another): ~3.3k instructions against ~9.6k.
+    # an enum on every call (and `& zmq.POLLIN` in another): about a third of the instructions (docs/performance.md).
     return bool(_zmq_poll([(sock, _POLLIN)], 0))
 
 

@@ -117,7 +117,7 @@ class CommitBases:
                 return None, None
             crc = base.crc32(shared)
             prompt_crc = zlib.crc32(pb[shared * _ID_BYTES :], crc) if shared <= n_prompt else None
-        # Built in one go (a dataclasses.replace of the full commit's 17 fields cost twice as much).
+        # Built in one go (a dataclasses.replace of the full commit's 17 fields cost more: docs/performance.md).
         delta = protocol.CommitTurn(
             request_id=request_id,
             session_id=commit.session_id,

@@ -154,8 +154,8 @@ SSE_TAIL_WAIT_S = 0.5
 def ids_json(ids: Sequence[int]) -> Any:
     """Token ids in a form `post_json` serializes fastest.
 
-    An int32 array becomes a zero-copy numpy view, which orjson writes natively: 0.19 ms for 24k
-    ids here, against 0.82 ms through a Python list.
+    An int32 array becomes a zero-copy numpy view, which orjson writes natively, several times faster
+    than through a Python list (docs/performance.md).
     """
     if isinstance(ids, array) and ids.typecode == "i" and ids.itemsize == 4:
         return numpy.frombuffer(ids, dtype=numpy.int32)

@@ -37,7 +37,8 @@ from gateway_workers.rendering.twins.native_templates import NativeTemplate, nat
 
 logger = logging.getLogger(__name__)
 
-# New text a render may tokenize on the event loop's thread (~0.1 µs per char with the tiktoken twin here).
+# New text a render may tokenize on the event loop's thread: small enough that tokenizing it inline costs
+# less than the hand-off to the render thread (figures: docs/performance.md, "Where it runs").
 INLINE_NEW_CHARS = 8192
 
 
@@ -128,7 +129,8 @@ class Renderer:
         return twin.fast.name if twin is not None and twin.active else None
 
     def prepare_thread(self) -> None:
-        """Give `thread` its twin encoding now, in the background (~0.3 s there), not on the first long render."""
+        """Give `thread` its twin encoding now, in the background (it takes a while: docs/performance.md), not on
+        the first long render."""
         if self.encode_twin is not None:
             self.thread.submit(self.encode_twin.fast.own_encoding)
 

@@ -19,12 +19,13 @@ from collections.abc import Callable
 # A chunk is compressed only once this many bytes are due: smaller ones compress worse.
 MIN_CHUNK = 16 * 1024
 _LEVEL = 1  # the fastest: the broker compresses in its idle time, between requests
-# Raw deflate: no zlib header or Adler-32 (the bytes never leave this process), ~4% fewer
-# instructions to compress and ~10% fewer to decompress than zlib.compress at the same ratio.
+# Raw deflate: no zlib header or Adler-32 (the bytes never leave this process), a little cheaper to
+# compress and to decompress than zlib.compress at the same ratio (docs/performance.md).
 _WBITS = -15
 # memLevel 6 (zlib's default is 8) ends a deflate block every 4096 symbols instead of 16384, so
 # Huffman-coding a block is spread over the slices rather than left for the chunk's final flush
-# (at 8 that flush alone cost ~3x a 2 KiB slice); it costs ~1.5% of ratio on token ids, none on text.
+# (at 8 that flush alone cost several slices); it costs a little ratio on token ids, none on text
+# (docs/performance.md).
 _MEM_LEVEL = 6
 
 

@@ -2,12 +2,13 @@
 
 Owns the worker's connections to engine replicas (one unbounded keep-alive pool per host:port:tls),
 URL checks, TLS contexts, request framing, deadlines, cancellation and the stale-connection retry;
-each connection's protocol and httptools parsing is engines/http_connection.py. It replaces aiohttp,
-whose generality cost ~3x the CPU per engine call (scripts/bench_engine_client.py). Deliberately
+each connection's protocol and httptools parsing is engines/http/connection.py. It replaces aiohttp,
+whose generality cost several times the CPU per engine call (scripts/bench_engine_client.py;
+docs/performance.md). Deliberately
 narrow: http:// and https:// (verified), POST with a body, no redirects, proxies, compression or
 pipelining. Failures are `HttpTimeout` and `HttpConnectionError`, which engines/base.py maps to
 EngineTimeout/EngineError.
-Must not import anything from gateway_workers but engines/http_connection.py.
+Must not import anything from gateway_workers but engines/http/connection.py.
 """
 
 from __future__ import annotations

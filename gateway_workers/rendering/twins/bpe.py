@@ -1,8 +1,8 @@
-"""A tiktoken twin of a byte-level BPE tokenizer: the same ids for text pieces, ~10x faster.
+"""A tiktoken twin of a byte-level BPE tokenizer: the same ids for text pieces, several times faster.
 
 The renderer cuts prompts at added tokens and encodes only the new pieces (`renderer.py`);
-that encode is most of a long turn's CPU (HF `tokenizers` costs ~3.5 µs per token here,
-tiktoken ~0.35 µs). Both run the same algorithm on the same data when the tokenizer is
+that encode is most of a long turn's CPU, and tiktoken runs it several times faster than HF `tokenizers`
+(docs/performance.md, "New tokens"). Both run the same algorithm on the same data when the tokenizer is
 byte-level BPE whose merge order follows token ids (as for every vocabulary converted from
 tiktoken ranks: Qwen, Llama 3, GPT-4 style): split with one regex, map bytes, merge the
 lowest-ranked pair first, take whole pieces that are in the vocabulary. `bpe_twin` accepts a
@@ -46,7 +46,8 @@ PROBE_TEXTS = (
     "aaaaaaaaaaaaaaaa ababababab ,,,,,,;;;;;; ...... ---- ____ 0000000",
 )
 # GPT-4-style split patterns end in these alternatives. The lookahead keeps the last space of a run for the
-# next word; it alone puts tiktoken's regex on its backtracking engine (~30% slower on indented JSON here).
+# next word; it alone puts tiktoken's regex on its backtracking engine (slower, most on indented JSON:
+# docs/performance.md).
 _LOOKAHEAD_TAIL = r"|\s+(?!\S)|\s+"
 # What `\s` means to that engine: Unicode White_Space (Python's str.isspace also takes \x1c-\x1f).
 _SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
@@ -82,9 +83,9 @@ class BpeTwin:
     """Encodes text pieces (no added tokens inside) to the ids the original tokenizer would give.
 
     tiktoken's regex keeps its match caches in a pool that serves the first thread to use it
-    without locking; every other thread takes a locked slow path on each match (+20% of an encode
-    here). So a thread that encodes much can take its own encoding (`own_encoding`, ~35 MB);
-    the others share the first.
+    without locking; every other thread takes a locked slow path on each match (a measurable share of
+    an encode: docs/performance.md). So a thread that encodes much can take its own encoding
+    (`own_encoding`, tens of MB); the others share the first.
     """
 
     def __init__(self, make_encoding: Callable[[], Any], nfc: bool, cuts: dict[str, int] | None = None) -> None:
@@ -132,7 +133,8 @@ class BpeTwin:
 
 
 def _packed(ids: list[int]) -> array:
-    # struct packs a list of ints 2x faster than array("i", list), which parses each item as an argument.
+    # struct packs a list of ints faster than array("i", list), which parses each item as an argument
+    # (docs/performance.md).
     out = array("i")
     out.frombytes(struct.pack(f"{len(ids)}i", *ids))
     return out
@@ -147,7 +149,7 @@ def _lookahead_cuts(text: str, numpy_from: int = _NUMPY_CUTS_FROM) -> list[int]:
         cp = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
         low = cp <= 32  # every ASCII space is
         if not (low[1:] & low[:-1]).any():
-            return []  # no two spaces in a row, as in most prose: 1/7 of the instructions of the search below
+            return []  # no two spaces in a row, as in most prose: far cheaper than the search below
     else:
         cp = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     space = _SPACE_TABLE.take(cp, mode="clip")  # past the table's end: its last slot, False
@@ -159,7 +161,8 @@ def _lookahead_cuts(text: str, numpy_from: int = _NUMPY_CUTS_FROM) -> list[int]:
 def bpe_twin(backend: Any) -> tuple[BpeTwin | None, str]:
     """A twin of this `tokenizers.Tokenizer`'s normalizer + pre-tokenizer + model, or (None, why not).
 
-    Building one reads the whole vocabulary and merges (~1 s): the result is kept per tokenizer object.
+    Building one reads the whole vocabulary and merges (slow: docs/performance.md): the result is kept per
+    tokenizer object.
     """
     return _per_backend(_TWINS, backend, _build)
 

@@ -2,7 +2,7 @@
 
 A template twin (`native_templates`) prints each tool's schema and each earlier tool call's
 arguments with HF's `tojson` on every render of a conversation, and through `json.dumps` that was
-~3/4 of a render's CPU (~10 µs a value; a 4k-token turn printed ~4.5). `tojson` keeps the texts in
+most of a twin render's CPU (docs/performance.md). `tojson` keeps the texts in
 a small bounded per-process map. A value is looked up by its orjson encoding (one C call) and the
 entry serves it only if the value equals (`==`) the plain JSON value decoded back from that key;
 see `tojson` for why that pins the text exactly. Thread-safe. Imports only the stdlib and orjson.

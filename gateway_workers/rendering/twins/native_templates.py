@@ -1,7 +1,7 @@
 """Plain-Python twins of known chat templates, so a render costs microseconds instead of a Jinja pass.
 
-Rendering a 17-message conversation through HF's sandboxed Jinja costs ~1 ms of CPU, more than
-encoding what a turn adds; these functions produce the same text for the templates they are
+Rendering a conversation through HF's sandboxed Jinja costs more CPU than encoding what a turn adds
+(docs/performance.md, "The template"); these functions produce the same text for the templates they are
 registered for, matched by the sha256 of the exact template text (any other template, or any
 extra template variable, falls back to Jinja). Each function is a line-by-line transcription of
 its template and is property-tested against it (tests/unit/test_render_native.py); `Renderer`
