@@ -27,6 +27,8 @@ from gateway_workers.adapters.common import (
     check_known,
     check_object,
     check_parts,
+    check_stop,
+    check_types,
     flag,
     integer,
     number,
@@ -52,6 +54,8 @@ _HANDLED = {
     "top_k",
     "stream",
 }
+_TYPES = {"model": str, "metadata": dict, "service_tier": str, "context_management": dict, "output_config": dict}
+MAX_TOOL_NAME = 128  # the Messages API's own bound (OpenAI's is 64)
 MIN_THINKING_BUDGET = 1024  # the Messages API's own floor for thinking.budget_tokens
 SIGNATURE = "rollout-gateway"  # thinking blocks carry a signature; ours only says where they came from
 
@@ -109,7 +113,7 @@ def _assistant(content: Any, where: str, pending: PendingCalls) -> dict[str, Any
         elif kind == "redacted_thinking":
             continue  # encrypted elsewhere; nothing of it can be rendered
         elif kind == "tool_use":
-            name, arguments = block.get("name"), block.get("input", {})
+            name, arguments = block.get("name"), block.get("input")
             if not isinstance(name, str) or not name or not isinstance(arguments, dict):
                 raise bad(f"{where}.content[{j}]: tool_use needs a name and an object input", "messages")
             call_id = block.get("id")
@@ -129,7 +133,7 @@ def _assistant(content: Any, where: str, pending: PendingCalls) -> dict[str, Any
     return message
 
 
-def _user(content: Any, where: str, pending: PendingCalls) -> list[dict[str, Any]]:
+def _user(content: Any, where: str, pending: PendingCalls, limits: RequestLimits) -> list[dict[str, Any]]:
     """A user turn: its tool results become tool messages and its text a user message, in order."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
@@ -146,6 +150,8 @@ def _user(content: Any, where: str, pending: PendingCalls) -> list[dict[str, Any
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             result = block.get("content", "")
+            if type(result) is list:
+                check_count(len(result), limits.max_content_parts, "content parts in one tool_result", "messages")
             tool: dict[str, Any] = {
                 "role": "tool",
                 "content": _text_blocks(result, f"{where}.content[{j}].content", "\n"),
@@ -196,7 +202,7 @@ def _messages(body: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any
             _unanswered(opened, i)
             messages.append(_assistant(message.get("content"), where, pending))
         else:
-            messages.extend(_user(message.get("content"), where, pending))
+            messages.extend(_user(message.get("content"), where, pending, limits))
             _unanswered(pending.open, i - 1)
             pending.open.clear()
     _unanswered(pending.open, len(raw) - 1)
@@ -215,12 +221,18 @@ def _tool_fields(tool: dict[str, Any]) -> tuple[Any, Any, Any]:
     if not isinstance(schema, dict):
         raise bad(f"tools: tool {tool.get('name')!r} needs an 'input_schema' object", "tools",
                   code="missing_required_parameter" if schema is None else "invalid_request")
+    if schema.get("type") != "object":
+        raise bad(f"tools: tool {tool.get('name')!r}: input_schema.type must be 'object'", "tools")
     return tool.get("name"), tool.get("description"), schema
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
     """Client tools only: server tools (web search, ...) have a `type` and are not ours to run."""
-    return canonical_tools(raw, "custom", _tool_fields, default_kind="custom")
+    tools = canonical_tools(raw, "custom", _tool_fields, default_kind="custom", max_name=MAX_TOOL_NAME)
+    names = [tool["function"]["name"] for tool in tools or ()]
+    if len(set(names)) < len(names):
+        raise bad("tools: tool names must be unique", "tools")
+    return tools
 
 
 def _check_thinking(thinking: Any, max_tokens: int | None) -> None:
@@ -245,12 +257,14 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, *, counting
     """Validate a Messages body (`counting`: a count_tokens body, without max_tokens)."""
     body = check_object(body)
     check_known(body, _HANDLED, _IGNORED)
+    check_types(body, _TYPES)
     choice = body.get("tool_choice")
     if choice is not None and (not isinstance(choice, dict) or choice.get("type") != "auto"):
         raise bad("only tool_choice {'type': 'auto'} is supported", "tool_choice")
     stop = body.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise bad("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
+    check_stop(stop or [], limits, "stop_sequences")
     max_tokens = integer(body, "max_tokens", 1)
     if max_tokens is None and not counting:
         raise bad("'max_tokens' is required", "max_tokens", code="missing_required_parameter")

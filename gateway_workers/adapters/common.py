@@ -9,6 +9,7 @@ not import the app.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,7 +19,11 @@ import orjson
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import DeltaKind, LiveDelta
 from gateway_workers.http.errors import ApiError
-from gateway_workers.http.limits import RequestLimits, check_count
+from gateway_workers.http.limits import RequestLimits, check_count, check_string
+
+# The tool names both APIs accept: OpenAI up to 64 characters, Anthropic up to 128 (`canonical_tools(max_name=)`).
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
+_TYPE_NAMES = {str: "a string", bool: "a boolean", dict: "an object", list: "a list"}
 
 
 def bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
@@ -30,6 +35,20 @@ def check_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
+
+
+def check_types(body: Mapping[str, Any], types: Mapping[str, type]) -> None:
+    """Parameters we accept without using them still have the type their API requires (null: left out)."""
+    for name, kind in types.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise bad(f"'{name}' must be {_TYPE_NAMES[kind]}", name)
+
+
+def check_stop(stop: list[str], limits: RequestLimits, param: str) -> None:
+    """Stop sequences go to the engine as they are: each within `max_string_chars`."""
+    for text in stop:
+        check_string(text, limits, param)
 
 
 def check_parts(items: list[Any], limits: RequestLimits, key: str, param: str) -> None:
@@ -99,14 +118,19 @@ class PendingCalls:
         return self.open.pop(call_id, None)
 
 
-def canonical_tool(name: Any, description: Any, parameters: Any, where: str, param: str = "tools") -> dict[str, Any]:
+def canonical_tool(
+    name: Any, description: Any, parameters: Any, where: str, param: str = "tools", max_name: int = 64
+) -> dict[str, Any]:
     """One function tool in the canonical (Chat Completions) shape the chat template receives."""
     if not isinstance(name, str) or not name:
         raise bad(f"{where} needs a name", param)
+    if len(name) > max_name or not _TOOL_NAME.fullmatch(name):
+        raise bad(f"{where}: the name {name[:max_name]!r} must be 1 to {max_name} of a-z, A-Z, 0-9, '_' and '-'", param)
     if description is not None and not isinstance(description, str):
         raise bad(f"{where}: 'description' must be a string", param)
-    if parameters is not None and not isinstance(parameters, dict):
-        raise bad(f"{where}: the parameters schema must be an object", param)
+    # the schema of a function's arguments: an object schema (as both APIs require)
+    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+        raise bad(f"{where}: the parameters schema must be an object schema (type 'object')", param)
     function: dict[str, Any] = {"name": name}
     if description is not None:
         function["description"] = description
@@ -116,7 +140,12 @@ def canonical_tool(name: Any, description: Any, parameters: Any, where: str, par
 
 
 def canonical_tools(
-    raw: Any, kind: str, fields: Callable[[dict[str, Any]], tuple[Any, Any, Any]], *, default_kind: str | None = None
+    raw: Any,
+    kind: str,
+    fields: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
+    *,
+    default_kind: str | None = None,
+    max_name: int = 64,
 ) -> list[dict[str, Any]] | None:
     """A dialect's `tools` list -> canonical tools; `fields(tool)` gives (name, description, schema).
 
@@ -130,17 +159,19 @@ def canonical_tools(
     for i, tool in enumerate(raw):
         if not isinstance(tool, dict) or tool.get("type", default_kind) != kind:
             raise bad(f"tools[{i}]: only {kind} tools are supported", "tools")
-        tools.append(canonical_tool(*fields(tool), f"tools[{i}]"))
+        tools.append(canonical_tool(*fields(tool), f"tools[{i}]", max_name=max_name))
     return tools
 
 
 def parse_arguments(raw: Any) -> Any:
-    """Wire arguments (a JSON string) -> canonical (an object); unparseable text stays text."""
+    """Wire arguments (a JSON string) -> canonical (an object); text that is not a JSON object stays text."""
     if isinstance(raw, str):
         try:
-            return orjson.loads(raw) if raw.strip() else {}
+            value = orjson.loads(raw) if raw.strip() else {}
         except orjson.JSONDecodeError:
             return raw
+        # the APIs take any string; a template renders text, but iterates an object's items
+        return value if isinstance(value, dict) else raw
     return raw if raw is not None else {}
 
 

@@ -22,6 +22,9 @@ from gateway_workers.adapters.common import (
     bad,
     canonical_tools,
     check_parts,
+    check_stop,
+    check_types,
+    flag,
     integer,
     number,
     parse_arguments,
@@ -50,6 +53,8 @@ _HANDLED = {
     "stream_options",
 }
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
+_TYPES = {"model": str, "user": str, "metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
+          "safety_identifier": str, "stream_options": dict}
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -100,7 +105,7 @@ def _message(raw: Any, index: int, pending: PendingCalls) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise bad(f"messages[{index}] must be an object", "messages")
     role = raw.get("role")
-    if role not in _ROLES:
+    if type(role) is not str or role not in _ROLES:
         raise bad(f"messages[{index}]: unknown role {role!r}", "messages")
     if role != "tool" and pending.open:
         raise bad(
@@ -109,6 +114,9 @@ def _message(raw: Any, index: int, pending: PendingCalls) -> dict[str, Any]:
             f"messages.[{index}].role",
         )
     content = raw.get("content")
+    if content is None and role != "assistant":  # only an assistant message may leave it out (or null)
+        raise bad(f"missing required parameter: 'messages[{index}].content'", f"messages.[{index}].content",
+                  code="missing_required_parameter")
     message: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
         # plain text (nearly every message) skips the call; `where` is formatted only for an error
@@ -117,14 +125,14 @@ def _message(raw: Any, index: int, pending: PendingCalls) -> dict[str, Any]:
     if role == "assistant":
         where = f"messages[{index}]"
         reasoning = raw.get("reasoning_content", raw.get("reasoning"))
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise bad(f"{where}: 'reasoning_content' must be a string", "messages")
         if reasoning:
-            if not isinstance(reasoning, str):
-                raise bad(f"{where}: 'reasoning_content' must be a string", "messages")
             message["reasoning"] = reasoning
         calls = raw.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise bad(f"{where}: 'tool_calls' must be a list", f"messages.[{index}].tool_calls")
         if calls:
-            if not isinstance(calls, list):
-                raise bad(f"{where}: 'tool_calls' must be a list", f"messages.[{index}].tool_calls")
             message["tool_calls"] = [_call(call, index, j, pending) for j, call in enumerate(calls)]
     elif role == "tool":
         call_id = raw.get("tool_call_id")
@@ -154,7 +162,11 @@ def _call(call: Any, index: int, j: int, pending: PendingCalls) -> dict[str, Any
                   code="missing_required_parameter")
     if not pending.make(call_id, fn["name"]):
         raise bad(f"{where}: duplicate tool call id {call_id!r}", f"{param}.id")
-    return {"name": fn["name"], "arguments": parse_arguments(fn.get("arguments"))}
+    arguments = fn.get("arguments")
+    if not isinstance(arguments, str):
+        raise bad(f"{where}.function.arguments must be a string (of JSON)", f"{param}.function.arguments",
+                  code="missing_required_parameter" if arguments is None else "invalid_request")
+    return {"name": fn["name"], "arguments": parse_arguments(arguments)}
 
 
 def _function_fields(tool: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -192,8 +204,10 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
         raise bad("'messages' must be a non-empty list", "messages")
     check_count(len(raw_messages), limits.max_messages, "messages", "messages")
     check_parts(raw_messages, limits, "content", "messages")
-    if body.get("n", 1) != 1:
+    check_types(body, _TYPES)
+    if integer(body, "n", 1) not in (1, None):
         raise bad("only n=1 is supported", "n")
+    flag(body, "parallel_tool_calls")  # a boolean, whichever: a reply's calls are all kept
     tool_choice = body.get("tool_choice", "auto")
     if tool_choice not in ("auto", None):
         raise bad("only tool_choice='auto' is supported", "tool_choice")
@@ -210,12 +224,14 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise bad("'stop' must be a string or a list of non-empty strings", "stop")
+    check_stop(stop or [], limits, "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad("'seed' must be an integer", "seed")
@@ -232,7 +248,7 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
         stop=tuple(stop or ()),
         seed=seed,
     )
-    return ChatRequest(turn, stream, bool(options.get("include_usage")))
+    return ChatRequest(turn, stream, bool(include_usage))
 
 
 def _wire_call(turn_id: str, index: int, call: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from gateway_workers.adapters.common import (
     check_known,
     check_object,
     check_parts,
+    check_types,
     flag,
     integer,
     number,
@@ -72,6 +73,9 @@ _HANDLED = {
     "background",
 }
 _RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})")
+_TYPES = {"model": str, "metadata": dict, "store": bool, "user": str, "service_tier": str, "prompt_cache_key": str,
+          "safety_identifier": str, "prompt_cache_retention": str, "include": list, "reasoning": dict,
+          "truncation": str, "stream_options": dict, "parallel_tool_calls": bool, "text": dict}
 
 @dataclass(frozen=True, slots=True)
 class ResponsesRequest:
@@ -93,13 +97,14 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
 def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ResponsesRequest:
     body = check_object(body)
     check_known(body, _HANDLED, _IGNORED)
+    check_types(body, _TYPES)
     if flag(body, "background"):
         raise bad("background responses are not supported", "background")
     if body.get("tool_choice", "auto") not in ("auto", None):
         raise bad("only tool_choice='auto' is supported", "tool_choice")
     text = body.get("text")
     if text is not None:
-        fmt = text.get("format") if isinstance(text, dict) else None
+        fmt = text.get("format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
             raise bad("only text output is supported (no structured output formats)", "text")
     instructions = body.get("instructions")
@@ -115,7 +120,8 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> Response
     items = body.get("input")
     if type(items) is list:
         check_count(len(items), limits.max_messages, "input items", "input")
-        check_parts(items, limits, "content", "input")
+        for key in ("content", "summary", "output"):  # message and reasoning parts, a call output's parts
+            check_parts(items, limits, key, "input")
     # With previous_response_id, call outputs may answer that response's calls: checked once it is loaded.
     messages = canonical_messages(items, None if previous_turn is not None else {})
     if instructions:

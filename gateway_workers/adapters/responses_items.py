@@ -24,7 +24,8 @@ def _text(content: Any, where: str) -> str:
         raise bad(f"{where}: content must be a string or a list of parts", "input")
     texts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if type(kind) is not str or kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise bad(f"{where}: content part of type {kind!r} is not supported (text only)", "input")
         texts.append(part["text"])
@@ -35,7 +36,7 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
     parts = item.get("content") or item.get("summary") or []
     if not isinstance(parts, list):
         raise bad(f"{where}: reasoning content must be a list", "input")
-    texts = [p.get("text") for p in parts if isinstance(p, dict)]
+    texts = [p.get("text") if isinstance(p, dict) else None for p in parts]
     if not all(isinstance(t, str) for t in texts):
         raise bad(f"{where}: reasoning parts need a string 'text'", "input")
     return "".join(t for t in texts if t)
@@ -68,7 +69,8 @@ def canonical_messages(items: Any, earlier_calls: dict[str, str] | None) -> list
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = item.get("role")
+            role = _ROLES.get(role) if type(role) is str else None
             if role is None:
                 raise bad(f"{where}: unknown role {item.get('role')!r}", "input")
             text = _text(item.get("content"), where)
@@ -94,10 +96,12 @@ def canonical_messages(items: Any, earlier_calls: dict[str, str] | None) -> list
                           code="missing_required_parameter")
             if not pending.make(call_id, name):
                 raise bad(f"{where}: duplicate function_call call_id {call_id!r}", "input")
+            arguments = item.get("arguments")
+            if not isinstance(arguments, str):
+                raise bad(f"{where}: a function_call's arguments must be a string (of JSON)", "input",
+                          code="missing_required_parameter" if arguments is None else "invalid_request")
             turn = turn or {"role": "assistant", "content": ""}
-            turn.setdefault("tool_calls", []).append(
-                {"name": name, "arguments": parse_arguments(item.get("arguments"))}
-            )
+            turn.setdefault("tool_calls", []).append({"name": name, "arguments": parse_arguments(arguments)})
         elif kind == "function_call_output":
             flush()
             call_id = item.get("call_id")
