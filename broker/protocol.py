@@ -1,16 +1,18 @@
 """The one wire contract: every message that crosses a ZeroMQ socket, and the functions that encode and decode it.
 
 Workers and trainer clients import this module and nothing else from `broker`; it imports only
-the stdlib, `msgpack` and `broker.codec` (no zmq), so importing it loads no sockets.
+the stdlib, `msgpack`, `broker.messages` and `broker.codec` (no zmq), so importing it loads no sockets.
 
 A frame is a msgpack array `[PROTOCOL_VERSION, TAG, request_id, *fields]`: every
 message carries the version (a restarted peer needs no handshake) and a request id
 that its reply repeats. Fields are positional in declaration order; new fields get
 defaults and go last, so an older frame that lacks them still decodes. Token ids and
 logprobs travel as packed little-endian int32 / float32 bytes, never as lists.
-Receivers `match` on the decoded class. The codecs live behind the functions at the end
-(`broker.codec`: `generic` walks the fields, `fast` generates code per class, `frames` decodes
-a direction); only those functions touch msgpack.
+Receivers `match` on the decoded class. The message dataclasses are defined by socket in
+`broker.messages` (`worker`, `trainer`, and `common` for both) and re-exported here with the
+union per direction. The codecs live behind the functions at the end (`broker.codec`: `generic`
+walks the fields, `fast` generates code per class, `frames` decodes a direction); only those
+functions touch msgpack.
 """
 
 from __future__ import annotations
@@ -18,15 +20,52 @@ from __future__ import annotations
 import typing
 from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import msgpack
 
 from broker.codec import fast, frames, generic
-from broker.codec.wire import IDS, LOGPROBS, MASK, PACKED_MAPS
-from broker.codec.wire import is_packed_map as is_packed_map
-from broker.codec.wire import pack_message as pack_message
+from broker.codec.wire import is_packed_map, pack_message
+from broker.messages.common import FinishAccepted, Message, Refused, RequestFinish
+from broker.messages.trainer import (
+    DeliveredEpisode,
+    DropSession,
+    EpisodesDelivered,
+    FetchEpisodes,
+    FinishSession,
+    GetStats,
+    OpenSession,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    Stats,
+    TraceRow,
+)
+from broker.messages.worker import (
+    AbortTurn,
+    CommitTurn,
+    GetTurn,
+    OpenTurn,
+    TurnAborted,
+    TurnCommitted,
+    TurnFound,
+    TurnOpened,
+)
+
+# The contract's public names: everything workers and trainer clients may use of `broker`.
+__all__ = [
+    "PROTOCOL_VERSION", "DEFAULT_CONTROL_ENDPOINT", "DEFAULT_WORKER_ENDPOINT",
+    "ErrorCode", "ProtocolError", "VersionMismatch",
+    "ids_array", "logprobs_array", "pack_message", "is_packed_map", "unpack_messages",
+    "Message", "RequestFinish", "FinishAccepted", "Refused",
+    "OpenTurn", "CommitTurn", "AbortTurn", "GetTurn", "TurnOpened", "TurnCommitted", "TurnAborted", "TurnFound",
+    "OpenSession", "FinishSession", "DropSession", "GetStats", "FetchEpisodes",
+    "TraceRow", "SessionOpened", "SessionFinished", "SessionDropped", "Stats", "DeliveredEpisode", "EpisodesDelivered",
+    "WorkerToBroker", "BrokerToWorker", "TrainerToBroker", "BrokerToTrainer",
+    "encode", "frame_encoder",
+    "decode_worker_to_broker", "decode_broker_to_worker", "decode_trainer_to_broker", "decode_broker_to_trainer",
+]  # fmt: skip
+
 
 PROTOCOL_VERSION = 1
 
@@ -86,337 +125,7 @@ def logprobs_array(values: Iterable[float] = ()) -> array:
     return array("f", values)
 
 
-# --- messages -----------------------------------------------------------------------------
-# Field markers (`broker.codec.wire`): `field(metadata=IDS)` is a packed int32 field, `LOGPROBS` a
-# float32 one, `MASK` a uint8 one; `PACKED_MAPS` a map (or list of maps) sent as msgpack bins.
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """Base of every wire message; `TAG` names it on the wire."""
-
-    TAG: ClassVar[str] = ""
-    request_id: int
-
-
-# Worker -> broker
-
-
-@dataclass(frozen=True, slots=True)
-class OpenTurn(Message):
-    """Ask to start a turn: the session must exist, be open and be under its turn cap."""
-
-    TAG: ClassVar[str] = "open_turn"
-    session_id: str
-    turn_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class CommitTurn(Message):
-    """A turn whose reply reached the agent; retried until `TurnCommitted`, de-duplicated by turn_id.
-
-    Canonical messages: dicts with `role`, `content` (str), optional `reasoning` (str),
-    optional `tool_calls` ([{"name": str, "arguments": object}], no wire ids) and, for
-    tool results, optional `name`. `flags` holds parse verdicts (`ill_formed`, ...).
-    On the wire each message is a bin holding its own msgpack encoding (`pack_message`), so the
-    broker stores it without decoding it; decoded, such a message is that `bytes` (a map from an
-    older sender decodes as a dict, and either form is accepted on the way in).
-
-    A delta commit names `base_turn_id`, a committed turn of the same session, and sends
-    only what follows the shared prefix: the turn's context (prompt ids + output ids) is
-    the base's context cut to `base_tokens`, then `prompt_ids`, then the output ids past
-    `prompt_len` (all of `output_ids` when `base_tokens <= prompt_len`; `output_ids` and
-    `logprobs` always travel whole). Its prompt messages are the base's (prompt messages +
-    response) cut to `base_messages` (at most the turn's prompt message count), then
-    `prompt_messages`. A base the broker does not hold is refused with unknown_base: the
-    sender resends the turn in full. `base_crc32` is zlib.crc32 of the shared prefix's ids as
-    int32 little-endian bytes: the broker checks it against the base it holds, so a wrong claim
-    is refused (unknown_base) instead of training on tokens the engine never saw. With
-    `base_turn_id == ""` (a full commit) `prompt_len` is 0 or `len(prompt_ids)` and the base
-    fields are 0.
-    """
-
-    TAG: ClassVar[str] = "commit_turn"
-    session_id: str
-    turn_id: str
-    prompt_ids: array = field(metadata=IDS)
-    output_ids: array = field(metadata=IDS)
-    logprobs: array = field(metadata=LOGPROBS)
-    finish_reason: str
-    prompt_messages: list[dict[str, Any] | bytes] = field(metadata=PACKED_MAPS)
-    response_message: dict[str, Any] | bytes = field(metadata=PACKED_MAPS)
-    flags: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    base_turn_id: str = ""
-    base_tokens: int = 0
-    base_messages: int = 0
-    prompt_len: int = 0
-    base_crc32: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class AbortTurn(Message):
-    """The reply never reached the agent: forget the turn, never train on it."""
-
-    TAG: ClassVar[str] = "abort_turn"
-    session_id: str
-    turn_id: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class GetTurn(Message):
-    """Ask for a committed turn's canonical messages (an API's `previous_response_id`).
-
-    Only turns of `session_id` are found, so a response id never leaks across sessions.
-    An empty `turn_id` only checks that the session is open (`Refused` unknown_turn if it is).
-    """
-
-    TAG: ClassVar[str] = "get_turn"
-    session_id: str
-    turn_id: str
-
-
-# Broker -> worker
-
-
-@dataclass(frozen=True, slots=True)
-class TurnOpened(Message):
-    """The turn may proceed; `seq` orders it in the trajectory (never commit arrival)."""
-
-    TAG: ClassVar[str] = "turn_opened"
-    turn_id: str
-    seq: int
-    sampling_defaults: dict[str, Any]
-    max_context_tokens: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class TurnCommitted(Message):
-    """ACK of a commit. `outcome`: stored, duplicate (already stored) or discarded (session gone)."""
-
-    TAG: ClassVar[str] = "turn_committed"
-    turn_id: str
-    outcome: str
-
-
-@dataclass(frozen=True, slots=True)
-class TurnAborted(Message):
-    """ACK of an abort."""
-
-    TAG: ClassVar[str] = "turn_aborted"
-    turn_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class TurnFound(Message):
-    """A committed turn's canonical prompt messages and response message (see `CommitTurn`)."""
-
-    TAG: ClassVar[str] = "turn_found"
-    turn_id: str
-    prompt_messages: list[dict[str, Any]]
-    response_message: dict[str, Any]
-
-
-# Trainer -> broker
-
-
-@dataclass(frozen=True, slots=True)
-class OpenSession(Message):
-    """Open a session; `session_id=None` lets the broker mint an unguessable key.
-
-    `client_id` names the opening `TrainerClient` and `group` a batch of sessions: the two
-    filters a subscriber may put on the episode stream (`FetchEpisodes`).
-    """
-
-    TAG: ClassVar[str] = "open_session"
-    session_id: str | None
-    sampling_defaults: dict[str, Any]
-    max_context_tokens: int | None
-    max_turns: int | None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    client_id: str = ""
-    group: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class FinishSession(Message):
-    """Close to new turns, drain in-flight turns up to `wait_timeout` s, build rows, free."""
-
-    TAG: ClassVar[str] = "finish_session"
-    session_id: str
-    reward: float | None
-    rollout_id: str | None
-    metadata: dict[str, Any]
-    wait_timeout: float
-
-
-@dataclass(frozen=True, slots=True)
-class DropSession(Message):
-    """Free a session and everything it holds, building nothing."""
-
-    TAG: ClassVar[str] = "drop_session"
-    session_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class GetStats(Message):
-    """Ask for the broker's counters."""
-
-    TAG: ClassVar[str] = "get_stats"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFinish(Message):
-    """Finish a session without waiting for its rows: they go to the episode outbox (see `FetchEpisodes`).
-
-    Sent by a trainer (`request_finish`), or by a worker for an agent's `POST /rollout/v1/sessions/finish`
-    (then on the worker socket). Answered at once with `FinishAccepted`; in-flight turns still get up to
-    `wait_timeout` s to land. A session finishes exactly once, whichever request comes first: the others
-    are refused with session_closed. A full outbox refuses it with busy and leaves the session open.
-    """
-
-    TAG: ClassVar[str] = "request_finish"
-    session_id: str
-    reward: float | None
-    rollout_id: str | None
-    metadata: dict[str, Any]
-    wait_timeout: float
-
-
-@dataclass(frozen=True, slots=True)
-class FetchEpisodes(Message):
-    """A subscriber's one request: acknowledge, renew its lease, hand back, and ask for more episodes.
-
-    Delivery ids belong to the broker's `epoch`; ids of another epoch (a restarted broker) are ignored.
-    `credit`: new episodes it can take now. `acks`: ids it is done with. `held`: ids it still holds
-    unacknowledged (yielded or buffered); anything else leased to it goes back to the queue marked
-    redelivered. `release`: ids it returns unseen (not marked). `wait`: seconds the broker may park the
-    request when nothing matches (long poll). `lease`: the subscriber polls again within this many
-    seconds, or its episodes are requeued. Filters: `client_id` (sessions that client opened) and
-    `group` (sessions opened with that group); None matches all.
-    """
-
-    TAG: ClassVar[str] = "fetch_episodes"
-    subscriber_id: str
-    epoch: str
-    credit: int
-    acks: list[int]
-    held: list[int]
-    release: list[int]
-    wait: float
-    lease: float
-    client_id: str | None
-    group: str | None
-
-
-# Broker -> trainer
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    """One loss-masked training row; `trainer_client.TraceRecord` is its public face.
-
-    `loss_mask` and `logprobs` cover the response region only: the last
-    `response_length` entries of `token_ids` (the row's first prompt is stripped).
-    """
-
-    token_ids: array = field(metadata=IDS)
-    loss_mask: array = field(metadata=MASK)
-    logprobs: array = field(metadata=LOGPROBS)
-    response_length: int
-    response: str
-    rollout_id: str | None
-    reward: float | None
-    status: str
-    metadata: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class SessionOpened(Message):
-    TAG: ClassVar[str] = "session_opened"
-    session_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class SessionFinished(Message):
-    """The session's rows. `status`: complete, or drain_timeout if in-flight turns were cut off."""
-
-    TAG: ClassVar[str] = "session_finished"
-    session_id: str
-    rows: list[TraceRow]
-    status: str
-    turns_committed: int
-    turns_abandoned: int
-
-
-@dataclass(frozen=True, slots=True)
-class SessionDropped(Message):
-    TAG: ClassVar[str] = "session_dropped"
-    session_id: str
-    existed: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Stats(Message):
-    TAG: ClassVar[str] = "stats"
-    stats: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class FinishAccepted(Message):
-    """A `RequestFinish` was accepted: the session is closed and its episode will reach the outbox."""
-
-    TAG: ClassVar[str] = "finish_accepted"
-    session_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class DeliveredEpisode:
-    """One finished episode handed to a subscriber; `trainer_client.Episode` is its public face.
-
-    `status`: complete, drain_timeout (in-flight turns were cut off) or failed (rows could not be
-    built; the broker log has the cause). `redelivered`: it was handed out before and not
-    acknowledged, so it may have been (partly) processed. `finished_by`: trainer or agent.
-    """
-
-    delivery_id: int
-    session_id: str
-    rows: list[TraceRow]
-    reward: float | None
-    rollout_id: str | None
-    metadata: dict[str, Any]
-    status: str
-    redelivered: bool
-    group: str | None
-    finished_by: str
-    turns_committed: int
-    turns_abandoned: int
-
-
-@dataclass(frozen=True, slots=True)
-class EpisodesDelivered(Message):
-    """The answer to `FetchEpisodes`: new episodes (up to its credit), the held ids no longer leased to
-    the subscriber (`revoked`: drop them unprocessed), and how many of its acks were applied."""
-
-    TAG: ClassVar[str] = "episodes_delivered"
-    epoch: str
-    episodes: list[DeliveredEpisode]
-    revoked: list[int]
-    acked: int
-
-
-# Either direction from the broker
-
-
-@dataclass(frozen=True, slots=True)
-class Refused(Message):
-    """The request was not carried out; `code` says why (see ErrorCode)."""
-
-    TAG: ClassVar[str] = "refused"
-    code: str
-    message: str
-
+# --- the messages, by direction (defined in `broker.messages`) ------------------------------------
 
 WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | RequestFinish
 BrokerToWorker = TurnOpened | TurnCommitted | TurnAborted | TurnFound | FinishAccepted | Refused

@@ -1,6 +1,6 @@
 """The wire forms both codecs share: field markers, packed arrays, packed maps and the process's one Packer.
 
-`broker.protocol` marks its dataclass fields with `IDS` / `LOGPROBS` / `MASK` / `PACKED_MAPS`;
+`broker.messages` marks its dataclass fields with `IDS` / `LOGPROBS` / `MASK` / `PACKED_MAPS`;
 `generic` and `fast` read those markers and use the pieces here, so the two codecs write the
 same bytes by construction. Imports only the stdlib and `msgpack`; nothing of `broker`.
 """

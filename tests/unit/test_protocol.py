@@ -174,6 +174,15 @@ def test_every_message_of_every_direction_is_covered():
         assert {type(m) for m in msgs} == _union_classes(direction)
 
 
+def test_the_contract_re_exports_every_message_under_its_own_name():
+    # defined by socket in broker.messages, imported by everyone from broker.protocol
+    nested = {protocol.TraceRow, protocol.DeliveredEpisode, protocol.Message}
+    for cls in set().union(*map(_union_classes, MESSAGES)) | nested:
+        assert getattr(protocol, cls.__name__) is cls and cls.__name__ in protocol.__all__
+        assert cls.__module__.startswith("broker.messages.")
+    assert all(hasattr(protocol, name) for name in protocol.__all__)
+
+
 def unpacked(msg: protocol.Message) -> protocol.Message:
     """`msg` with a CommitTurn's packed messages (bytes, as decoded) as dicts again."""
     if not isinstance(msg, CommitTurn):

@@ -1,0 +1,182 @@
+"""The messages of the control socket: sessions, finishes and the episode stream, and the broker's replies.
+
+Trainer -> broker: `OpenSession`, `FinishSession`, `DropSession`, `GetStats`, `FetchEpisodes` (and
+`RequestFinish`, in `common`); broker -> trainer: `SessionOpened`, `SessionFinished`, `SessionDropped`,
+`Stats`, `EpisodesDelivered` (and `FinishAccepted`, `Refused`), with the nested `TraceRow` and
+`DeliveredEpisode`. `broker.protocol` re-exports them and holds their unions; import them from there.
+The codecs read each class's fields, so the names used in annotations must be imported here at run
+time. Imports only the stdlib, `broker.codec.wire` (the field markers) and `common`; no sockets.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from broker.codec.wire import IDS, LOGPROBS, MASK
+from broker.messages.common import Message
+
+# Field markers (`broker.codec.wire`): `field(metadata=IDS)` is a packed int32 field, `LOGPROBS` a
+# float32 one, `MASK` a uint8 one.
+
+# Trainer -> broker
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession(Message):
+    """Open a session; `session_id=None` lets the broker mint an unguessable key.
+
+    `client_id` names the opening `TrainerClient` and `group` a batch of sessions: the two
+    filters a subscriber may put on the episode stream (`FetchEpisodes`).
+    """
+
+    TAG: ClassVar[str] = "open_session"
+    session_id: str | None
+    sampling_defaults: dict[str, Any]
+    max_context_tokens: int | None
+    max_turns: int | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    client_id: str = ""
+    group: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinishSession(Message):
+    """Close to new turns, drain in-flight turns up to `wait_timeout` s, build rows, free."""
+
+    TAG: ClassVar[str] = "finish_session"
+    session_id: str
+    reward: float | None
+    rollout_id: str | None
+    metadata: dict[str, Any]
+    wait_timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class DropSession(Message):
+    """Free a session and everything it holds, building nothing."""
+
+    TAG: ClassVar[str] = "drop_session"
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats(Message):
+    """Ask for the broker's counters."""
+
+    TAG: ClassVar[str] = "get_stats"
+
+
+@dataclass(frozen=True, slots=True)
+class FetchEpisodes(Message):
+    """A subscriber's one request: acknowledge, renew its lease, hand back, and ask for more episodes.
+
+    Delivery ids belong to the broker's `epoch`; ids of another epoch (a restarted broker) are ignored.
+    `credit`: new episodes it can take now. `acks`: ids it is done with. `held`: ids it still holds
+    unacknowledged (yielded or buffered); anything else leased to it goes back to the queue marked
+    redelivered. `release`: ids it returns unseen (not marked). `wait`: seconds the broker may park the
+    request when nothing matches (long poll). `lease`: the subscriber polls again within this many
+    seconds, or its episodes are requeued. Filters: `client_id` (sessions that client opened) and
+    `group` (sessions opened with that group); None matches all.
+    """
+
+    TAG: ClassVar[str] = "fetch_episodes"
+    subscriber_id: str
+    epoch: str
+    credit: int
+    acks: list[int]
+    held: list[int]
+    release: list[int]
+    wait: float
+    lease: float
+    client_id: str | None
+    group: str | None
+
+
+# Broker -> trainer
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One loss-masked training row; `trainer_client.TraceRecord` is its public face.
+
+    `loss_mask` and `logprobs` cover the response region only: the last
+    `response_length` entries of `token_ids` (the row's first prompt is stripped).
+    """
+
+    token_ids: array = field(metadata=IDS)
+    loss_mask: array = field(metadata=MASK)
+    logprobs: array = field(metadata=LOGPROBS)
+    response_length: int
+    response: str
+    rollout_id: str | None
+    reward: float | None
+    status: str
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOpened(Message):
+    TAG: ClassVar[str] = "session_opened"
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionFinished(Message):
+    """The session's rows. `status`: complete, or drain_timeout if in-flight turns were cut off."""
+
+    TAG: ClassVar[str] = "session_finished"
+    session_id: str
+    rows: list[TraceRow]
+    status: str
+    turns_committed: int
+    turns_abandoned: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDropped(Message):
+    TAG: ClassVar[str] = "session_dropped"
+    session_id: str
+    existed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Message):
+    TAG: ClassVar[str] = "stats"
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveredEpisode:
+    """One finished episode handed to a subscriber; `trainer_client.Episode` is its public face.
+
+    `status`: complete, drain_timeout (in-flight turns were cut off) or failed (rows could not be
+    built; the broker log has the cause). `redelivered`: it was handed out before and not
+    acknowledged, so it may have been (partly) processed. `finished_by`: trainer or agent.
+    """
+
+    delivery_id: int
+    session_id: str
+    rows: list[TraceRow]
+    reward: float | None
+    rollout_id: str | None
+    metadata: dict[str, Any]
+    status: str
+    redelivered: bool
+    group: str | None
+    finished_by: str
+    turns_committed: int
+    turns_abandoned: int
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodesDelivered(Message):
+    """The answer to `FetchEpisodes`: new episodes (up to its credit), the held ids no longer leased to
+    the subscriber (`revoked`: drop them unprocessed), and how many of its acks were applied."""
+
+    TAG: ClassVar[str] = "episodes_delivered"
+    epoch: str
+    episodes: list[DeliveredEpisode]
+    revoked: list[int]
+    acked: int

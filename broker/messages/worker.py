@@ -1,0 +1,138 @@
+"""The messages of the worker socket: a turn's open, commit, abort and lookup, and the broker's replies.
+
+Worker -> broker: `OpenTurn`, `CommitTurn`, `AbortTurn`, `GetTurn` (and `RequestFinish`, in `common`);
+broker -> worker: `TurnOpened`, `TurnCommitted`, `TurnAborted`, `TurnFound` (and `FinishAccepted`,
+`Refused`). `broker.protocol` re-exports them and holds their unions; import them from there. The
+codecs read each class's fields, so the names used in annotations (`array`, `Any`) must be imported
+here at run time. Imports only the stdlib, `broker.codec.wire` (the field markers) and `common`; no sockets.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from broker.codec.wire import IDS, LOGPROBS, PACKED_MAPS
+from broker.messages.common import Message
+
+# Field markers (`broker.codec.wire`): `field(metadata=IDS)` is a packed int32 field, `LOGPROBS` a
+# float32 one; `PACKED_MAPS` a map (or list of maps) sent as msgpack bins.
+
+# Worker -> broker
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTurn(Message):
+    """Ask to start a turn: the session must exist, be open and be under its turn cap."""
+
+    TAG: ClassVar[str] = "open_turn"
+    session_id: str
+    turn_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CommitTurn(Message):
+    """A turn whose reply reached the agent; retried until `TurnCommitted`, de-duplicated by turn_id.
+
+    Canonical messages: dicts with `role`, `content` (str), optional `reasoning` (str),
+    optional `tool_calls` ([{"name": str, "arguments": object}], no wire ids) and, for
+    tool results, optional `name`. `flags` holds parse verdicts (`ill_formed`, ...).
+    On the wire each message is a bin holding its own msgpack encoding (`pack_message`), so the
+    broker stores it without decoding it; decoded, such a message is that `bytes` (a map from an
+    older sender decodes as a dict, and either form is accepted on the way in).
+
+    A delta commit names `base_turn_id`, a committed turn of the same session, and sends
+    only what follows the shared prefix: the turn's context (prompt ids + output ids) is
+    the base's context cut to `base_tokens`, then `prompt_ids`, then the output ids past
+    `prompt_len` (all of `output_ids` when `base_tokens <= prompt_len`; `output_ids` and
+    `logprobs` always travel whole). Its prompt messages are the base's (prompt messages +
+    response) cut to `base_messages` (at most the turn's prompt message count), then
+    `prompt_messages`. A base the broker does not hold is refused with unknown_base: the
+    sender resends the turn in full. `base_crc32` is zlib.crc32 of the shared prefix's ids as
+    int32 little-endian bytes: the broker checks it against the base it holds, so a wrong claim
+    is refused (unknown_base) instead of training on tokens the engine never saw. With
+    `base_turn_id == ""` (a full commit) `prompt_len` is 0 or `len(prompt_ids)` and the base
+    fields are 0.
+    """
+
+    TAG: ClassVar[str] = "commit_turn"
+    session_id: str
+    turn_id: str
+    prompt_ids: array = field(metadata=IDS)
+    output_ids: array = field(metadata=IDS)
+    logprobs: array = field(metadata=LOGPROBS)
+    finish_reason: str
+    prompt_messages: list[dict[str, Any] | bytes] = field(metadata=PACKED_MAPS)
+    response_message: dict[str, Any] | bytes = field(metadata=PACKED_MAPS)
+    flags: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    base_turn_id: str = ""
+    base_tokens: int = 0
+    base_messages: int = 0
+    prompt_len: int = 0
+    base_crc32: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AbortTurn(Message):
+    """The reply never reached the agent: forget the turn, never train on it."""
+
+    TAG: ClassVar[str] = "abort_turn"
+    session_id: str
+    turn_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetTurn(Message):
+    """Ask for a committed turn's canonical messages (an API's `previous_response_id`).
+
+    Only turns of `session_id` are found, so a response id never leaks across sessions.
+    An empty `turn_id` only checks that the session is open (`Refused` unknown_turn if it is).
+    """
+
+    TAG: ClassVar[str] = "get_turn"
+    session_id: str
+    turn_id: str
+
+
+# Broker -> worker
+
+
+@dataclass(frozen=True, slots=True)
+class TurnOpened(Message):
+    """The turn may proceed; `seq` orders it in the trajectory (never commit arrival)."""
+
+    TAG: ClassVar[str] = "turn_opened"
+    turn_id: str
+    seq: int
+    sampling_defaults: dict[str, Any]
+    max_context_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnCommitted(Message):
+    """ACK of a commit. `outcome`: stored, duplicate (already stored) or discarded (session gone)."""
+
+    TAG: ClassVar[str] = "turn_committed"
+    turn_id: str
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True)
+class TurnAborted(Message):
+    """ACK of an abort."""
+
+    TAG: ClassVar[str] = "turn_aborted"
+    turn_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFound(Message):
+    """A committed turn's canonical prompt messages and response message (see `CommitTurn`)."""
+
+    TAG: ClassVar[str] = "turn_found"
+    turn_id: str
+    prompt_messages: list[dict[str, Any]]
+    response_message: dict[str, Any]
