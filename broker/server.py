@@ -1,7 +1,7 @@
 """The broker's socket loop: two ROUTER sockets, one thread, one blocking poll(2) on their descriptors.
 
-Owns the ZeroMQ side of the broker: binds the worker and control endpoints (port 0
-works; the bound addresses are reported), decodes each frame with `broker.protocol`,
+Owns the ZeroMQ side of the broker: binds the worker and control endpoints (a `sockets.RouterSocket`
+each: port 0 works; the bound addresses are reported), decodes each frame with `broker.protocol`,
 dispatches it (one `match` on the message class, for both sockets) to `sessions.SessionRegistry`,
 `finishes.Finishes` and `outbox.Outbox`, and answers every request exactly once with the same
 request id (`Refused` on any error). The process around it (signals, READY line) is `broker.__main__`.
@@ -29,6 +29,7 @@ from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
 from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry
+from broker.sockets import MORE_NOBLOCK, NOBLOCK, POLLIN, RouterSocket, send_part, waiting
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +42,6 @@ DRAIN_BATCH = 64
 PROTOCOL_LOG_BURST = 20
 PROTOCOL_LOG_INTERVAL_S = 5.0
 
-_NOBLOCK = int(zmq.NOBLOCK)
-_POLLIN = int(zmq.POLLIN)
-_zmq_poll = zmq.zmq_poll
-_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-# The Cython socket's own send. pyzmq's Python-level `Socket.send` only adds DRAFT routing_id /
-# group handling (unused here) around it, and `send_multipart` a type check per part: together
-# they cost as much as the rest of an ACK's way out (measured with callgrind).
-_send_part = getattr(zmq.backend, "Socket", zmq.Socket).send
-
 # Which socket a frame came from: it picks the decoder (what each side may send), names the peer in
 # logs, and says who finished a session on a RequestFinish (a worker relays an agent's).
 Side = Literal["worker", "trainer"]
@@ -60,17 +52,6 @@ Decoder = Callable[[bytes], "protocol.WorkerToBroker | protocol.TrainerToBroker"
 _encode_turn_opened = protocol.frame_encoder(protocol.TurnOpened)
 _encode_turn_committed = protocol.frame_encoder(protocol.TurnCommitted)
 _encode_turn_aborted = protocol.frame_encoder(protocol.TurnAborted)
-
-
-def _waiting(probe: list[tuple[zmq.Socket, int]]) -> bool:
-    """Whether a frame waits on the socket of `probe` (`[(socket, POLLIN)]`).
-
-    zmq_poll with no timeout asks the socket's ZMQ_EVENTS, which also takes the commands its
-    descriptor announced. Through `zmq_poll` rather than `getsockopt(EVENTS)`: pyzmq's getsockopt
-    builds an enum of the option on every call (~9.6k instructions against ~3.3k, one syscall less
-    but ~20% slower here).
-    """
-    return bool(_zmq_poll(probe, 0))
 
 
 class BrokerServer:
@@ -97,7 +78,8 @@ class BrokerServer:
             trim=glibc_malloc_trim() if config.trim_min_bytes > 0 else None,
         )
         self._ctx: zmq.Context | None = None
-        self._workers: zmq.Socket | None = None
+        self._routers: tuple[RouterSocket, RouterSocket] | None = None  # (worker, control), once bound
+        self._workers: zmq.Socket | None = None  # their raw sockets: what the per-frame calls take
         self._control: zmq.Socket | None = None
         self._rows = RowBuilder(config.tokenizer)
         self.outbox = Outbox(
@@ -117,41 +99,27 @@ class BrokerServer:
     # --- startup ---------------------------------------------------------------------
 
     def bind(self) -> tuple[str, str]:
-        """Bind both endpoints; returns (worker, control) as actually bound."""
-        self._ctx = zmq.Context()
+        """Bind both endpoints; returns (worker, control) as actually bound. `sockets.BindError` if one cannot be."""
+        ctx = self._ctx = zmq.Context()
         try:
-            self._workers = self._router(self.config.worker_endpoint)
-            self._control = self._router(self.config.control_endpoint)
+            workers = RouterSocket(ctx, self.config.worker_endpoint, self.config)
+            control = RouterSocket(ctx, self.config.control_endpoint, self.config)
         except zmq.ZMQError:
-            self._ctx.destroy(linger=0)
+            ctx.destroy(linger=0)
             raise
+        self._routers = workers, control
+        self._workers, self._control = workers.sock, control.sock
         return self.worker_endpoint, self.control_endpoint
-
-    def _router(self, endpoint: str) -> zmq.Socket:
-        assert self._ctx is not None
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, self.config.shutdown_linger_ms)
-        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
-        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
-        # Unroutable replies raise instead of vanishing, so they are counted and logged.
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as e:
-            sock.close(linger=0)
-            raise zmq.ZMQError(e.errno, f"cannot bind {endpoint}: {e.strerror}") from e
-        return sock
 
     @property
     def worker_endpoint(self) -> str:
-        assert self._workers is not None
-        return str(self._workers.getsockopt_string(zmq.LAST_ENDPOINT))
+        assert self._routers is not None
+        return self._routers[0].endpoint
 
     @property
     def control_endpoint(self) -> str:
-        assert self._control is not None
-        return str(self._control.getsockopt_string(zmq.LAST_ENDPOINT))
+        assert self._routers is not None
+        return self._routers[1].endpoint
 
     def warm_up(self) -> None:
         """Load what the first finish would otherwise load inside the loop (the response tokenizer)."""
@@ -171,20 +139,21 @@ class BrokerServer:
 
     def run(self) -> None:
         """Serve until `request_exit`, then shut down within the configured linger."""
-        assert self._workers is not None and self._control is not None, "bind() first"
-        workers, control = self._workers, self._control
+        assert self._routers is not None, "bind() first"
+        worker_router, control_router = self._routers
+        workers, control = worker_router.sock, control_router.sock
         # The loop sleeps in one poll(2) on the sockets' notification descriptors (ZMQ_FD) rather
         # than in a blocking zmq_poll over both sockets, which first polls without sleeping and asks
         # every socket for ZMQ_EVENTS before and after it sleeps (two syscalls each: libzmq's fork
         # check and a poll of the socket's mailbox): ~20 syscalls a wake-up with the drain's failing
         # receive. A ZMQ_FD is edge-triggered: it turns readable when the socket's mailbox gets a
-        # command (e.g. "messages arrived"), so a socket is drained until a probe (`_waiting`) shows
+        # command (e.g. "messages arrived"), so a socket is drained until a probe (`waiting`) shows
         # nothing waiting, and probed again after any send (libzmq may take that command on a send)
         # before the loop may sleep (`_drain`, `_control_sent`).
         poller = select.poll()
-        worker_fd = int(workers.getsockopt(zmq.FD))
+        worker_fd = worker_router.fd()
         poller.register(worker_fd, select.POLLIN)
-        poller.register(int(control.getsockopt(zmq.FD)), select.POLLIN)
+        poller.register(control_router.fd(), select.POLLIN)
         try:
             compact, compaction, trimmer = self.config.compact_idle, self.registry.compaction, self.trimmer
             counters = self.registry.counters
@@ -200,7 +169,7 @@ class BrokerServer:
                     if due is not None and due <= now:
                         self._send_all(parked.expire(now))
                 if self._control_sent:  # replies to parked requests went out since the control socket was asked
-                    control_ready = control_ready or _waiting([(control, _POLLIN)])
+                    control_ready = control_ready or waiting([(control, POLLIN)])
                     self._control_sent = False
                 if workers_ready or control_ready:
                     # Frames still wait on one socket: a look at the other without sleeping, so a
@@ -242,20 +211,20 @@ class BrokerServer:
         """
         replies: list[tuple[list[bytes], protocol.Message | bytes]] = []
         recv, handle = sock.recv, self._handle_frame
-        probe = [(sock, _POLLIN)]
+        probe = [(sock, POLLIN)]
         for n in range(1, DRAIN_BATCH + 1):
             # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter. Echo the
             # whole envelope so either kind of peer gets its reply. The identity is always
             # followed by more parts; the others are received as frames only to read their MORE
             # flag (what `recv_multipart` asks a getsockopt for, at twice the cost of a recv).
             try:
-                envelope = [recv(_NOBLOCK)]
+                envelope = [recv(NOBLOCK)]
             except zmq.Again:  # the descriptor woke the loop for a command that brought no message
                 break
-            part = recv(_NOBLOCK, copy=False)  # the parts of one message arrive together
+            part = recv(NOBLOCK, copy=False)  # the parts of one message arrive together
             while part.more:
                 envelope.append(part.bytes)
-                part = recv(_NOBLOCK, copy=False)
+                part = recv(NOBLOCK, copy=False)
             payload = part.bytes
             try:
                 reply = handle(envelope, payload, decode, side)
@@ -265,13 +234,13 @@ class BrokerServer:
             if reply is not None:
                 replies.append((envelope, reply))
             # Asked instead of a receive that fails: pyzmq's zmq.Again costs ~26k instructions.
-            if n == DRAIN_BATCH or not _waiting(probe):
+            if n == DRAIN_BATCH or not waiting(probe):
                 break
         # Replies leave as one burst after the batch: libzmq wakes its I/O thread once per
         # burst instead of once per reply (measured: that wake-up dominated the send cost).
         for envelope, reply in replies:
             self._send(sock, envelope, reply)
-        more = _waiting(probe)  # after the sends: a send may have taken the command that announced a frame
+        more = waiting(probe)  # after the sends: a send may have taken the command that announced a frame
         if sock is self._control:
             self._control_sent = False
         return more
@@ -300,8 +269,8 @@ class BrokerServer:
                 self._refusals[reply.code] += 1
         try:
             for part in envelope:
-                _send_part(sock, part, _MORE_NOBLOCK)
-            _send_part(sock, frame, _NOBLOCK)
+                send_part(sock, part, MORE_NOBLOCK)
+            send_part(sock, frame, NOBLOCK)
         except zmq.ZMQError as e:
             # EHOSTUNREACH: the peer disconnected; EAGAIN: its queue is full (both raised by the
             # first part, so no half message is left behind). Either way the peer's own deadline

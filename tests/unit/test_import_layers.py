@@ -4,8 +4,10 @@
   starlette, transformers or gateway_workers.
 - `broker.protocol` is shared by everyone: stdlib + msgpack only, so not even zmq.
 - `broker` never imports `gateway_workers` or `trainer_client`, nor the asyncio stack.
-- Per broker sub-package (every module of it imported, found by file): `broker.codec` and
-  `broker.protocol` load no zmq and nothing of `broker` but each other; `broker.sessions` nothing
+- Per broker sub-package (every module of it imported, found by file): `broker.protocol`,
+  `broker.messages` and `broker.codec` load no zmq; of `broker`, the protocol loads only those two,
+  the messages only `broker.codec`, the codec nothing else; `broker.sockets` (the ROUTER role) only
+  the config and the wire; `broker.sessions` nothing
   of `broker.episodes`; neither of those two opens sockets (no zmq, no `broker.server`).
   `broker.episodes` may import `broker.sessions`, not the reverse.
 - `broker.token_ids` (byte tables, matching prefixes) is the other broker module workers may import:
@@ -64,10 +66,12 @@ class Layer(NamedTuple):
     broker_only: tuple[str, ...] | None = None
 
 
-_WIRE = ("broker.protocol", "broker.codec")
+_WIRE = ("broker.protocol", "broker.messages", "broker.codec")
 SUBPACKAGES = {
     "broker.protocol": Layer(forbid=("zmq", "asyncio"), broker_only=_WIRE),
-    "broker.codec": Layer(forbid=("zmq", "asyncio"), broker_only=_WIRE),
+    "broker.messages": Layer(forbid=("zmq", "asyncio"), broker_only=("broker.messages", "broker.codec")),
+    "broker.codec": Layer(forbid=("zmq", "asyncio"), broker_only=("broker.codec",)),
+    "broker.sockets": Layer(forbid=("asyncio",), broker_only=("broker.sockets", "broker.config", *_WIRE)),
     "broker.sessions": Layer(forbid=("broker.episodes", "broker.server", "zmq", "asyncio")),
     "broker.episodes": Layer(forbid=("broker.server", "zmq", "asyncio")),  # broker.sessions is allowed
     "broker.token_ids": Layer(
@@ -172,7 +176,8 @@ def test_the_watch_is_real():
     assert "msgpack" in loaded_after_import("broker.protocol", ["msgpack"])
     # the sub-package probe finds every module and sees what they pull in
     assert {"broker.sessions.compaction", "broker.sessions.logs.ranges"} <= set(modules_of("broker.sessions"))
-    assert "broker.codec.fast" in all_loaded_after_import(["broker.protocol"])
+    assert {"broker.codec.fast", "broker.messages.worker"} <= set(all_loaded_after_import(["broker.protocol"]))
+    assert {"broker.messages.common", "broker.messages.trainer"} <= set(modules_of("broker.messages"))
     assert any(under(m, ("broker.sessions",)) for m in all_loaded_after_import(modules_of("broker.episodes")))
     assert any(under(m, (_GW + "engines",)) for m in all_loaded_after_import(modules_of(_GW + "turns")))
     assert "zmq" in all_loaded_after_import(modules_of(_GW + "capture"))

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from broker import protocol
 from broker.sessions import turn_store
-from broker.sessions.registry import COMPACT_CHUNK_BYTES, SessionRegistry
+from broker.sessions.compaction import COMPACT_CHUNK_BYTES
+from broker.sessions.registry import SessionRegistry
 from gateway_workers.capture.commit_bases import CommitBases
 
 
