@@ -42,6 +42,10 @@ class BadRequest:
     field: str | None  # OpenAI shapes: error.param, exactly; Anthropic: a substring of error.message
     code: str
     status: int = 400
+    # A string over max_string_chars is found by the adapter (naming `field`) or on the decoded body at the
+    # HTTP edge, whose error names the string's path (e.g. "messages.[0].content"): `edge` is where that
+    # path starts (OpenAI shapes; Anthropic's message names the limit either way).
+    edge: str | None = None
 
     @property
     def name(self) -> str:
@@ -54,6 +58,15 @@ DROP = object()  # an override that removes the key
 def _with(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     body = {**base, **over}
     return {k: v for k, v in body.items() if v is not DROP}
+
+
+def _long(value: Any) -> bool:
+    """Whether a JSON value holds a string over the limit."""
+    if isinstance(value, str):
+        return len(value) > LIMITS.max_string_chars
+    if isinstance(value, dict):
+        return any(_long(k) or _long(v) for k, v in value.items())
+    return isinstance(value, list) and any(_long(v) for v in value)
 
 
 def deep_schema(levels: int) -> dict[str, Any]:
@@ -304,7 +317,8 @@ def _chat_entries() -> list[BadRequest]:
         ("limit-arguments-depth", _msgs(USER, _asst(_call(arguments=json.dumps(deep_value(12)))), _tool()),
          "messages", TOO_DEEP),
     ]
-    return [BadRequest("chat", id_, body, field, code) for id_, body, field, code in e]
+    return [BadRequest("chat", id_, body, field, code, edge=field if code == TOO_LONG else None)
+            for id_, body, field, code in e]
 
 
 # --- Anthropic Messages -----------------------------------------------------------------------
@@ -518,7 +532,8 @@ def _messages_entries() -> list[BadRequest]:
         ("limit-input-depth", _turns(USER, _assistant(_use(input=deep_value(12))), _user(_result())),
          "nested more than 8"),
     ]
-    return [BadRequest("messages", id_, body, field, ANTHROPIC_INVALID) for id_, body, field in e]
+    return [BadRequest("messages", id_, body, field, ANTHROPIC_INVALID, edge="messages" if _long(body) else None)
+            for id_, body, field in e]
 
 
 # --- OpenAI Responses -------------------------------------------------------------------------
@@ -678,9 +693,11 @@ def _responses_entries() -> list[BadRequest]:
         ("limit-arguments-string", _items(q, _fc(arguments=json.dumps({"city": LONG})), _out()), "messages",
          TOO_LONG),
         ("limit-schema-depth", _resp(tools=[_rtool(parameters=deep_schema(5))]), "tools", TOO_DEEP),
-        ("limit-arguments-depth", _items(q, _fc(arguments=json.dumps(deep_value(12))), _out()), "messages", TOO_DEEP),
+        ("limit-arguments-depth", _items(q, _fc(arguments=json.dumps(deep_value(12))), _out()), "input", TOO_DEEP),
     ]
-    return [BadRequest("responses", id_, body, field, code) for id_, body, field, code in e]
+    return [BadRequest("responses", id_, body, field, code,
+                       edge=("instructions" if "instructions" in body else "input") if code == TOO_LONG else None)
+            for id_, body, field, code in e]
 
 
 CORPUS: list[BadRequest] = [*_chat_entries(), *_messages_entries(), *_responses_entries()]
@@ -733,6 +750,8 @@ def mismatch(entry: BadRequest, status: int, error_json: Any) -> str | None:
         return None
     if error.get("type") != "invalid_request_error" or error.get("code") != entry.code:
         return f"error.type {error.get('type')!r} / code {error.get('code')!r}, expected {entry.code!r}: {error}"
-    if error.get("param") != entry.field:
-        return f"error.param {error.get('param')!r}, expected {entry.field!r}: {error['message']}"
+    param, edge = error.get("param"), entry.edge
+    at_edge = edge is not None and isinstance(param, str) and (param == edge or param.startswith(edge + "."))
+    if param != entry.field and not at_edge:
+        return f"error.param {param!r}, expected {entry.field!r}: {error['message']}"
     return None
