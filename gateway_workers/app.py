@@ -38,7 +38,7 @@ from gateway_workers.formats import PLAIN_TEXT, ResponseParser, detect_parser
 from gateway_workers.http.connection import AgentConnection, session_key
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session
-from gateway_workers.http.limits import RequestLimits, check_content_length, check_headers, too_large
+from gateway_workers.http.limits import RequestLimits, check_content_length, check_headers, check_strings, too_large
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
 from gateway_workers.rendering.twins.checks import twin_stats
@@ -129,11 +129,14 @@ def _error(adapter: Adapter[Any], error: ApiError, counters: Counter[str]) -> Re
                     headers=headers)
 
 
-def _json(raw: bytes) -> Any:
+def _json(raw: bytes, limits: RequestLimits) -> Any:
     try:
-        return orjson.loads(raw)
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, "invalid_request", f"the body is not valid JSON: {e}") from None
+    if len(raw) > limits.max_string_chars:  # only such a body can hold a string over the limit
+        check_strings(body, limits)
+    return body
 
 
 async def _read_body(headers: Headers, receive: Receive, limits: RequestLimits) -> bytes:
@@ -189,7 +192,7 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapte
         check_headers(scope["headers"], limits)
         request_headers = Headers(scope=scope)
         sid = _key(request_headers)
-        parsed = adapter.parse_request(_json(await _read_body(request_headers, receive, limits)), limits)
+        parsed = adapter.parse_request(_json(await _read_body(request_headers, receive, limits), limits), limits)
         parsed = await adapter.load_history(parsed, sid, pipeline)
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
@@ -257,7 +260,7 @@ async def count_tokens(request: Request) -> Response:
         check_headers(request.scope["headers"], limits)
         sid = _key(request.headers)
         body = await _read_body(request.headers, request.receive, limits)
-        parsed = anthropic_messages.parse_request(_json(body), limits, counting=True)
+        parsed = anthropic_messages.parse_request(_json(body, limits), limits, counting=True)
         await state.pipeline.check_session(sid)
         count = await state.pipeline.count_tokens(parsed.turn)
     except ApiError as e:

@@ -26,8 +26,6 @@ from gateway_workers.adapters.common import (
     canonical_tools,
     check_known,
     check_object,
-    check_parts,
-    check_stop,
     check_types,
     flag,
     integer,
@@ -36,7 +34,14 @@ from gateway_workers.adapters.common import (
     sse,
 )
 from gateway_workers.http.errors import ApiError
-from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
+from gateway_workers.http.limits import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    check_count,
+    check_depth,
+    check_parts,
+    check_turn,
+)
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
@@ -83,12 +88,13 @@ class MessagesRequest:
     stream: bool
 
 
-def _text_blocks(content: Any, where: str, joiner: str) -> str:
+def _text_blocks(content: Any, where: str, joiner: str, limits: RequestLimits) -> str:
     """A string, or a list of text blocks joined (other block types are refused)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(f"{where}: content must be a string or a list of text blocks", "messages")
+    check_parts(content, limits, "messages")
     texts = []
     for block in content:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
@@ -98,11 +104,12 @@ def _text_blocks(content: Any, where: str, joiner: str) -> str:
     return joiner.join(texts)
 
 
-def _assistant(content: Any, where: str, pending: PendingCalls) -> dict[str, Any]:
+def _assistant(content: Any, where: str, pending: PendingCalls, limits: RequestLimits) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
         raise bad(f"{where}: content must be a string or a list of blocks", "messages")
+    check_parts(content, limits, "messages")
     text, reasoning, calls = [], [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -122,6 +129,7 @@ def _assistant(content: Any, where: str, pending: PendingCalls) -> dict[str, Any
                           code="missing_required_parameter")
             if not pending.make(call_id, name):
                 raise bad(f"{where}.content.{j}: `tool_use` ids must be unique: {call_id!r}", "messages")
+            check_depth(arguments, limits, "messages")
             calls.append({"name": name, "arguments": arguments})
         else:
             raise bad(f"{where}.content[{j}]: block type {kind!r} is not supported in assistant messages", "messages")
@@ -139,6 +147,7 @@ def _user(content: Any, where: str, pending: PendingCalls, limits: RequestLimits
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
         raise bad(f"{where}: content must be a string or a list of blocks", "messages")
+    check_parts(content, limits, "messages")
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     for j, block in enumerate(content):
@@ -150,11 +159,9 @@ def _user(content: Any, where: str, pending: PendingCalls, limits: RequestLimits
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             result = block.get("content", "")
-            if type(result) is list:
-                check_count(len(result), limits.max_content_parts, "content parts in one tool_result", "messages")
             tool: dict[str, Any] = {
                 "role": "tool",
-                "content": _text_blocks(result, f"{where}.content[{j}].content", "\n"),
+                "content": _text_blocks(result, f"{where}.content[{j}].content", "\n", limits),
             }
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
@@ -181,14 +188,10 @@ def _messages(body: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list", "messages")
     check_count(len(raw), limits.max_messages, "messages", "messages")
-    check_parts(raw, limits, "content", "messages")
-    system = body.get("system")
-    if type(system) is list:
-        check_count(len(system), limits.max_content_parts, "content parts in one message", "system")
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        text = _text_blocks(system, "system", "\n")
+        text = _text_blocks(system, "system", "\n", limits)
         if text:
             messages.append({"role": "system", "content": text})
     pending = PendingCalls()
@@ -200,7 +203,7 @@ def _messages(body: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any
         opened = dict(pending.open)
         if message["role"] == "assistant":
             _unanswered(opened, i)
-            messages.append(_assistant(message.get("content"), where, pending))
+            messages.append(_assistant(message.get("content"), where, pending, limits))
         else:
             messages.extend(_user(message.get("content"), where, pending, limits))
             _unanswered(pending.open, i - 1)
@@ -264,13 +267,12 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, *, counting
     stop = body.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise bad("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
-    check_stop(stop or [], limits, "stop_sequences")
     max_tokens = integer(body, "max_tokens", 1)
     if max_tokens is None and not counting:
         raise bad("'max_tokens' is required", "max_tokens", code="missing_required_parameter")
     _check_thinking(body.get("thinking"), max_tokens)
     messages, tools = _messages(body, limits), _tools(body.get("tools"))
-    check_turn(messages, tools, limits)
+    check_turn(tools, limits)
     turn = TurnRequest(
         messages=messages,
         tools=tools,

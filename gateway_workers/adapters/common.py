@@ -19,7 +19,7 @@ import orjson
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import DeltaKind, LiveDelta
 from gateway_workers.http.errors import ApiError
-from gateway_workers.http.limits import RequestLimits, check_count, check_string
+from gateway_workers.http.limits import RequestLimits, check_depth
 
 # The tool names both APIs accept: OpenAI up to 64 characters, Anthropic up to 128 (`canonical_tools(max_name=)`).
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
@@ -43,21 +43,6 @@ def check_types(body: Mapping[str, Any], types: Mapping[str, type]) -> None:
         value = body.get(name)
         if value is not None and not isinstance(value, kind):
             raise bad(f"'{name}' must be {_TYPE_NAMES[kind]}", name)
-
-
-def check_stop(stop: list[str], limits: RequestLimits, param: str) -> None:
-    """Stop sequences go to the engine as they are: each within `max_string_chars`."""
-    for text in stop:
-        check_string(text, limits, param)
-
-
-def check_parts(items: list[Any], limits: RequestLimits, key: str, param: str) -> None:
-    """Each item's `key` list (a message's content parts) within `max_content_parts`, before it is walked."""
-    most = limits.max_content_parts
-    for item in items:
-        parts = item.get(key) if type(item) is dict else None
-        if type(parts) is list and len(parts) > most:
-            check_count(len(parts), most, "content parts in one message", param)
 
 
 def check_known(body: Mapping[str, Any], handled: set[str], ignored: set[str]) -> None:
@@ -163,15 +148,21 @@ def canonical_tools(
     return tools
 
 
-def parse_arguments(raw: Any) -> Any:
-    """Wire arguments (a JSON string) -> canonical (an object); text that is not a JSON object stays text."""
+def parse_arguments(raw: Any, limits: RequestLimits | None, param: str) -> Any:
+    """Wire arguments (a JSON string) -> canonical (an object); text that is not a JSON object stays text.
+
+    `limits` bounds the object's nesting (None: the arguments were checked when first parsed).
+    """
     if isinstance(raw, str):
         try:
             value = orjson.loads(raw) if raw.strip() else {}
         except orjson.JSONDecodeError:
             return raw
-        # the APIs take any string; a template renders text, but iterates an object's items
-        return value if isinstance(value, dict) else raw
+        if not isinstance(value, dict):
+            return raw  # the APIs take any string; a template renders text, but iterates an object's items
+        if limits is not None:
+            check_depth(value, limits, param, raw)
+        return value
     return raw if raw is not None else {}
 
 

@@ -21,8 +21,6 @@ from gateway_workers.adapters.common import (
     arguments_json,
     bad,
     canonical_tools,
-    check_parts,
-    check_stop,
     check_types,
     flag,
     integer,
@@ -30,7 +28,7 @@ from gateway_workers.adapters.common import (
     parse_arguments,
 )
 from gateway_workers.http.errors import ApiError
-from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
+from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_parts, check_turn
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
@@ -82,13 +80,14 @@ def error_body(error: ApiError) -> dict[str, Any]:
     }
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, limits: RequestLimits) -> str:
     """String content, or a list of text parts joined with newlines (as vLLM does)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        check_parts(content, limits, "messages")
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
@@ -101,7 +100,7 @@ def _text(content: Any, where: str) -> str:
     raise bad(f"{where}: 'content' must be a string or a list of parts", "messages")
 
 
-def _message(raw: Any, index: int, pending: PendingCalls) -> dict[str, Any]:
+def _message(raw: Any, index: int, pending: PendingCalls, limits: RequestLimits) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise bad(f"messages[{index}] must be an object", "messages")
     role = raw.get("role")
@@ -120,20 +119,19 @@ def _message(raw: Any, index: int, pending: PendingCalls) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
         # plain text (nearly every message) skips the call; `where` is formatted only for an error
-        "content": content if type(content) is str else _text(content, f"messages[{index}]"),
+        "content": content if type(content) is str else _text(content, f"messages[{index}]", limits),
     }
     if role == "assistant":
-        where = f"messages[{index}]"
         reasoning = raw.get("reasoning_content", raw.get("reasoning"))
         if reasoning is not None and not isinstance(reasoning, str):
-            raise bad(f"{where}: 'reasoning_content' must be a string", "messages")
+            raise bad(f"messages[{index}]: 'reasoning_content' must be a string", "messages")
         if reasoning:
             message["reasoning"] = reasoning
         calls = raw.get("tool_calls")
         if calls is not None and not isinstance(calls, list):
-            raise bad(f"{where}: 'tool_calls' must be a list", f"messages.[{index}].tool_calls")
+            raise bad(f"messages[{index}]: 'tool_calls' must be a list", f"messages.[{index}].tool_calls")
         if calls:
-            message["tool_calls"] = [_call(call, index, j, pending) for j, call in enumerate(calls)]
+            message["tool_calls"] = [_call(call, index, j, pending, limits) for j, call in enumerate(calls)]
     elif role == "tool":
         call_id = raw.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
@@ -148,25 +146,35 @@ def _message(raw: Any, index: int, pending: PendingCalls) -> dict[str, Any]:
     return message
 
 
-def _call(call: Any, index: int, j: int, pending: PendingCalls) -> dict[str, Any]:
+def _call(call: Any, index: int, j: int, pending: PendingCalls, limits: RequestLimits) -> dict[str, Any]:
     """An echoed tool call -> canonical (name + parsed arguments); its id opens a call the tool messages answer."""
+    fn = call.get("function") if type(call) is dict else None
+    if type(fn) is not dict:
+        raise _bad_call(call, index, j)
+    name, call_id, arguments = fn.get("name"), call.get("id"), fn.get("arguments")
+    if (type(name) is not str or not name or type(call_id) is not str or not call_id or type(arguments) is not str
+            or call.get("type", "function") != "function"):
+        raise _bad_call(call, index, j)
+    if not pending.make(call_id, name):
+        raise bad(f"messages[{index}].tool_calls[{j}]: duplicate tool call id {call_id!r}",
+                  f"messages.[{index}].tool_calls.[{j}].id")
+    return {"name": name, "arguments": parse_arguments(arguments, limits, "messages")}
+
+
+def _bad_call(call: Any, index: int, j: int) -> ApiError:
+    """What is wrong with an echoed tool call, naming the field (the error path only: `_call` checks in one go)."""
     where, param = f"messages[{index}].tool_calls[{j}]", f"messages.[{index}].tool_calls.[{j}]"
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise bad(f"{where} needs function.name", f"{param}.function.name")
+        return bad(f"{where} needs function.name", f"{param}.function.name")
     if call.get("type", "function") != "function":
-        raise bad(f"{where}: only function tool calls are supported", f"{param}.type")
-    call_id = call.get("id")
-    if not isinstance(call_id, str) or not call_id:
-        raise bad(f"missing required parameter: '{where}.id' (a string)", f"{param}.id",
-                  code="missing_required_parameter")
-    if not pending.make(call_id, fn["name"]):
-        raise bad(f"{where}: duplicate tool call id {call_id!r}", f"{param}.id")
+        return bad(f"{where}: only function tool calls are supported", f"{param}.type")
+    if not isinstance(call.get("id"), str) or not call["id"]:
+        return bad(f"missing required parameter: '{where}.id' (a string)", f"{param}.id",
+                   code="missing_required_parameter")
     arguments = fn.get("arguments")
-    if not isinstance(arguments, str):
-        raise bad(f"{where}.function.arguments must be a string (of JSON)", f"{param}.function.arguments",
-                  code="missing_required_parameter" if arguments is None else "invalid_request")
-    return {"name": fn["name"], "arguments": parse_arguments(arguments)}
+    return bad(f"{where}.function.arguments must be a string (of JSON)", f"{param}.function.arguments",
+               code="missing_required_parameter" if arguments is None else "invalid_request")
 
 
 def _function_fields(tool: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -203,7 +211,6 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
     if not isinstance(raw_messages, list) or not raw_messages:
         raise bad("'messages' must be a non-empty list", "messages")
     check_count(len(raw_messages), limits.max_messages, "messages", "messages")
-    check_parts(raw_messages, limits, "content", "messages")
     check_types(body, _TYPES)
     if integer(body, "n", 1) not in (1, None):
         raise bad("only n=1 is supported", "n")
@@ -212,7 +219,7 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
     if tool_choice not in ("auto", None):
         raise bad("only tool_choice='auto' is supported", "tool_choice")
     pending = PendingCalls()
-    messages = [_message(m, i, pending) for i, m in enumerate(raw_messages)]
+    messages = [_message(m, i, pending, limits) for i, m in enumerate(raw_messages)]
     if pending.open:
         raise bad(
             "an assistant message with 'tool_calls' must be followed by tool messages responding to each "
@@ -224,7 +231,6 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise bad("'stop' must be a string or a list of non-empty strings", "stop")
-    check_stop(stop or [], limits, "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
@@ -237,7 +243,7 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
         raise bad("'seed' must be an integer", "seed")
     max_tokens = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
     tools = _tools(body.get("tools"))
-    check_turn(messages, tools, limits)
+    check_turn(tools, limits)
     turn = TurnRequest(
         messages=messages,
         tools=tools,

@@ -28,7 +28,6 @@ from gateway_workers.adapters.common import (
     canonical_tools,
     check_known,
     check_object,
-    check_parts,
     check_types,
     flag,
     integer,
@@ -120,14 +119,12 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> Response
     items = body.get("input")
     if type(items) is list:
         check_count(len(items), limits.max_messages, "input items", "input")
-        for key in ("content", "summary", "output"):  # message and reasoning parts, a call output's parts
-            check_parts(items, limits, key, "input")
     # With previous_response_id, call outputs may answer that response's calls: checked once it is loaded.
-    messages = canonical_messages(items, None if previous_turn is not None else {})
+    messages = canonical_messages(items, None if previous_turn is not None else {}, limits)
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     tools = _tools(body.get("tools"))
-    check_turn(messages, tools, limits)
+    check_turn(tools, limits)
     turn = TurnRequest(
         messages=messages,
         tools=tools,
@@ -170,7 +167,7 @@ def with_history(request: ResponsesRequest, found: TurnFound) -> ResponsesReques
     calls = found.response_message.get("tool_calls") or []
     call_names = {tool_call_id("call_", found.turn_id, i): c.get("name") for i, c in enumerate(calls)}
     items = request.items[0] if len(request.items) == 1 and isinstance(request.items[0], str) else request.items
-    turn = dataclasses.replace(request.turn, messages=chain + canonical_messages(items, call_names))
+    turn = dataclasses.replace(request.turn, messages=chain + canonical_messages(items, call_names, None))
     return dataclasses.replace(request, turn=turn)
 
 

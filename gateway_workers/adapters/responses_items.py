@@ -12,16 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 from gateway_workers.adapters.common import PendingCalls, bad, parse_arguments
+from gateway_workers.http.limits import RequestLimits, check_parts
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, limits: RequestLimits | None) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(f"{where}: content must be a string or a list of parts", "input")
+    if limits is not None:
+        check_parts(content, limits, "input")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -32,22 +35,27 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _reasoning_text(item: dict[str, Any], where: str) -> str:
+def _reasoning_text(item: dict[str, Any], where: str, limits: RequestLimits | None) -> str:
     parts = item.get("content") or item.get("summary") or []
     if not isinstance(parts, list):
         raise bad(f"{where}: reasoning content must be a list", "input")
+    if limits is not None:
+        check_parts(parts, limits, "input")
     texts = [p.get("text") if isinstance(p, dict) else None for p in parts]
     if not all(isinstance(t, str) for t in texts):
         raise bad(f"{where}: reasoning parts need a string 'text'", "input")
     return "".join(t for t in texts if t)
 
 
-def canonical_messages(items: Any, earlier_calls: dict[str, str] | None) -> list[dict[str, Any]]:
+def canonical_messages(
+    items: Any, earlier_calls: dict[str, str] | None, limits: RequestLimits | None
+) -> list[dict[str, Any]]:
     """Input items -> canonical messages, each call output answering a call by its id.
 
     `earlier_calls` (call id -> name) are the calls of the response this input continues, which the
     input must answer too; None while that response is not known yet (the check is then left to the
-    call that knows it: `openai_responses.with_history`).
+    call that knows it: `openai_responses.with_history`). `limits` bounds parts and argument nesting
+    (None: the items were checked when the request was first parsed).
     """
     pending = PendingCalls()
     for call_id, name in (earlier_calls or {}).items():
@@ -73,7 +81,7 @@ def canonical_messages(items: Any, earlier_calls: dict[str, str] | None) -> list
             role = _ROLES.get(role) if type(role) is str else None
             if role is None:
                 raise bad(f"{where}: unknown role {item.get('role')!r}", "input")
-            text = _text(item.get("content"), where)
+            text = _text(item.get("content"), where, limits)
             if role != "assistant":
                 flush()
                 out.append({"role": role, "content": text})
@@ -83,7 +91,7 @@ def canonical_messages(items: Any, earlier_calls: dict[str, str] | None) -> list
             turn = turn or {"role": "assistant", "content": ""}
             turn["content"] += text
         elif kind == "reasoning":
-            text = _reasoning_text(item, where)
+            text = _reasoning_text(item, where, limits)
             if turn is not None and (turn["content"] or turn.get("tool_calls")):
                 flush()  # reasoning opens a new model turn
             turn = turn or {"role": "assistant", "content": ""}
@@ -101,14 +109,15 @@ def canonical_messages(items: Any, earlier_calls: dict[str, str] | None) -> list
                 raise bad(f"{where}: a function_call's arguments must be a string (of JSON)", "input",
                           code="missing_required_parameter" if arguments is None else "invalid_request")
             turn = turn or {"role": "assistant", "content": ""}
-            turn.setdefault("tool_calls", []).append({"name": name, "arguments": parse_arguments(arguments)})
+            call = {"name": name, "arguments": parse_arguments(arguments, limits, "input")}
+            turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             flush()
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise bad(f"{where}: a function_call_output needs a call_id", "input",
                           code="missing_required_parameter")
-            message = {"role": "tool", "content": _text(item.get("output", ""), where)}
+            message = {"role": "tool", "content": _text(item.get("output", ""), where, limits)}
             answered = pending.answer(call_id)
             if answered is not None:
                 message["name"] = answered

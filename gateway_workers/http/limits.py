@@ -2,9 +2,10 @@
 
 `RequestLimits` is one picklable record in `WorkerConfig` (CLI flags, `ROLLOUT_GATEWAY_MAX_*` variables).
 The body and header bounds are checked by the app before the body is read or parsed (413 / 431, and
-the connection is closed so an unread body is never buffered); the shape bounds (messages, tools,
-content parts, string lengths, JSON nesting) by the adapters while they translate, through `check_turn`
-and `check_json`. Deep JSON is refused because the template printers and the msgpack commit recurse on it.
+the connection is closed so an unread body is never buffered), and string lengths by the app on bodies
+long enough to hold an over-long string (`check_strings`); the shape bounds (messages, tools, content
+parts, JSON nesting) by the adapters where they walk what they bound (`check_parts`, `check_depth`,
+`check_turn`), so a request within the limits pays next to nothing for them.
 Imports nothing of the gateway but `http.errors`.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from gateway_workers.http.errors import ApiError
 
@@ -88,46 +91,77 @@ def check_string(text: str, limits: RequestLimits, param: str) -> None:
                        f"{limits.max_string_chars} are accepted", code="string_above_max_length", param=param)
 
 
-def check_json(value: Any, limits: RequestLimits, param: str) -> None:
-    """Free-form JSON (a schema, call arguments): nesting, container sizes and strings within the limits."""
-    stack = [(value, 1)]
-    max_depth, max_items, max_chars = limits.max_json_depth, limits.max_messages, limits.max_string_chars
+def check_strings(value: Any, limits: RequestLimits) -> None:
+    """Every string in a decoded body within `max_string_chars` (a walk of the whole body); the error names it.
+
+    Only bodies longer than `max_string_chars` bytes need it: a JSON string takes at least a byte
+    per character, so a shorter body cannot hold a longer string (`app` checks that first).
+    """
+    stack: list[tuple[Any, str]] = [(value, "")]
+    most = limits.max_string_chars
     while stack:
-        node, depth = stack.pop()
+        node, path = stack.pop()
         kind = type(node)
         if kind is str:
-            if len(node) > max_chars:
-                check_string(node, limits, param)
-            continue
-        if kind is dict:
-            children = [*node.keys(), *node.values()]
+            if len(node) > most:
+                check_string(node, limits, path or "body")
+        elif kind is dict:
+            stack.extend((key, path) for key in node)
+            stack.extend((child, f"{path}.{key}" if path else str(key)) for key, child in node.items())
         elif kind is list:
-            children = node
-        else:
-            continue
-        if depth > max_depth:
-            raise ApiError(400, "invalid_request", f"'{param}' is nested more than {max_depth} levels deep",
-                           code="nested_too_deep", param=param)
-        if len(node) > max_items:
-            check_count(len(node), max_items, "items in one object or array", param)
-        stack.extend((child, depth + 1) for child in children)
+            stack.extend((child, f"{path}.[{i}]") for i, child in enumerate(node))
 
 
-def check_turn(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, limits: RequestLimits) -> None:
-    """The shape bounds of a translated turn (canonical messages and tools), in one pass."""
-    check_count(len(messages), limits.max_messages, "messages", "messages")
-    max_chars = limits.max_string_chars
-    for message in messages:
-        if len(message["content"]) > max_chars:
-            check_string(message["content"], limits, "messages")
-        reasoning = message.get("reasoning")
-        if reasoning is not None and len(reasoning) > max_chars:
-            check_string(reasoning, limits, "messages")
-        calls = message.get("tool_calls")
-        if calls:
-            for call in calls:
-                check_json(call["arguments"], limits, "messages")
+def check_depth(value: Any, limits: RequestLimits, param: str, text: str | bytes | None = None) -> None:
+    """Free-form JSON (a tool schema, call arguments) nested at most `max_json_depth` containers deep.
+
+    A value nests no deeper than its text has brackets, so `text` (the JSON it was decoded from, or
+    else its orjson encoding) usually proves it at C speed; only a value with more brackets than the
+    limit is walked. Deep values are refused because the template printers and the msgpack commit
+    recurse on them.
+    """
+    most = limits.max_json_depth
+    if text is None:
+        try:
+            text = orjson.dumps(value)
+        except orjson.JSONEncodeError:  # orjson's own nesting limit, far above ours
+            raise _too_deep(param, most) from None
+    if isinstance(text, str):
+        if text.count("{") + text.count("[") <= most:
+            return
+    elif text.count(b"{") + text.count(b"[") <= most:
+        return
+    level = [value] if type(value) is dict or type(value) is list else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > most:
+            raise _too_deep(param, most)
+        inner: list[Any] = []
+        for node in level:
+            inner += [v for v in (node.values() if type(node) is dict else node) if type(v) in _CONTAINERS]
+        level = inner
+
+
+_CONTAINERS = (dict, list)
+
+
+def _too_deep(param: str, most: int) -> ApiError:
+    return ApiError(400, "invalid_request", f"'{param}' is nested more than {most} levels deep",
+                    code="nested_too_deep", param=param)
+
+
+def check_parts(parts: list[Any], limits: RequestLimits, param: str) -> None:
+    """One message's content parts within `max_content_parts` (called where a list of parts is walked)."""
+    if len(parts) > limits.max_content_parts:
+        check_count(len(parts), limits.max_content_parts, "content parts in one message", param)
+
+
+def check_turn(tools: list[dict[str, Any]] | None, limits: RequestLimits) -> None:
+    """The bounds on a turn's canonical tools that every dialect shares: how many, how deep."""
     if tools:
         check_count(len(tools), limits.max_tools, "tools", "tools")
-        for tool in tools:
-            check_json(tool, limits, "tools")
+        encoded = orjson.dumps(tools)
+        if encoded.count(b"{") + encoded.count(b"[") > limits.max_json_depth:  # else no tool can be too deep
+            for tool in tools:
+                check_depth(tool, limits, "tools")

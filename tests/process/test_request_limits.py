@@ -155,7 +155,8 @@ SHAPES = {
               "array_above_max_length", "tools"),
     "parts": ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 17}]},
               "array_above_max_length", "messages"),
-    "string": ({"messages": [{"role": "user", "content": "x" * 100_001}]}, "string_above_max_length", "messages"),
+    "string": ({"messages": [{"role": "user", "content": "x" * 100_001}]}, "string_above_max_length",
+               "messages.[0].content"),
     "schema_depth": ({"messages": USER, "tools": [_tool("deep", _deep(20))]}, "nested_too_deep", "tools"),
     "arguments_depth": (
         {"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [

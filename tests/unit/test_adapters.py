@@ -17,6 +17,7 @@ from gateway_workers.engines.base import EngineResult
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import LiveDelta
 from gateway_workers.http.errors import ApiError
+from gateway_workers.http.limits import DEFAULT_LIMITS
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
 CALL = {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}
@@ -191,6 +192,7 @@ def test_responses_fold_a_model_turn_and_split_consecutive_turns():
             {"role": "developer", "content": "be nice"},
         ],
         {},
+        DEFAULT_LIMITS,
     )
     assert messages == [
         {"role": "assistant", "content": "", "reasoning": "first", "tool_calls": [{"name": "f", "arguments": {}}]},

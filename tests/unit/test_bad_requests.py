@@ -21,9 +21,8 @@ from gateway_workers.http.errors import ApiError
 from gateway_workers.rendering.messages import template_messages
 
 ADAPTERS: dict[str, Any] = {"chat": openai_chat, "messages": anthropic_messages, "responses": openai_responses}
-# String lengths are checked on the whole decoded body by the HTTP edge where `http.limits` has that check,
-# else by the adapters; an `edge` entry may be refused by either.
-EDGE_STRINGS = getattr(limits, "check_strings", None)
+# String lengths are checked on the whole decoded body by the HTTP edge (`limits.check_strings`): an `edge`
+# entry is refused there when its adapter takes it.
 
 
 def _refusal(entry: BadRequest) -> ApiError:
@@ -32,9 +31,9 @@ def _refusal(entry: BadRequest) -> ApiError:
         ADAPTERS[entry.dialect].parse_request(entry.body, LIMITS)
     except ApiError as e:
         return e
-    if entry.edge is not None and EDGE_STRINGS is not None:
+    if entry.edge is not None:
         try:
-            EDGE_STRINGS(entry.body, LIMITS)
+            limits.check_strings(entry.body, LIMITS)
         except ApiError as e:
             return e
     pytest.fail(f"{entry.name} was accepted")
