@@ -11,7 +11,7 @@ VENV="${ROLLOUT_GATEWAY_TEST_VENV:-.venv-test}"
 LEGACY_VENV="${ROLLOUT_GATEWAY_LEGACY_VENV:-.venv-test-tf512}"
 LEGACY_TRANSFORMERS="${ROLLOUT_GATEWAY_LEGACY_TRANSFORMERS:-5.12.1}"
 # What depends on the parsing engine: the format unit tests and one tool episode per family through serve.
-LEGACY_TESTS=(tests/unit/test_parsing.py tests/unit/test_formats.py
+LEGACY_TESTS=(tests/unit/gateway_workers/formats/test_parsing.py tests/unit/gateway_workers/formats/test_formats.py
               tests/process/test_families.py::test_tool_episode_per_family)
 
 make_venv() {  # make_venv DIR [extra requirement...]

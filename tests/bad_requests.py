@@ -3,9 +3,9 @@
 Every entry is a JSON body that a buggy or hostile agent could send, the HTTP status and error code
 the gateway must answer with (OpenAI shapes: `error.code`; Anthropic: `error.type`), and the field
 the error must name (OpenAI shapes: exactly `error.param`; Anthropic, which has no param: a part of
-`error.message`). `tests/unit/test_bad_requests.py` runs them through each adapter's `parse_request`
-under `LIMITS`; `tests/process/test_bad_requests_served.py` sends them to a real `serve` started with
-`LIMIT_FLAGS`. Data only: imports nothing of the gateway but `RequestLimits`.
+`error.message`). `tests/unit/gateway_workers/adapters/test_bad_requests.py` runs them through each
+adapter's `parse_request` under `LIMITS`; `tests/process/test_bad_requests_served.py` sends them to a
+real `serve` started with `LIMIT_FLAGS`. Data only: imports nothing of the gateway but `RequestLimits`.
 """
 
 from __future__ import annotations

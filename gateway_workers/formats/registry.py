@@ -46,7 +46,7 @@ FORMATS: dict[str, ResponseFormat] = {
 
 # sha256 of a chat template's text (as transformers reads it: text mode, so '\r\n' becomes '\n')
 # -> format name. Each entry is a model family's own template
-# (trl ships byte-identical copies as chat_templates/<file>; `tests/unit/test_formats_registry.py`
+# (trl ships byte-identical copies as chat_templates/<file>; `tests/unit/gateway_workers/formats/test_formats.py`
 # hashes every one), plus trl's training variants of them, which parse the same.
 TEMPLATE_FORMATS: dict[str, str] = {
     # qwen3.jinja, qwen3_training.jinja

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_protocol import unpacked
+from wire_samples import unpacked
 
 from broker import protocol
 from broker.sessions.registry import Refusal, SessionRegistry

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-from test_compaction_policy import Clock, Episode
+from test_compaction import Clock, Episode
 
 from broker.config import BrokerConfig
 from broker.sessions import heap_trim

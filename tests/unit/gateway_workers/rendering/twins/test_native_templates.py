@@ -13,9 +13,9 @@ import logging
 
 import pytest
 from assets import TOOLS, TRL_QWEN3_SHA256
+from conversations import content, conversation
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_render_incremental import content, conversation
 
 from gateway_workers.rendering.messages import template_messages
 from gateway_workers.rendering.renderer import Renderer

@@ -19,7 +19,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_protocol import ALL, DECODERS, _values, unpacked
+from wire_samples import ALL, DECODERS, _values, unpacked
 
 from broker import protocol
 from broker.codec import fast as fastcodec
