@@ -20,7 +20,7 @@ import orjson
 from gateway_workers.adapters.base import no_history
 from gateway_workers.adapters.common import (
     BlockEvent,
-    PendingCalls,
+    OpenCalls,
     bad,
     block_events,
     canonical_tools,
@@ -104,7 +104,7 @@ def _text_blocks(content: Any, where: str, joiner: str, limits: RequestLimits) -
     return joiner.join(texts)
 
 
-def _assistant(content: Any, where: str, pending: PendingCalls, limits: RequestLimits) -> dict[str, Any]:
+def _assistant(content: Any, where: str, pending: OpenCalls, limits: RequestLimits) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
@@ -127,8 +127,9 @@ def _assistant(content: Any, where: str, pending: PendingCalls, limits: RequestL
             if not isinstance(call_id, str) or not call_id:
                 raise bad(f"{where}.content.{j}.tool_use.id: Field required (a string)", "messages",
                           code="missing_required_parameter")
-            if not pending.make(call_id, name):
+            if call_id in pending:
                 raise bad(f"{where}.content.{j}: `tool_use` ids must be unique: {call_id!r}", "messages")
+            pending[call_id] = name
             check_depth(arguments, limits, "messages")
             calls.append({"name": name, "arguments": arguments})
         else:
@@ -141,7 +142,7 @@ def _assistant(content: Any, where: str, pending: PendingCalls, limits: RequestL
     return message
 
 
-def _user(content: Any, where: str, pending: PendingCalls, limits: RequestLimits) -> list[dict[str, Any]]:
+def _user(content: Any, where: str, pending: OpenCalls, limits: RequestLimits) -> list[dict[str, Any]]:
     """A user turn: its tool results become tool messages and its text a user message, in order."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
@@ -167,7 +168,7 @@ def _user(content: Any, where: str, pending: PendingCalls, limits: RequestLimits
             if not isinstance(call_id, str) or not call_id:
                 raise bad(f"{where}.content.{j}.tool_result.tool_use_id: Field required (a string)", "messages",
                           code="missing_required_parameter")
-            name = pending.answer(call_id)
+            name = pending.pop(call_id, None)
             if name is None:
                 raise bad(f"{where}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {call_id}. "
                           "Each `tool_result` block must have a corresponding `tool_use` block in the previous "
@@ -194,21 +195,21 @@ def _messages(body: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any
         text = _text_blocks(system, "system", "\n", limits)
         if text:
             messages.append({"role": "system", "content": text})
-    pending = PendingCalls()
+    pending: OpenCalls = {}
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise bad(f"{where} must be an object with role 'user' or 'assistant'", "messages")
         # a tool_use's result must come in the very next message, which must then answer all of them
-        opened = dict(pending.open)
+        opened = dict(pending)
         if message["role"] == "assistant":
             _unanswered(opened, i)
             messages.append(_assistant(message.get("content"), where, pending, limits))
         else:
             messages.extend(_user(message.get("content"), where, pending, limits))
-            _unanswered(pending.open, i - 1)
-            pending.open.clear()
-    _unanswered(pending.open, len(raw) - 1)
+            _unanswered(pending, i - 1)
+            pending.clear()
+    _unanswered(pending, len(raw) - 1)
     return messages
 
 

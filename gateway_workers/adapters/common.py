@@ -79,28 +79,11 @@ def flag(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-class PendingCalls:
-    """The order rule for tool calls that every dialect enforces: each result answers an open call by its id.
-
-    An assistant message's calls open; each result closes one; a dialect decides when the calls left open
-    are an error (Chat Completions and Messages: at the next message that is not a result).
-    """
-
-    __slots__ = ("open",)
-
-    def __init__(self) -> None:
-        self.open: dict[str, str] = {}  # call id -> tool name, in call order
-
-    def make(self, call_id: str, name: str) -> bool:
-        """Open a call; False if its id is already open (a reused id)."""
-        if call_id in self.open:
-            return False
-        self.open[call_id] = name
-        return True
-
-    def answer(self, call_id: str) -> str | None:
-        """Close the open call with this id and return its tool name, or None if no such call is open."""
-        return self.open.pop(call_id, None)
+# The order rule for tool calls that every dialect enforces, as one dict per request: an assistant
+# message's calls open (call id -> tool name, in call order), each result closes one by its id, and a
+# dialect decides when calls left open are an error (Chat Completions and Messages: at the next
+# message that is not a result). A plain dict: its `in`, `pop` and assignment run per call.
+OpenCalls = dict[str, str]
 
 
 def canonical_tool(
@@ -160,8 +143,8 @@ def parse_arguments(raw: Any, limits: RequestLimits | None, param: str) -> Any:
             return raw
         if not isinstance(value, dict):
             return raw  # the APIs take any string; a template renders text, but iterates an object's items
-        if limits is not None:
-            check_depth(value, limits, param, raw)
+        if limits is not None and raw.count("{") + raw.count("[") > limits.max_json_depth:
+            check_depth(value, limits, param, raw)  # more brackets than the limit: walk it
         return value
     return raw if raw is not None else {}
 

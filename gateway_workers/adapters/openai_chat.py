@@ -17,7 +17,7 @@ import orjson
 
 from gateway_workers.adapters.base import no_history
 from gateway_workers.adapters.common import (
-    PendingCalls,
+    OpenCalls,
     arguments_json,
     bad,
     canonical_tools,
@@ -100,16 +100,16 @@ def _text(content: Any, where: str, limits: RequestLimits) -> str:
     raise bad(f"{where}: 'content' must be a string or a list of parts", "messages")
 
 
-def _message(raw: Any, index: int, pending: PendingCalls, limits: RequestLimits) -> dict[str, Any]:
+def _message(raw: Any, index: int, pending: OpenCalls, limits: RequestLimits) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise bad(f"messages[{index}] must be an object", "messages")
     role = raw.get("role")
     if type(role) is not str or role not in _ROLES:
         raise bad(f"messages[{index}]: unknown role {role!r}", "messages")
-    if role != "tool" and pending.open:
+    if role != "tool" and pending:
         raise bad(
             "an assistant message with 'tool_calls' must be followed by tool messages responding to each "
-            f"'tool_call_id'; these did not have response messages: {', '.join(pending.open)}",
+            f"'tool_call_id'; these did not have response messages: {', '.join(pending)}",
             f"messages.[{index}].role",
         )
     content = raw.get("content")
@@ -137,7 +137,7 @@ def _message(raw: Any, index: int, pending: PendingCalls, limits: RequestLimits)
         if not isinstance(call_id, str) or not call_id:
             raise bad(f"missing required parameter: 'messages[{index}].tool_call_id' (a string)",
                       f"messages.[{index}].tool_call_id", code="missing_required_parameter")
-        name = pending.answer(call_id)
+        name = pending.pop(call_id, None)
         if name is None:
             raise bad(f"messages[{index}]: a message with role 'tool' must be a response to a preceding message "
                       f"with 'tool_calls' (no open call has id {call_id!r})", f"messages.[{index}].tool_call_id")
@@ -146,7 +146,7 @@ def _message(raw: Any, index: int, pending: PendingCalls, limits: RequestLimits)
     return message
 
 
-def _call(call: Any, index: int, j: int, pending: PendingCalls, limits: RequestLimits) -> dict[str, Any]:
+def _call(call: Any, index: int, j: int, pending: OpenCalls, limits: RequestLimits) -> dict[str, Any]:
     """An echoed tool call -> canonical (name + parsed arguments); its id opens a call the tool messages answer."""
     fn = call.get("function") if type(call) is dict else None
     if type(fn) is not dict:
@@ -155,9 +155,10 @@ def _call(call: Any, index: int, j: int, pending: PendingCalls, limits: RequestL
     if (type(name) is not str or not name or type(call_id) is not str or not call_id or type(arguments) is not str
             or call.get("type", "function") != "function"):
         raise _bad_call(call, index, j)
-    if not pending.make(call_id, name):
+    if call_id in pending:
         raise bad(f"messages[{index}].tool_calls[{j}]: duplicate tool call id {call_id!r}",
                   f"messages.[{index}].tool_calls.[{j}].id")
+    pending[call_id] = name
     return {"name": name, "arguments": parse_arguments(arguments, limits, "messages")}
 
 
@@ -218,12 +219,12 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
     tool_choice = body.get("tool_choice", "auto")
     if tool_choice not in ("auto", None):
         raise bad("only tool_choice='auto' is supported", "tool_choice")
-    pending = PendingCalls()
+    pending: OpenCalls = {}
     messages = [_message(m, i, pending, limits) for i, m in enumerate(raw_messages)]
-    if pending.open:
+    if pending:
         raise bad(
             "an assistant message with 'tool_calls' must be followed by tool messages responding to each "
-            f"'tool_call_id'; these did not have response messages: {', '.join(pending.open)}",
+            f"'tool_call_id'; these did not have response messages: {', '.join(pending)}",
             f"messages.[{len(raw_messages) - 1}].tool_calls",
         )
     stop = body.get("stop")

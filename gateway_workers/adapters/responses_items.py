@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway_workers.adapters.common import PendingCalls, bad, parse_arguments
+from gateway_workers.adapters.common import OpenCalls, bad, parse_arguments
 from gateway_workers.http.limits import RequestLimits, check_parts
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -57,9 +57,7 @@ def canonical_messages(
     call that knows it: `openai_responses.with_history`). `limits` bounds parts and argument nesting
     (None: the items were checked when the request was first parsed).
     """
-    pending = PendingCalls()
-    for call_id, name in (earlier_calls or {}).items():
-        pending.make(call_id, name)
+    pending: OpenCalls = dict(earlier_calls or {})
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -102,8 +100,9 @@ def canonical_messages(
             if not isinstance(name, str) or not name or not isinstance(call_id, str) or not call_id:
                 raise bad(f"{where}: a function_call needs a name and a call_id", "input",
                           code="missing_required_parameter")
-            if not pending.make(call_id, name):
+            if call_id in pending:
                 raise bad(f"{where}: duplicate function_call call_id {call_id!r}", "input")
+            pending[call_id] = name
             arguments = item.get("arguments")
             if not isinstance(arguments, str):
                 raise bad(f"{where}: a function_call's arguments must be a string (of JSON)", "input",
@@ -118,7 +117,7 @@ def canonical_messages(
                 raise bad(f"{where}: a function_call_output needs a call_id", "input",
                           code="missing_required_parameter")
             message = {"role": "tool", "content": _text(item.get("output", ""), where, limits)}
-            answered = pending.answer(call_id)
+            answered = pending.pop(call_id, None)
             if answered is not None:
                 message["name"] = answered
             elif earlier_calls is not None:
@@ -131,6 +130,6 @@ def canonical_messages(
                 "input",
             )
     flush()
-    if earlier_calls is not None and pending.open:
-        raise bad(f"no tool output found for function call {', '.join(pending.open)}", "input")
+    if earlier_calls is not None and pending:
+        raise bad(f"no tool output found for function call {', '.join(pending)}", "input")
     return out
