@@ -145,11 +145,11 @@ class BrokerServer:
         # The loop sleeps in one poll(2) on the sockets' notification descriptors (ZMQ_FD) rather
         # than in a blocking zmq_poll over both sockets, which first polls without sleeping and asks
         # every socket for ZMQ_EVENTS before and after it sleeps (two syscalls each: libzmq's fork
-        # check and a poll of the socket's mailbox): ~20 syscalls a wake-up with the drain's failing
-        # receive. A ZMQ_FD is edge-triggered: it turns readable when the socket's mailbox gets a
-        # command (e.g. "messages arrived"), so a socket is drained until a probe (`waiting`) shows
-        # nothing waiting, and probed again after any send (libzmq may take that command on a send)
-        # before the loop may sleep (`_drain`, `_control_sent`).
+        # check and a poll of the socket's mailbox), many syscalls a wake-up (docs/performance.md,
+        # "Figures behind code comments"). A ZMQ_FD is edge-triggered: it turns readable when the
+        # socket's mailbox gets a command (e.g. "messages arrived"), so a socket is drained until a
+        # probe (`waiting`) shows nothing waiting, and probed again after any send (libzmq may take
+        # that command on a send) before the loop may sleep (`_drain`, `_control_sent`).
         poller = select.poll()
         worker_fd = worker_router.fd()
         poller.register(worker_fd, select.POLLIN)
@@ -233,7 +233,8 @@ class BrokerServer:
                 reply = protocol.Refused(-1, "internal", "the broker failed on this frame; see its log")
             if reply is not None:
                 replies.append((envelope, reply))
-            # Asked instead of a receive that fails: pyzmq's zmq.Again costs ~26k instructions.
+            # Asked instead of a receive that fails: raising pyzmq's zmq.Again costs far more
+            # (docs/performance.md, "Where a commit's time goes").
             if n == DRAIN_BATCH or not waiting(probe):
                 break
         # Replies leave as one burst after the batch: libzmq wakes its I/O thread once per
@@ -367,7 +368,8 @@ class BrokerServer:
         return protocol.TurnFound(msg.request_id, msg.turn_id, prompt_messages, response_message)
 
     def trim_start_up_heap(self) -> None:
-        """Give back what start-up freed (the response tokenizer's load: ~100 MB here), before any frame waits."""
+        """Give back what start-up freed (the response tokenizer's load; docs/performance.md), before any frame
+        waits."""
         if self.trimmer.enabled:
             self.trimmer.trim(self.registry.counters["bytes_freed"])
 
