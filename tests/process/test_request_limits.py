@@ -82,7 +82,8 @@ def _chat(gateway: Any, sid: str) -> openai.OpenAI:
 
 def _still_serving(gateway: Any) -> None:
     sid = gateway.client.open_session()
-    reply = _chat(gateway, sid).chat.completions.create(model="m", messages=USER, max_tokens=8)
+    with _chat(gateway, sid) as client:  # closed: an SDK client left to the GC warns of its open socket
+        reply = client.chat.completions.create(model="m", messages=USER, max_tokens=8)
     assert reply.choices[0].message is not None
     assert len(gateway.client.finish_session(sid, reward=0.0, wait_timeout=5.0)) == 1
 
@@ -170,8 +171,8 @@ SHAPES = {
 def test_shape_limits_are_400s_that_name_the_field(gateway, name):
     body, code, param = SHAPES[name]
     sid = gateway.client.open_session()
-    with pytest.raises(openai.BadRequestError) as info:
-        _chat(gateway, sid).chat.completions.create(model="m", max_tokens=8, **body)
+    with _chat(gateway, sid) as client, pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", max_tokens=8, **body)
     error = info.value.body
     assert error["code"] == code and error["param"] == param
     assert gateway.client.finish_session(sid, wait_timeout=1.0) == []
@@ -180,7 +181,7 @@ def test_shape_limits_are_400s_that_name_the_field(gateway, name):
 def test_anthropic_limits_use_its_own_error_shape(gateway):
     sid = gateway.client.open_session()
     client = anthropic.Anthropic(base_url=gateway.base_url.removesuffix("/v1"), api_key=sid, max_retries=2)
-    with pytest.raises(anthropic.BadRequestError) as info:
+    with client, pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model="m", max_tokens=8, messages=USER * 65)
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
     assert "at most 64" in info.value.body["error"]["message"]
