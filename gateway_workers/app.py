@@ -38,7 +38,7 @@ from gateway_workers.formats import PLAIN_TEXT, ResponseParser, detect_parser
 from gateway_workers.http.connection import AgentConnection, session_key
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session
-from gateway_workers.http.limits import RequestLimits, check_content_length, check_headers, check_strings, too_large
+from gateway_workers.http.limits import RequestLimits, check_headers, check_strings, read_body
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
 from gateway_workers.rendering.twins.checks import twin_stats
@@ -139,23 +139,6 @@ def _json(raw: bytes, limits: RequestLimits) -> Any:
     return body
 
 
-async def _read_body(headers: Headers, receive: Receive, limits: RequestLimits) -> bytes:
-    """The request body, refused (413) by its declared length before reading, or as soon as it outgrows the limit."""
-    check_content_length(headers.get("content-length"), limits)
-    chunks, size, most = [], 0, limits.max_body_bytes
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ApiError(499, "invalid_request", "client disconnected")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > most:
-            raise too_large(f"the request body is over {most} bytes (the limit); the rest was not read")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 def _key(headers: Headers) -> str:
     sid = session_key(headers)
     if sid is None:
@@ -192,7 +175,8 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapte
         check_headers(scope["headers"], limits)
         request_headers = Headers(scope=scope)
         sid = _key(request_headers)
-        parsed = adapter.parse_request(_json(await _read_body(request_headers, receive, limits), limits), limits)
+        body = await read_body(request_headers.get("content-length"), receive, limits)
+        parsed = adapter.parse_request(_json(body, limits), limits)
         parsed = await adapter.load_history(parsed, sid, pipeline)
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
@@ -259,7 +243,7 @@ async def count_tokens(request: Request) -> Response:
     try:
         check_headers(request.scope["headers"], limits)
         sid = _key(request.headers)
-        body = await _read_body(request.headers, request.receive, limits)
+        body = await read_body(request.headers.get("content-length"), request.receive, limits)
         parsed = anthropic_messages.parse_request(_json(body, limits), limits, counting=True)
         await state.pipeline.check_session(sid)
         count = await state.pipeline.count_tokens(parsed.turn)

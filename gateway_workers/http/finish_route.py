@@ -23,6 +23,7 @@ from gateway_workers.adapters import openai_chat
 from gateway_workers.capture.backplane import BrokerUnavailable, TurnRefused
 from gateway_workers.http.connection import session_key
 from gateway_workers.http.errors import ApiError
+from gateway_workers.http.limits import read_body
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,8 @@ async def finish_session(request: Request) -> Response:
     if sid is None:
         return _error(ApiError(401, "authentication", "missing API key (the session key)", "invalid_api_key"), counters)
     try:
-        reward, rollout_id, metadata = parse_finish_body(await request.body())
+        body = await read_body(request.headers.get("content-length"), request.receive, state.config.limits)
+        reward, rollout_id, metadata = parse_finish_body(body)
     except ApiError as e:
         return _error(e, counters)
     try:

@@ -11,7 +11,7 @@ Imports nothing of the gateway but `http.errors`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,24 @@ def check_content_length(value: str | None, limits: RequestLimits) -> None:
         raise ApiError(400, "invalid_request", "the Content-Length header is not a number") from None
     if declared > limits.max_body_bytes:
         raise too_large(f"the request body is {declared} bytes; at most {limits.max_body_bytes} are accepted")
+
+
+async def read_body(content_length: str | None, receive: Callable[[], Awaitable[Any]], limits: RequestLimits) -> bytes:
+    """An ASGI request's body, refused (413) by its declared length before reading, or as soon as it outgrows
+    the limit, so no more of it is read."""
+    check_content_length(content_length, limits)
+    chunks, size, most = [], 0, limits.max_body_bytes
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(499, "invalid_request", "client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > most:
+            raise too_large(f"the request body is over {most} bytes (the limit); the rest was not read")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def check_count(count: int, limit: int, what: str, param: str) -> None:

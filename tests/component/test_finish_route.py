@@ -24,6 +24,7 @@ from gateway_workers.capture.backplane import Backplane
 from gateway_workers.config import WorkerConfig
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session, parse_finish_body
+from gateway_workers.http.limits import RequestLimits
 from trainer_client import SessionClosed, TrainerClient
 
 
@@ -55,6 +56,16 @@ def test_disabled_is_a_404_in_openai_shape(broker, client):
     assert reply.status_code == 404
     assert reply.json()["error"]["type"] == "not_found_error" and "--allow-agent-finish" in reply.text
     assert client.finish_session(sid) == []  # the session was untouched
+
+
+def test_a_body_over_the_limit_is_a_413_and_finishes_nothing(broker, client):
+    sid = client.open_session()
+    app = finish_app(broker.worker_endpoint, allow=True)
+    with TestClient(app) as small:
+        big = b'{"reward": 1.0, "metadata": {"pad": "' + b"x" * (RequestLimits().max_body_bytes + 1) + b'"}}'
+        reply = small.post(FINISH_PATH, content=big, headers={"authorization": f"Bearer {sid}"})
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    assert client.finish_session(sid) == []  # the session was still open: the trainer finishes it
 
 
 def test_accepted_then_final_410_for_every_later_finish(http, client):

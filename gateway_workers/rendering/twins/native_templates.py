@@ -4,8 +4,9 @@ Rendering a conversation through HF's sandboxed Jinja costs more CPU than encodi
 (docs/performance.md, "The template"); these functions produce the same text for the templates they are
 registered for, matched by the sha256 of the exact template text (any other template, or any
 extra template variable, falls back to Jinja). Each function is a line-by-line transcription of
-its template and is property-tested against it (tests/unit/gateway_workers/rendering/twins/test_native_templates.py); `Renderer`
-also re-renders a sample of live requests with Jinja and switches the twin off on a mismatch.
+its template and is property-tested against it (`test_native_templates.py` under
+`tests/unit/gateway_workers/rendering/twins/`); `Renderer` also re-renders a sample of live
+requests with Jinja and switches the twin off on a mismatch.
 Inputs are `messages.template_messages` output and checked tools. Imports only the stdlib and
 `json_texts` (the `tojson` texts of values a conversation prints on every turn).
 """
