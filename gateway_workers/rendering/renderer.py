@@ -11,12 +11,12 @@ through their plain-Python twin (`twins.native_templates`). Both are `twins.chec
 checked against the original (Jinja, the `tokenizers` encode) on a sample of live renders.
 Messages are checked and shaped for the template by `messages`. `Renderer.render` is safe to
 call from any thread; the app runs long renders on the renderer's own thread (`Renderer.thread`),
-which keeps a tiktoken encoding of its own. Must not import the app, adapters, engines or the backplane.
+which keeps a tiktoken encoding of its own. Under a context budget, a prompt proven longer stops being
+tokenized at the proof (`budget`). Must not import the app, adapters, engines or the backplane.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from array import array
 from collections.abc import Callable, Mapping, Sequence
@@ -27,10 +27,11 @@ from typing import Any
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
+from gateway_workers.rendering.budget import PromptOverBudget, token_bound
 from gateway_workers.rendering.messages import RenderError, check_tools, template_messages
 from gateway_workers.rendering.pieces import DEFAULT_CACHE_BYTES, Pieces, SegmentCache, nested, special_splitter
 from gateway_workers.rendering.session_renders import LastRender, SessionRenders, shared_prefix
-from gateway_workers.rendering.twins.bpe import BpeTwin
+from gateway_workers.rendering.twins.bpe import BpeTwin, TableDecoder, token_decoder
 from gateway_workers.rendering.twins.bpe import bpe_twin as _bpe_twin
 from gateway_workers.rendering.twins.checks import Twin
 from gateway_workers.rendering.twins.native_templates import NativeTemplate, native_template
@@ -40,6 +41,9 @@ logger = logging.getLogger(__name__)
 # New text a render may tokenize on the event loop's thread: small enough that tokenizing it inline costs
 # less than the hand-off to the render thread (figures: docs/performance.md, "Where it runs").
 INLINE_NEW_CHARS = 8192
+# Under a context budget, new pieces are encoded in batches of about this many characters, so a prompt found
+# over the budget stops being tokenized within a batch of the point that proves it.
+BUDGET_BATCH_CHARS = 256 * 1024
 
 
 class TemplateConfigError(Exception):
@@ -82,6 +86,8 @@ class Renderer:
         # wrapper may touch truncation/padding state, which is not thread-safe.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.cache = SegmentCache(cache_bytes)
+        decoder = token_decoder(tokenizer)
+        self.token_bound = token_bound(self._backend, decoder.table if isinstance(decoder, TableDecoder) else None)
         self._splitter, why_not = special_splitter(self._backend) if cache_bytes else (None, "cache_bytes=0")
         if self._splitter is None:
             logger.info("incremental prompt encoding is off (%s); every render encodes the whole prompt", why_not)
@@ -151,10 +157,15 @@ class Renderer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         template_kwargs: Mapping[str, Any] | None = None,
+        budget: int | None = None,
     ) -> RenderedPrompt:
-        """Render canonical messages (+ OpenAI function tools) into prompt ids, ending with the generation prompt."""
+        """Render canonical messages (+ OpenAI function tools) into prompt ids, ending with the generation prompt.
+
+        With a `budget` (the session's context budget), a prompt of more tokens raises `PromptOverBudget`, as
+        soon as that is proven: often before it is tokenized in full.
+        """
         text = self.render_text(messages, tools, template_kwargs=template_kwargs)
-        return RenderedPrompt(prompt_ids=self.encode_prompt(text), text=text)
+        return RenderedPrompt(prompt_ids=self.encode_prompt(text, budget), text=text)
 
     def render_text(
         self,
@@ -203,9 +214,10 @@ class Renderer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         session: str | None = None,
-    ) -> RenderedPrompt | Callable[[], RenderedPrompt]:
+    ) -> RenderedPrompt | Callable[[int | None], RenderedPrompt]:
         """Do the cheap part of a render on the calling thread (the event loop's): the prompt if that was all,
-        else a function that does the rest, to run on the render thread (`thread`).
+        else a function of the context budget that does the rest (`render`'s `budget`), to run on the render
+        thread (`thread`).
 
         Cheap: the template renders through its plain-Python twin, no check against the originals is
         due, and the new text to tokenize (by the tiktoken twin) is at most INLINE_NEW_CHARS. That is
@@ -214,7 +226,11 @@ class Renderer:
         """
         template = self.template_twin
         if template is None or not template.active or self._splitter is None or template.next_checked():
-            return functools.partial(self.render, messages, tools)
+
+            def render(budget: int | None = None) -> RenderedPrompt:
+                return self.render(messages, tools, budget=budget)
+
+            return render
         text = self.render_text(messages, tools)
         pieces = self._lookup(text, session)
         encoder = self.encode_twin
@@ -224,14 +240,23 @@ class Renderer:
             or encoder.next_checked()
             or sum(len(pieces.texts[i]) for i in pieces.missing) > INLINE_NEW_CHARS
         ):
-            return lambda: RenderedPrompt(prompt_ids=self._assemble(pieces, session), text=text)
+
+            def encode(budget: int | None = None) -> RenderedPrompt:
+                return RenderedPrompt(prompt_ids=self._assemble(pieces, session, budget), text=text)
+
+            return encode
         return RenderedPrompt(prompt_ids=self._assemble(pieces, session), text=text)
 
-    def encode_prompt(self, text: str) -> array:
-        """Ids of rendered template text, equal to a full encode; only pieces not seen before are tokenized."""
+    def encode_prompt(self, text: str, budget: int | None = None) -> array:
+        """Ids of rendered template text, equal to a full encode; only pieces not seen before are tokenized.
+
+        Raises `PromptOverBudget` when the text is proven to take more than `budget` tokens.
+        """
         if self._splitter is None:
+            if budget is not None and (at_least := self.token_bound.at_least(text, budget)):
+                raise PromptOverBudget(at_least, budget)
             return array("i", self.encode(text))
-        return self._assemble(self._lookup(text))
+        return self._assemble(self._lookup(text), budget=budget)
 
     def _lookup(self, text: str, session: str | None = None) -> Pieces:
         """Cut the text at added tokens and look its pieces up. A session's last render lends the ids of the
@@ -246,11 +271,16 @@ class Renderer:
         missing = [i for i, ids in enumerate(cached) if ids is None]
         return Pieces(text, at, head, last if head is not None else None, parts, texts, cached, missing)
 
-    def _assemble(self, pieces: Pieces, session: str | None = None) -> array:
-        """Encode the missing pieces (caching them), then join every piece's ids with the added tokens' ids."""
+    def _assemble(self, pieces: Pieces, session: str | None = None, budget: int | None = None) -> array:
+        """Encode the missing pieces (caching them), then join every piece's ids with the added tokens' ids.
+
+        Under a `budget`, raises `PromptOverBudget` once the prompt is proven longer (`budget` module).
+        """
         assert self._splitter is not None
         cached, missing, texts = pieces.cached, pieces.missing, pieces.texts
-        if missing:
+        if budget is not None:
+            self._encode_within(pieces, budget)
+        elif missing:
             fresh = self._encode_pieces([texts[i] for i in missing])
             for i, ids in zip(missing, fresh, strict=True):
                 cached[i] = ids
@@ -272,6 +302,34 @@ class Renderer:
             # a copy: what later renders of the session reuse must not change with the prompt handed out
             self._sessions.put(session, LastRender(pieces.text, out[:], token_ends, id_ends))
         return out
+
+    def _encode_within(self, pieces: Pieces, budget: int) -> None:
+        """Fill the missing pieces' ids batch by batch, raising `PromptOverBudget` as soon as what is known proves
+        the prompt longer than `budget`: the ids so far, one per added token and the size bound of the rest."""
+        cached, missing, texts = pieces.cached, pieces.missing, pieces.texts
+        known = len(pieces.head or ()) + len(pieces.parts) // 2 + sum(len(ids) for ids in cached if ids is not None)
+        bound = self.token_bound
+        rest = "".join(texts[i] for i in missing)  # pieces are cut at added tokens: a bound of the join is theirs
+        if known > budget:
+            raise PromptOverBudget(known, budget)
+        at_least = bound.at_least(rest, budget - known)
+        if at_least:
+            raise PromptOverBudget(known + at_least, budget)
+        batch: list[int] = []
+        chars = 0
+        for n, i in enumerate(missing):
+            batch.append(i)
+            chars += len(texts[i])
+            if chars < BUDGET_BATCH_CHARS and n + 1 < len(missing):
+                continue
+            fresh = self._encode_pieces([texts[j] for j in batch])
+            for j, ids in zip(batch, fresh, strict=True):
+                cached[j] = ids
+                known += len(ids)
+            self.cache.put_many([(texts[j], ids) for j, ids in zip(batch, fresh, strict=True)])
+            if known > budget:
+                raise PromptOverBudget(known, budget)
+            batch, chars = [], 0
 
     def encode(self, text: str) -> list[int]:
         """Token ids of already-rendered template text (no special tokens added), encoded in full."""

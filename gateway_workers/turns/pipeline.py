@@ -26,6 +26,7 @@ from gateway_workers.engines.base import Engine, EngineError, EngineResult, Engi
 from gateway_workers.formats import ParsedResponse, ResponseParser
 from gateway_workers.http.connection import AgentConnection
 from gateway_workers.http.errors import ApiError
+from gateway_workers.rendering.budget import PromptOverBudget
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,6 @@ def engine_error(e: EngineError, session_id: str, turn_id: str) -> ApiError:
         return ApiError(504, "timeout", f"the inference engine timed out: {e}")
     logger.error("engine failed on turn %s (session %s): %s", turn_id, session_id, e)
     return ApiError(502, "engine", f"the inference engine failed: {e}")
-
-
-def _discard(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def tool_call_id(prefix: str, turn_id: str, index: int) -> str:
@@ -151,6 +147,7 @@ class PreparedTurn:
     over_budget: bool
     t0: float
     t_render: float
+    flags: dict[str, Any] = field(default_factory=dict)  # verdicts of the prompt, committed with the turn
 
 
 class TurnPipeline:
@@ -174,24 +171,19 @@ class TurnPipeline:
         """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened)."""
         turn_id = uuid.uuid4().hex
         t0 = time.perf_counter()
-        # The OPEN is on its way before the render starts, and awaited after it; the broker's verdict
-        # still comes first, so a refused session gets its refusal, not a template error.
+        # The OPEN is on its way before the render starts, and awaited after its cheap part; the broker's
+        # verdict still comes first, so a refused session gets its refusal, not a template error. The rest of
+        # a long render waits for the OPEN's context budget, which spares tokenizing a prompt proven over it.
         opening = self.backplane.open_turn(session_id, turn_id)
-        begun: RenderedPrompt | Callable[[], RenderedPrompt] | RenderError
-        rendering: asyncio.Future[RenderedPrompt] | None = None
+        begun: RenderedPrompt | Callable[[int | None], RenderedPrompt] | RenderError
         try:
             try:
                 begun = self.renderer.begin_render(request.messages, request.tools, session_id)
             except RenderError as e:
                 begun = e
-            if callable(begun):
-                rendering = asyncio.get_running_loop().run_in_executor(self.renderer.thread, begun)
             opened = await opening
         except BaseException as e:
             opening.close()
-            if rendering is not None:
-                rendering.cancel()
-                rendering.add_done_callback(_discard)  # a render that failed meanwhile is moot
             if isinstance(e, TurnRefused):
                 raise refusal_error(e) from None
             if isinstance(e, BrokerUnavailable):
@@ -202,10 +194,19 @@ class TurnPipeline:
             try:
                 if isinstance(begun, RenderError):
                     raise begun
-                rendered = await rendering if rendering is not None else begun
+                if callable(begun):
+                    loop = asyncio.get_running_loop()
+                    rendered = await loop.run_in_executor(self.renderer.thread, begun, opened.max_context_tokens)
+                else:
+                    rendered = begun
             except RenderError as e:
                 raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
-            assert isinstance(rendered, RenderedPrompt)
+            except PromptOverBudget as e:
+                # DESIGN: an empty `length` turn, as for any prompt over the budget, but with no ids to record.
+                rendered = RenderedPrompt(prompt_ids=array("i"), text="")
+                params, _ = self._sampling(request, opened, e.at_least)
+                return PreparedTurn(session_id, turn_id, request, rendered.prompt_ids, rendered.text, params, True,
+                                    t0, time.perf_counter(), {"prompt_tokens_at_least": e.at_least})
             prompt_ids = rendered.prompt_ids
             params, over_budget = self._sampling(request, opened, len(prompt_ids))
         except BaseException as e:
@@ -249,6 +250,7 @@ class TurnPipeline:
                 "engine_s": t_engine - prepared.t_render,
                 "parse_s": time.perf_counter() - t_engine,
             },
+            flags=dict(prepared.flags),
             _backplane=self.backplane,
         )
 

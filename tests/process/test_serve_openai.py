@@ -296,6 +296,25 @@ def test_prompt_over_budget_is_an_empty_length_turn(gateway: Any, fake_engine: F
     assert sum(sum(r.loss_mask) for r in gateway.client.finish_session(sid)) == 0
 
 
+def test_a_prompt_proven_over_budget_answers_at_once_and_is_recorded_empty(gateway: Any,
+                                                                         fake_engine: FakeEngine) -> None:
+    """Far over the budget by its size alone: never tokenized (which would hold the render thread for seconds)."""
+    sid = gateway.client.open_session(max_context_tokens=4096)
+    agent = openai.OpenAI(base_url=gateway.base_url, api_key=sid)
+    first = agent.chat.completions.create(**GOOD)
+    assert first.choices[0].finish_reason == "stop"
+    huge = {**GOOD, "messages": [*GOOD["messages"], {"role": "assistant", "content": first.choices[0].message.content},
+                                 {"role": "user", "content": "a long paste of words " * 300_000}]}  # 6.6 MB
+    started = time.monotonic()
+    reply = agent.chat.completions.create(**huge)
+    took = time.monotonic() - started
+    assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content in ("", None)
+    assert took < 2.0, f"{took:.2f}s: the prompt was tokenized"
+    assert len(fake_engine.log(routing_key(sid))["requests"]) == 1  # the engine saw only the first turn
+    rows = gateway.client.finish_session(sid)
+    assert len(rows) == 1 and rows[0].metadata["decisions"]["empty"] == 1, [r.metadata for r in rows]
+
+
 def test_engine_500_is_502_and_nothing_is_recorded(gateway: Any, fake_engine: FakeEngine) -> None:
     sid = gateway.client.open_session()
     fake_engine.configure(fault={"status": 500, "times": 1, "key": routing_key(sid)})

@@ -300,6 +300,11 @@ class TableDecoder:
             return twin.check(text, ids)
         return text
 
+    @property
+    def table(self) -> list[bytes]:
+        """Each id's bytes."""
+        return self._table
+
 
 def _decode_difference(twin: Twin[list[bytes], str], text: str, expected: Any, args: tuple[Any, ...]) -> str:
     return (

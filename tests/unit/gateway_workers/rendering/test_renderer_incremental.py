@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
+from gateway_workers.rendering.budget import PromptOverBudget
 from gateway_workers.rendering.messages import template_messages
 from gateway_workers.rendering.pieces import SegmentCache, special_splitter
 from gateway_workers.rendering.renderer import INLINE_NEW_CHARS, Renderer
@@ -261,3 +262,90 @@ def test_begin_render_hands_templates_without_a_twin_to_a_thread(builtin_tokeniz
     assert renderer.template_twin is None
     renderer.encode_twin.uses = VERIFY_FIRST + 1
     assert callable(renderer.begin_render([{"role": "user", "content": "hi"}]))
+
+
+# --- context budgets ---------------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(messages=conversation(), budget=st.integers(1, 400), padding=st.sampled_from(["", "word ", "  ", "é\u0301"]),
+       repeat=st.integers(0, 3000))
+def test_a_budgeted_render_is_the_full_render_or_a_proven_overrun(tokenizer, renderer, messages, budget, padding,
+                                                                  repeat):
+    """Under any budget: the exact ids when the prompt fits, else `PromptOverBudget` with a true lower bound."""
+    messages = [*messages, {"role": "user", "content": padding * repeat}]
+    expected = expected_ids(tokenizer, messages, TOOLS)
+    try:
+        rendered = renderer.render(messages, TOOLS, budget=budget)
+    except PromptOverBudget as e:
+        assert budget < len(expected) and budget < e.at_least <= len(expected), (e.at_least, len(expected))
+    else:
+        assert len(expected) <= budget and list(rendered.prompt_ids) == expected
+
+
+def test_a_prompt_proven_over_budget_by_size_is_not_tokenized(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    renderer.template_twin.uses = renderer.encode_twin.uses = VERIFY_FIRST + 1
+    huge = [{"role": "user", "content": "many words in a row " * 200_000}]  # 4 MB: at least 31k tokens by size
+    encoded: list[int] = []
+    renderer._encode_pieces = lambda pieces: encoded.append(len(pieces)) or []  # type: ignore[method-assign]
+    with pytest.raises(PromptOverBudget) as raised:
+        renderer.render(huge, budget=4096)
+    assert encoded == [] and raised.value.at_least >= len("".join(m["content"] for m in huge)) // 128
+
+
+def test_a_long_prompt_of_many_pieces_stops_being_tokenized_past_the_budget(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    renderer.template_twin.uses = renderer.encode_twin.uses = VERIFY_FIRST + 1
+    # 40 messages of ~64k chars: each fits the size bound, so only counting finds the overrun
+    episode = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"step {i} " + "lorem ipsum " * 5_000}
+               for i in range(40)]
+    encode = renderer._encode_pieces
+    encoded: list[int] = []
+
+    def counting(pieces):
+        encoded.append(sum(map(len, pieces)))
+        return encode(pieces)
+
+    renderer._encode_pieces = counting  # type: ignore[method-assign]
+    with pytest.raises(PromptOverBudget) as raised:
+        renderer.render(episode, budget=40_000)
+    total = sum(len(m["content"]) for m in episode)
+    assert raised.value.at_least > 40_000 and sum(encoded) < total / 2, (sum(encoded), total)
+
+
+def test_begin_render_hands_the_budget_to_the_deferred_part(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    renderer.template_twin.uses = renderer.encode_twin.uses = VERIFY_FIRST + 1
+    long_turn = [{"role": "user", "content": "word " * INLINE_NEW_CHARS}]
+    rest = renderer.begin_render(long_turn)
+    assert callable(rest)
+    with pytest.raises(PromptOverBudget):
+        rest(100)
+    assert len(rest(None).prompt_ids) > 100
+
+
+def test_token_bound_by_size():
+    from gateway_workers.rendering.budget import TokenBound
+
+    bound = TokenBound(4, nfc=True)
+    assert bound.at_least("abcd" * 10, 10) == 0  # 40 bytes prove 10 tokens, not more than 10
+    assert bound.at_least("abcd" * 10 + "e", 10) == 11
+    # NFC composes e + combining acute (3 bytes) into é (2 bytes): only the composed size proves anything
+    assert bound.at_least("e\u0301" * 20, 10) == 0 and bound.at_least("e\u0301" * 21, 10) == 11
+    assert TokenBound(0).at_least("x" * 1000, 1) == 0
+
+
+def test_token_bound_of_the_builtin_tokenizer(builtin_tokenizer):
+    from gateway_workers.rendering.budget import token_bound
+
+    renderer = Renderer(builtin_tokenizer)
+    assert renderer.token_bound.nfc  # Qwen normalizes to NFC
+    vocab = builtin_tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+    longest = max(vocab, key=lambda t: len(builtin_tokenizer.convert_tokens_to_string([t]).encode()))
+    assert renderer.token_bound.max_token_bytes == len(builtin_tokenizer.convert_tokens_to_string([longest]).encode())
+    # without the byte table, token spellings bound it from above (the byte alphabet spells a byte in 1-2 chars)
+    spelled = token_bound(builtin_tokenizer.backend_tokenizer, None).max_token_bytes
+    assert renderer.token_bound.max_token_bytes <= spelled <= 2 * renderer.token_bound.max_token_bytes
+    lowercasing = _word_level(normalizer=normalizers.Lowercase())
+    assert token_bound(lowercasing, None).max_token_bytes == 0  # a normalizer it does not model: no bound
