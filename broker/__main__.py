@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from broker import protocol
+from broker import curve, protocol
 from broker.config import BrokerConfig
 from broker.server import BrokerServer
 
@@ -59,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--outbox-max-bytes", type=int, default=None, help="approximate row bytes held for subscribers (default 2 GiB)"
     )
+    p.add_argument(
+        "--curve-keys",
+        default=None,
+        metavar="DIR",
+        help="the key directory of `rollout-gateway keys`: both endpoints use CURVE and accept only the keys in its "
+        f"authorized_workers/ and authorized_trainers/ (env {curve.CURVE_KEYS_ENV}); required for a non-loopback "
+        "endpoint",
+    )
     return p
 
 
@@ -67,7 +75,7 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
     server = BrokerServer(config)
     try:
         worker, control = server.bind()
-    except zmq.ZMQError as e:
+    except (zmq.ZMQError, curve.CurveError) as e:
         logger.error("%s", e)
         return 1
 
@@ -93,6 +101,8 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
     previous = {sig: signal.signal(sig, handle_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         logger.info("broker serving workers on %s, trainers on %s", worker, control)
+        if config.curve_keys is not None:
+            logger.info("CURVE on both endpoints: keys in %s", config.curve_keys)
         stream = out if out is not None else sys.stdout
         print(READY_LINE.format(worker=worker, control=control), file=stream, flush=True)
         server.run()
@@ -119,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             max_wait_timeout=args.max_wait_timeout,
             outbox_max_episodes=args.outbox_max_episodes,
             outbox_max_bytes=args.outbox_max_bytes,
+            curve_keys=curve.keys_from_env(args.curve_keys),
         )
     except ValueError as e:
         print(f"broker: {e}", file=sys.stderr)

@@ -90,6 +90,9 @@ class BrokerConfig:
         trim_min_bytes: give free heap pages back to the OS (glibc `malloc_trim`, in idle time) once
             this many bytes were freed since the last trim; 0 never trims.
         trim_interval_s: at least this many seconds between two trims.
+        curve_keys: the key directory of `rollout-gateway keys` (`broker.key_secret`, `authorized_workers/`,
+            `authorized_trainers/`): both endpoints use CURVE and accept only the authorized keys. None: no
+            CURVE, and both endpoints must be loopback (or ipc://).
     """
 
     worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -113,6 +116,7 @@ class BrokerConfig:
     compact_min_bytes: int = COMPACT_MIN_SESSION_BYTES
     trim_min_bytes: int = TRIM_MIN_BYTES
     trim_interval_s: float = TRIM_INTERVAL_S
+    curve_keys: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -186,6 +190,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "compact_min_bytes": int,
     "trim_min_bytes": int,
     "trim_interval_s": float,
+    "curve_keys": _optional_str,
 }
 
 

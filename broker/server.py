@@ -1,13 +1,13 @@
 """The broker's socket loop: two ROUTER sockets, one thread, one blocking poll(2) on their descriptors.
 
 Owns the ZeroMQ side of the broker: binds the worker and control endpoints (a `sockets.RouterSocket`
-each: port 0 works; the bound addresses are reported), decodes each frame with `broker.protocol`,
-dispatches it (one `match` on the message class, for both sockets) to `sessions.SessionRegistry`,
-`finishes.Finishes` and `outbox.Outbox`, and answers every request exactly once with the same
-request id (`Refused` on any error). The process around it (signals, READY line) is `broker.__main__`.
-Finishes that wait for in-flight turns, and subscribers' long polls, are parked there, never
-blocking the loop; their deadlines set the poll timeout. Plain blocking pyzmq: no asyncio.
-Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
+each: port 0 works; the bound addresses are reported; with keys, CURVE servers behind `broker.zap`),
+decodes each frame with `broker.protocol`, dispatches it (one `match` on the message class, for both
+sockets) to `sessions.SessionRegistry`, `finishes.Finishes` and `outbox.Outbox`, and answers every
+request exactly once with the same request id (`Refused` on any error). The process around it
+(signals, READY line) is `broker.__main__`. Finishes that wait for in-flight turns, and subscribers'
+long polls, are parked there, never blocking the loop; their deadlines set the poll timeout. Plain
+blocking pyzmq: no asyncio. Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ import zmq
 
 from broker import protocol
 from broker.config import BrokerConfig
+from broker.curve import CurveError
 from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
 from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry
-from broker.sockets import MORE_NOBLOCK, NOBLOCK, POLLIN, RouterSocket, send_part, waiting
+from broker.sockets import MORE_NOBLOCK, NOBLOCK, POLLIN, RouterSocket, bind_routers, send_part, waiting
+from broker.zap import ZapHandler
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class BrokerServer:
             trim=glibc_malloc_trim() if config.trim_min_bytes > 0 else None,
         )
         self._ctx: zmq.Context | None = None
+        self._zap: ZapHandler | None = None  # authorizes CURVE clients, with curve_keys
         self._routers: tuple[RouterSocket, RouterSocket] | None = None  # (worker, control), once bound
         self._workers: zmq.Socket | None = None  # their raw sockets: what the per-frame calls take
         self._control: zmq.Socket | None = None
@@ -99,13 +102,13 @@ class BrokerServer:
     # --- startup ---------------------------------------------------------------------
 
     def bind(self) -> tuple[str, str]:
-        """Bind both endpoints; returns (worker, control) as actually bound. `sockets.BindError` if one cannot be."""
+        """Bind both endpoints; returns (worker, control) as actually bound. `sockets.BindError` if one cannot be,
+        `curve.CurveError` (before binding) if one is not loopback and no CURVE keys are configured."""
         ctx = self._ctx = zmq.Context()
         try:
-            workers = RouterSocket(ctx, self.config.worker_endpoint, self.config)
-            control = RouterSocket(ctx, self.config.control_endpoint, self.config)
-        except zmq.ZMQError:
-            ctx.destroy(linger=0)
+            workers, control, self._zap = bind_routers(ctx, self.config)
+        except (zmq.ZMQError, CurveError):
+            self.close()
             raise
         self._routers = workers, control
         self._workers, self._control = workers.sock, control.sock
@@ -125,10 +128,13 @@ class BrokerServer:
         """Load what the first finish would otherwise load inside the loop (the response tokenizer)."""
         self._rows.decode(protocol.ids_array([0]))
 
-    def close(self) -> None:
-        """Release the sockets of a server that will not `run()`."""
+    def close(self, linger: int = 0) -> None:
+        """Release the sockets (and the ZAP handler) of a server that will not `run()`, or has run."""
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
         if self._ctx is not None:
-            self._ctx.destroy(linger=0)
+            self._ctx.destroy(linger=linger)
             self._ctx = None
 
     def request_exit(self) -> None:
@@ -394,7 +400,5 @@ class BrokerServer:
         self._send_all(self.finishes.shutdown(time.monotonic()))
         # Long polls are answered empty; unacknowledged episodes die with this process (documented).
         self._send_all(self.outbox.close())
-        if self._ctx is not None:
-            self._ctx.destroy(linger=self.config.shutdown_linger_ms)
-            self._ctx = None
+        self.close(linger=self.config.shutdown_linger_ms)
         logger.info("broker stopped")

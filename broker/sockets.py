@@ -1,11 +1,13 @@
 """The broker's socket role: one bound ROUTER socket (the worker or the control endpoint), and the raw calls on it.
 
 Owns the socket setup `broker.server` needs twice: the ROUTER created with its options (LINGER, HWM,
-MAXMSGSIZE, ROUTER_MANDATORY), bound (port 0 works; `endpoint` is the address actually bound), and a
-bind failure turned into `BindError`, which names the endpoint. The loop's per-frame calls are the
-cheapest pyzmq offers and go straight to `RouterSocket.sock` (`send_part`, `waiting`, its own `recv`):
-nothing of this wrapper sits between a frame and libzmq. Plain blocking pyzmq, no asyncio; imports
-nothing of `broker` but its config.
+MAXMSGSIZE, ROUTER_MANDATORY, and CURVE with a ZAP domain when keys are configured), bound (port 0
+works; `endpoint` is the address actually bound), and a bind failure turned into `BindError`, which
+names the endpoint; `bind_routers` binds both, refusing a non-loopback endpoint without keys before
+anything is bound. The loop's per-frame calls are the cheapest pyzmq offers and go straight to
+`RouterSocket.sock` (`send_part`, `waiting`, its own `recv`): nothing of this wrapper sits between a
+frame and libzmq (CURVE works inside libzmq). Plain blocking pyzmq, no asyncio; imports nothing of
+`broker` but its config, `broker.curve` and `broker.zap`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from types import TracebackType
 
 import zmq
 
+from broker import curve
 from broker.config import BrokerConfig
+from broker.zap import ZapHandler
 
 NOBLOCK = int(zmq.NOBLOCK)
 POLLIN = int(zmq.POLLIN)
@@ -49,10 +53,21 @@ class RouterSocket:
         ctx: the broker's context; destroying it closes this socket too.
         endpoint: what to bind (`tcp://HOST:PORT`, port 0 for any free one, or `ipc://PATH`).
         config: gives `shutdown_linger_ms` (LINGER), `hwm` (SNDHWM and RCVHWM) and `max_frame_bytes`.
+        keys: the broker's CURVE keys, or None (no CURVE: loopback only).
+        role: whose endpoint this is, for CURVE: which authorized keys its ZAP domain accepts.
     """
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, config: BrokerConfig) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        config: BrokerConfig,
+        keys: curve.ServerKeys | None = None,
+        role: curve.Role = "worker",
+    ) -> None:
         sock = ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            keys.apply(sock, role)
         sock.setsockopt(zmq.LINGER, config.shutdown_linger_ms)
         sock.setsockopt(zmq.SNDHWM, config.hwm)
         sock.setsockopt(zmq.RCVHWM, config.hwm)
@@ -82,3 +97,30 @@ class RouterSocket:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def bind_routers(ctx: zmq.Context, config: BrokerConfig) -> tuple[RouterSocket, RouterSocket, ZapHandler | None]:
+    """The worker and control sockets, bound, and the ZAP handler that authorizes their CURVE clients (None
+    without `config.curve_keys`).
+
+    Raises `curve.CurveError` before anything is bound when an endpoint is not loopback and no keys are
+    configured, or when the keys cannot be read; `BindError` if an endpoint cannot be bound.
+    """
+    curve.require_keys_off_loopback(config.worker_endpoint, config.curve_keys, "the worker endpoint")
+    curve.require_keys_off_loopback(config.control_endpoint, config.curve_keys, "the control endpoint")
+    keys = curve.load_server_keys(config.curve_keys) if config.curve_keys is not None else None
+    zap = None
+    bound: list[RouterSocket] = []
+    try:
+        if keys is not None:
+            zap = ZapHandler(ctx, {curve.ZAP_DOMAINS[role]: path for role, path in keys.authorized.items()})
+            zap.start()  # before the sockets bind: no handshake may come before the handler
+        bound.append(RouterSocket(ctx, config.worker_endpoint, config, keys, "worker"))
+        bound.append(RouterSocket(ctx, config.control_endpoint, config, keys, "trainer"))
+    except BaseException:
+        for router in bound:
+            router.close(linger=0)
+        if zap is not None:
+            zap.stop()
+        raise
+    return bound[0], bound[1], zap

@@ -287,7 +287,7 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         tokenizer = load_tokenizer(config.tokenizer, chat_template_path=config.chat_template)
         engine = create_engine(config.engine, tokenizer)
         bases = CommitBases(config.commit_base_sessions, config.commit_base_mib << 20)
-        backplane = Backplane(config.broker_endpoint, bases)
+        backplane = Backplane(config.broker_endpoint, bases, curve_keys=config.curve_keys)
         backplane.start()
         # The CLI ran the same decision before spawning us; an unknown template fails here only if it did not.
         parser = detect_parser(tokenizer, config.response_format, config.allow_plain_text)

@@ -1,11 +1,13 @@
-"""`rollout-gateway`: serve (broker + N workers), broker, workers.
+"""`rollout-gateway`: serve (broker + N workers), broker, workers, keys.
 
 `serve` starts the broker as a subprocess (`python -m broker`), waits for the
 endpoints it bound, binds the agents' HTTP socket once in this process (port 0
 works) and runs N uvicorn workers on it (spawned; each builds its own state in the
 app lifespan). It prints machine-readable READY lines, stays in the foreground and, on
-SIGINT/SIGTERM, lets uvicorn stop the workers, then stops the broker. The broker is
-never imported here: gateway_workers imports only `broker.protocol`.
+SIGINT/SIGTERM, lets uvicorn stop the workers, then stops the broker. `keys` writes
+the CURVE key directory (`broker.curve`) that `--curve-keys` points every component at;
+a non-loopback backplane endpoint is refused without it. The broker's server is never
+imported here: gateway_workers imports only `broker.protocol` and `broker.curve`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import replace
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
-from broker import protocol
+from broker import curve, protocol
 from gateway_workers.capture import commit_bases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines.base import EngineConfig
@@ -73,6 +75,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="let agents finish their own session with a reward: POST /rollout/v1/sessions/finish "
                         "(session key as the API key; body {reward, metadata, rollout_id}); the episode goes to "
                         "the trainer's episodes() stream. Off: that route answers 404")
+    p.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="the key directory of `rollout-gateway keys`: the backplane uses CURVE (authenticated and "
+                        f"encrypted); required for a non-loopback broker endpoint (env {curve.CURVE_KEYS_ENV})")
 
 
 # RequestLimits field -> what its flag bounds; each flag's default comes from ROLLOUT_GATEWAY_<FIELD> when set.
@@ -124,10 +129,47 @@ def _parser() -> argparse.ArgumentParser:
     _add_limit_flags(workers)
     workers.add_argument("--broker", default=protocol.DEFAULT_WORKER_ENDPOINT, help="the broker's worker endpoint")
     sub.add_parser("broker", help="the broker alone (flags: see `rollout-gateway broker --help`)", add_help=False)
+    keys = sub.add_parser("keys", help="write CURVE key pairs for the broker, a worker and a trainer into DIR")
+    keys.add_argument("directory", metavar="DIR", help="created if missing; existing keys are never overwritten")
     return parser
 
 
-def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir: str | None) -> WorkerConfig:
+def _write_keys(directory: str) -> None:
+    try:
+        curve.create_keys(directory)
+    except (curve.CurveError, OSError) as e:
+        raise SystemExit(f"rollout-gateway keys: {e}") from None
+    root = os.path.abspath(directory)
+    print(f"CURVE keys written to {root} (secret files are mode 0600; never copy them beyond the host that needs "
+          f"them):\n"
+          f"  broker host:   broker.key_secret, authorized_workers/ and authorized_trainers/ (serve: the directory)\n"
+          f"  worker hosts:  broker.key and worker.key_secret\n"
+          f"  trainer hosts: broker.key and trainer.key_secret\n"
+          f"then pass --curve-keys DIR (or set {curve.CURVE_KEYS_ENV}=DIR) to serve, broker and workers, and "
+          f"TrainerClient(..., curve_keys=DIR).", flush=True)
+
+
+def _curve_keys(args: argparse.Namespace, endpoints: dict[str, str], broker_host: bool) -> str | None:
+    """--curve-keys (else the env), as an absolute path whose files this command needs were read once; refuses a
+    non-loopback endpoint without it. `broker_host`: the broker runs here too (serve), so its keys must be too."""
+    keys = curve.keys_from_env(args.curve_keys)
+    try:
+        for flag, endpoint in endpoints.items():
+            curve.require_keys_off_loopback(endpoint, keys, flag)
+        if keys is None:
+            return None
+        keys = os.path.abspath(os.path.expanduser(keys))
+        curve.load_client_keys(keys, "worker")
+        if broker_host:
+            curve.load_server_keys(keys)
+    except curve.CurveError as e:
+        raise SystemExit(f"rollout-gateway: {e}") from None
+    return keys
+
+
+def _worker_config(
+    args: argparse.Namespace, broker_endpoint: str, tokenizer_dir: str | None, curve_keys: str | None = None
+) -> WorkerConfig:
     if args.engine_kind != "mock" and not args.engine_url:
         raise SystemExit(f"--engine-kind {args.engine_kind} needs at least one --engine-url")
     if args.commit_base_sessions < 0 or args.commit_base_mib < 0:
@@ -151,6 +193,7 @@ def _worker_config(args: argparse.Namespace, broker_endpoint: str, tokenizer_dir
         commit_base_sessions=args.commit_base_sessions,
         commit_base_mib=args.commit_base_mib,
         limits=_limits(args),
+        curve_keys=curve_keys,
     )
 
 
@@ -169,11 +212,15 @@ def _engine_ca_file(args: argparse.Namespace) -> str | None:
     return path
 
 
-def _start_broker(args: argparse.Namespace, tokenizer_dir: str | None) -> tuple[subprocess.Popen[str], str, str]:
+def _start_broker(
+    args: argparse.Namespace, tokenizer_dir: str | None, curve_keys: str | None
+) -> tuple[subprocess.Popen[str], str, str]:
     cmd = [sys.executable, "-m", "broker", "--worker-endpoint", args.worker_endpoint, "--control", args.control,
            "--log-level", args.log_level]
     if tokenizer_dir:
         cmd += ["--tokenizer", tokenizer_dir]
+    # Always explicit, even empty: the broker must not fall back to a different ROLLOUT_GATEWAY_CURVE_KEYS.
+    cmd += ["--curve-keys", curve_keys or ""]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stdout is not None
     deadline = time.monotonic() + BROKER_START_TIMEOUT_S
@@ -269,6 +316,14 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["broker"]:
         os.execv(sys.executable, [sys.executable, "-m", "broker", *argv[1:]])
     args = _parser().parse_args(argv)
+    if args.command == "keys":
+        _write_keys(args.directory)
+        return
+    if args.command == "workers":
+        curve_keys = _curve_keys(args, {"--broker": args.broker}, broker_host=False)
+    else:
+        curve_keys = _curve_keys(args, {"--control": args.control, "--worker-endpoint": args.worker_endpoint},
+                                 broker_host=True)
     # transformers warns at import that torch is absent; token-in/token-out never needs torch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from gateway_workers.rendering.tokenizer import prepare_tokenizer_dir
@@ -277,11 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer_dir = prepare_tokenizer_dir(args.tokenizer)
     _check_response_format(args, tokenizer_dir)
     if args.command == "workers":
-        _run_workers(args, _worker_config(args, args.broker, tokenizer_dir), None)
+        _run_workers(args, _worker_config(args, args.broker, tokenizer_dir, curve_keys), None)
         return
-    broker, worker_endpoint, control = _start_broker(args, tokenizer_dir)
+    broker, worker_endpoint, control = _start_broker(args, tokenizer_dir, curve_keys)
     try:
-        _run_workers(args, _worker_config(args, worker_endpoint, tokenizer_dir), control)
+        _run_workers(args, _worker_config(args, worker_endpoint, tokenizer_dir, curve_keys), control)
     finally:
         _stop(broker)
 

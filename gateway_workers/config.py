@@ -41,6 +41,8 @@ class WorkerConfig:
         allow_agent_finish: serve `POST /rollout/v1/sessions/finish` (agents finish their own session
             with a reward); off, it answers 404.
         limits: bounds on one agent request (`http.limits`).
+        curve_keys: a key directory holding `broker.key` and `worker.key_secret` (`rollout-gateway keys`):
+            the backplane uses CURVE. None: no CURVE, and the broker endpoint must be loopback (or ipc://).
     """
 
     broker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -57,6 +59,7 @@ class WorkerConfig:
     allow_plain_text: bool = False
     allow_agent_finish: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    curve_keys: str | None = None
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}

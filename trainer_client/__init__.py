@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from trainer_client.client import TrainerClient
 from trainer_client.errors import (
+    AuthenticationFailed,
     BrokerBusy,
     BrokerError,
     BrokerTimeout,
@@ -25,6 +26,7 @@ from trainer_client.records import Episode, TraceRecord
 from trainer_client.subscriber import EpisodeStream
 
 __all__ = [
+    "AuthenticationFailed",
     "BrokerBusy",
     "BrokerError",
     "BrokerTimeout",

@@ -4,7 +4,9 @@ Owns the control-plane socket wrapper: request ids, poll deadlines that raise na
 errors, socket reset after a timeout, and a socket pool so many trainer threads can
 call at once (a pyzmq socket is not thread-safe, so each call borrows one for its
 whole send..reply). `episodes()` hands out an `EpisodeStream` (subscriber.py) that
-keeps its own socket. Imports plain `zmq` and `broker.protocol` only: never
+keeps its own socket. With CURVE keys every socket authenticates and encrypts, and a
+refused handshake raises `AuthenticationFailed` at once (its monitor is polled with the
+reply). Imports plain `zmq`, `broker.protocol` and `broker.curve` only: never
 zmq.asyncio, asyncio, uvloop, starlette, transformers or `gateway_workers`.
 """
 
@@ -23,8 +25,9 @@ from typing import Any, TypeVar
 
 import zmq
 
-from broker import protocol
+from broker import curve, protocol
 from trainer_client.errors import (
+    AuthenticationFailed,
     BrokerTimeout,
     GatewayError,
     InvalidRequest,
@@ -57,6 +60,9 @@ class TrainerClient:
         client_id: names this client's sessions for `episodes(only_mine=True)`; minted (random)
             unless given. Give the same id to several clients (e.g. one trainer's processes) to
             let each subscribe to all of their sessions.
+        curve_keys: a key directory holding `broker.key` and `trainer.key_secret` (`rollout-gateway
+            keys`): the connection uses CURVE. None reads $ROLLOUT_GATEWAY_CURVE_KEYS; "" means none.
+            Without keys a non-loopback endpoint raises `CurveError` (a ValueError) here.
     """
 
     def __init__(
@@ -64,11 +70,17 @@ class TrainerClient:
         endpoint: str = protocol.DEFAULT_CONTROL_ENDPOINT,
         timeout: float = DEFAULT_TIMEOUT_S,
         client_id: str | None = None,
+        curve_keys: str | None = None,
     ) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if client_id is not None and not (isinstance(client_id, str) and 0 < len(client_id) <= _MAX_ID_LEN - 16):
             raise ValueError(f"client_id must be a non-empty string of at most {_MAX_ID_LEN - 16} characters")
+        keys_dir = curve.keys_from_env(curve_keys)
+        curve.require_keys_off_loopback(endpoint, keys_dir, "the control endpoint")
+        self._keys = curve.load_client_keys(keys_dir, "trainer") if keys_dir is not None else None
+        # Per CURVE socket, its handshake monitor (none without keys: nothing is added to a call).
+        self._watches: dict[zmq.Socket, curve.HandshakeWatch] = {}
         self.endpoint = endpoint
         self.timeout = float(timeout)
         self.client_id = client_id or f"tc-{secrets.token_hex(8)}"
@@ -203,7 +215,11 @@ class TrainerClient:
                 return
             self._closed = True
             sockets, self._sockets, self._idle = self._sockets, set(), []
+            watches, self._watches = self._watches, {}
         for sock in sockets:
+            watch = watches.get(sock)
+            if watch is not None:
+                watch.close()
             sock.close(linger=0)
         if self._pid == os.getpid():
             self._ctx.term()
@@ -232,8 +248,12 @@ class TrainerClient:
             if self._pid != os.getpid():
                 # A forked child must not touch the parent's context or sockets: start afresh.
                 self._pid, self._ctx, self._idle, self._sockets = os.getpid(), zmq.Context(), [], set()
+                self._watches = {}
             sock = self._ctx.socket(zmq.DEALER)
             self._sockets.add(sock)
+            if self._keys is not None:
+                self._keys.apply(sock)
+                self._watches[sock] = curve.HandshakeWatch(sock, self.endpoint, "trainer")  # before connect
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
@@ -245,12 +265,19 @@ class TrainerClient:
             if not self._closed and sock in self._sockets:
                 self._idle.append(sock)
                 return
-        sock.close(linger=0)
+        self._close_socket(sock)
 
     def _discard(self, sock: zmq.Socket) -> None:
         """Close a socket in an unknown state (timed out, garbage received): no late reply may reach a later call."""
         with self._lock:
             self._sockets.discard(sock)
+        self._close_socket(sock)
+
+    def _close_socket(self, sock: zmq.Socket) -> None:
+        with self._lock:
+            watch = self._watches.pop(sock, None)
+        if watch is not None:
+            watch.close()
         sock.close(linger=0)
 
     # --- one request / reply -------------------------------------------------------------
@@ -308,10 +335,15 @@ class TrainerClient:
                 return False
 
     def _receive(self, sock: zmq.Socket, rid: int, deadline: float, msg: protocol.Message) -> protocol.Message | None:
-        """The reply to request `rid`; None if the deadline passed first."""
+        """The reply to request `rid`; None if the deadline passed first. `AuthenticationFailed` if the broker
+        refuses this client's CURVE handshake meanwhile."""
+        watch = self._watches.get(sock)
         while True:
             try:
-                ready = sock.poll(_remaining_ms(deadline), zmq.POLLIN)
+                if watch is None:
+                    ready = sock.poll(_remaining_ms(deadline), zmq.POLLIN)
+                else:
+                    ready = self._poll_watched(sock, watch, deadline)
                 frame = sock.recv(zmq.NOBLOCK) if ready else None
             except zmq.ZMQError as e:
                 raise GatewayError(f"cannot receive from {self.endpoint}: {e}") from e
@@ -325,6 +357,19 @@ class TrainerClient:
             if reply.request_id == rid or (reply.request_id == -1 and isinstance(reply, protocol.Refused)):
                 return reply
             logger.debug("dropping stale reply %s to request %s", reply.TAG, reply.request_id)
+
+    def _poll_watched(self, sock: zmq.Socket, watch: curve.HandshakeWatch, deadline: float) -> bool:
+        """Wait for a reply on `sock` (True) or the deadline (False), raising at a refused handshake."""
+        while True:
+            ready = dict(zmq.zmq_poll([(sock, zmq.POLLIN), (watch.monitor, zmq.POLLIN)], _remaining_ms(deadline)))
+            if watch.monitor in ready:
+                refusal = watch.read()
+                if refusal is not None:
+                    raise AuthenticationFailed(refusal)
+            if sock in ready:
+                return True
+            if time.monotonic() >= deadline:
+                return False
 
     def _timeout(self, msg: protocol.Message, timeout: float) -> BrokerTimeout:
         return BrokerTimeout(f"no reply to {msg.TAG} from the broker at {self.endpoint} within {timeout:.1f}s")

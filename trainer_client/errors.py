@@ -88,6 +88,14 @@ class ProtocolMismatch(GatewayError):
     """
 
 
+class AuthenticationFailed(GatewayError):
+    """The broker refused this client's CURVE handshake (its key is not authorized there, or `broker.key` is not
+    that broker's, or the broker runs without CURVE). The message says which.
+
+    Fix the key directory (`curve_keys`) or the broker's `authorized_trainers/`; retrying as is will not help.
+    """
+
+
 class BrokerError(GatewayError):
     """The broker failed on its own side (its log has the cause). Report it; the session may be lost."""
 

@@ -76,10 +76,17 @@ def launch_gateway(
     client_timeout: float = 30.0,
     ready_timeout: float = READY_TIMEOUT_S,
     env: dict[str, str] | None = None,
+    curve_keys: str | None = None,
 ) -> Iterator[Gateway]:
-    """Start broker + `workers` uvicorn workers; port 0 / control port 0 pick free ports."""
+    """Start broker + `workers` uvicorn workers; port 0 / control port 0 pick free ports.
+
+    `curve_keys` (a `rollout-gateway keys` directory) runs the backplane with CURVE and gives the client
+    the same keys; needed when `control` is not loopback.
+    """
     cmd = [sys.executable, "-u", "-m", "gateway_workers.cli", "serve", "--host", host, "--port", str(port),
            "--workers", str(workers), "--engine-kind", engine_kind, "--control", control]
+    if curve_keys is not None:
+        cmd += ["--curve-keys", curve_keys]
     for url in engine_urls:
         cmd += ["--engine-url", url]
     if tokenizer:
@@ -113,8 +120,15 @@ def launch_gateway(
         _close_output(proc, reader)
         raise GatewayStartError("rollout-gateway serve did not become ready:\n" + "".join(list(output)[-60:]))
     base_url, control_endpoint = ready[0]
-    gateway = Gateway(base_url, control_endpoint, TrainerClient(control_endpoint, timeout=client_timeout), proc,
-                      output, reader)
+    try:
+        client = TrainerClient(control_endpoint, timeout=client_timeout, curve_keys=curve_keys)
+    except ValueError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _close_output(proc, reader)
+        raise
+    gateway = Gateway(base_url, control_endpoint, client, proc, output, reader)
     try:
         yield gateway
     finally:

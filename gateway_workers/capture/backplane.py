@@ -6,8 +6,10 @@ rendering), COMMIT (after the reply was sent; retried until ACKed, the broker
 de-duplicates by turn id; sent as a delta against the session's last ACKed turn when
 `commit_bases` has one, in full if the broker no longer holds that base), ABORT, GET
 (a committed turn's messages, for `previous_response_id`) and an agent's FINISH
-(`request_finish`). Imports `broker.protocol` and nothing else from `broker`; nothing
-here blocks the event loop.
+(`request_finish`). With a CURVE key directory the socket authenticates and encrypts
+(`broker.curve`), and a handshake the broker refuses is logged as an error. Imports
+`broker.protocol` and `broker.curve` and nothing else from `broker`; nothing here blocks
+the event loop.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import zmq
 
-from broker import protocol
+from broker import curve, protocol
 from gateway_workers.capture.commit_bases import CommitBases
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,9 @@ GET_TURN_PENDING_S = 3.0  # how long a turn whose COMMIT is still on its way is 
 GET_TURN_RETRY_S = 0.02
 LINGER_MS = 1000
 SEND_HWM = 100_000
+# While the broker keeps refusing this worker's CURVE key, the error is repeated this often (each
+# reconnection is refused again).
+REFUSAL_LOG_INTERVAL_S = 60.0
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _zmq_poll = zmq.zmq_poll
@@ -62,14 +68,24 @@ class Backplane:
     queue, 100k frames behind, counts as an unanswered attempt), and replies are read by a
     callback on the socket's file descriptor. zmq.asyncio did the same with a future per send
     and per receive, which was a visible part of a turn's CPU.
+
+    `curve_keys` (a directory with `broker.key` and `worker.key_secret`) makes it a CURVE client;
+    without it, a non-loopback endpoint raises `curve.CurveError`.
     """
 
-    def __init__(self, endpoint: str, bases: CommitBases | None = None) -> None:
+    def __init__(self, endpoint: str, bases: CommitBases | None = None, curve_keys: str | None = None) -> None:
+        curve.require_keys_off_loopback(endpoint, curve_keys, "the broker endpoint")
+        keys = curve.load_client_keys(curve_keys, "worker") if curve_keys is not None else None
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        self._handshakes: curve.HandshakeWatch | None = None
+        if keys is not None:
+            keys.apply(self._sock)
+            self._handshakes = curve.HandshakeWatch(self._sock, endpoint, "worker")  # before connect: the first one too
+        self._refusal_logged: tuple[str, float] | None = None
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.BrokerToWorker]] = {}
@@ -82,6 +98,25 @@ class Backplane:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.FD, self._read_replies)
+        if self._handshakes is not None:
+            self._loop.add_reader(self._handshakes.monitor.FD, self._read_handshakes)
+            self._read_handshakes()  # events from before the reader was added
+
+    def _read_handshakes(self) -> None:
+        """Log a refused CURVE handshake as an error (again every REFUSAL_LOG_INTERVAL_S while it lasts)."""
+        assert self._handshakes is not None
+        refusal = self._handshakes.read()
+        now = time.monotonic()
+        if refusal is None:
+            if self._refusal_logged is not None:
+                logger.info("the broker at %s accepts this worker's CURVE key again", self.endpoint)
+                self._refusal_logged = None
+            return
+        if self._refusal_logged is None or self._refusal_logged[0] != refusal or (
+            now - self._refusal_logged[1] >= REFUSAL_LOG_INTERVAL_S
+        ):
+            logger.error("%s; no turn can be recorded until it is accepted", refusal)
+            self._refusal_logged = (refusal, now)
 
     def _read_replies(self) -> None:
         # The descriptor is edge-triggered (it signals a change, not a level): read until EVENTS says
@@ -134,7 +169,9 @@ class Backplane:
         try:
             reply = await sent
         except asyncio.TimeoutError:
-            raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {timeout}s") from None
+            refusal = self._handshakes.refusal if self._handshakes is not None else None
+            why = f": {refusal}" if refusal else ""
+            raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {timeout}s{why}") from None
         if isinstance(reply, expect):
             return reply
         if isinstance(reply, protocol.Refused):
@@ -287,6 +324,10 @@ class Backplane:
     async def close(self) -> None:
         if self._loop is not None:
             self._loop.remove_reader(self._sock.FD)
+        if self._handshakes is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._handshakes.monitor.FD)
+            self._handshakes.close()
         self._sock.close(linger=LINGER_MS)
         self._ctx.term()
 

@@ -7,12 +7,15 @@
 - Per broker sub-package (every module of it imported, found by file): `broker.protocol`,
   `broker.messages` and `broker.codec` load no zmq; of `broker`, the protocol loads only those two,
   the messages only `broker.codec`, the codec nothing else; `broker.sockets` (the ROUTER role) only
-  the config and the wire; `broker.sessions` nothing
+  the config, the wire, `broker.curve` and `broker.zap`; `broker.sessions` nothing
   of `broker.episodes`; neither of those two opens sockets (no zmq, no `broker.server`).
   `broker.episodes` may import `broker.sessions`, not the reverse.
 - `broker.token_ids` (byte tables, matching prefixes) is the other broker module workers may import:
   stdlib only (no zmq, numpy or msgpack) and nothing else of `broker`; workers load nothing of the
   broker's server, sessions or episodes.
+- `broker.curve` (CURVE keys, the loopback rule, handshake monitors) is shared by all three: stdlib and
+  zmq, no asyncio (so not `zmq.auth.thread`) and nothing else of `broker`; the broker's ZAP handler
+  (`broker.zap`, blocking) loads only `broker.curve`, and neither workers nor the trainer client load it.
 - Per gateway sub-package, along a turn's path: the HTTP edge's connection, errors and limits load
   nothing of the gateway; `rendering` nothing of the turn, the formats, engines or capture;
   `formats` nothing of adapters, turns, engines or capture; `engines` and `capture` nothing of the
@@ -34,7 +37,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 IMPORT_TIMEOUT_S = 60
 
 CASES = {
-    "trainer_client": ["zmq.asyncio", "asyncio", "uvloop", "starlette", "transformers", "gateway_workers"],
+    "trainer_client": [
+        "zmq.asyncio",
+        "asyncio",
+        "uvloop",
+        "starlette",
+        "transformers",
+        "gateway_workers",
+        "broker.server",
+        "broker.zap",
+    ],
     "broker.protocol": [
         "zmq",
         "asyncio",
@@ -54,7 +66,7 @@ CASES = {
         "tokenizers",
     ],
     "broker.__main__": ["zmq.asyncio", "asyncio", "transformers", "gateway_workers", "trainer_client"],
-    "gateway_workers.app": ["broker.server", "broker.sessions", "broker.episodes", "trainer_client"],
+    "gateway_workers.app": ["broker.server", "broker.sessions", "broker.episodes", "broker.zap", "trainer_client"],
 }
 
 
@@ -71,7 +83,11 @@ SUBPACKAGES = {
     "broker.protocol": Layer(forbid=("zmq", "asyncio"), broker_only=_WIRE),
     "broker.messages": Layer(forbid=("zmq", "asyncio"), broker_only=("broker.messages", "broker.codec")),
     "broker.codec": Layer(forbid=("zmq", "asyncio"), broker_only=("broker.codec",)),
-    "broker.sockets": Layer(forbid=("asyncio",), broker_only=("broker.sockets", "broker.config", *_WIRE)),
+    "broker.sockets": Layer(
+        forbid=("asyncio",), broker_only=("broker.sockets", "broker.config", "broker.curve", "broker.zap", *_WIRE)
+    ),
+    "broker.curve": Layer(forbid=("asyncio", "zmq.asyncio"), broker_only=("broker.curve",)),
+    "broker.zap": Layer(forbid=("asyncio", "zmq.asyncio"), broker_only=("broker.zap", "broker.curve")),
     "broker.sessions": Layer(forbid=("broker.episodes", "broker.server", "zmq", "asyncio")),
     "broker.episodes": Layer(forbid=("broker.server", "zmq", "asyncio")),  # broker.sessions is allowed
     "broker.token_ids": Layer(
@@ -169,3 +185,5 @@ def test_the_watch_is_real():
     assert any(under(m, ("broker.sessions",)) for m in all_loaded_after_import(modules_of("broker.episodes")))
     assert any(under(m, (_GW + "engines",)) for m in all_loaded_after_import(modules_of(_GW + "turns")))
     assert "zmq" in all_loaded_after_import(modules_of(_GW + "capture"))
+    assert "broker.curve" in loaded_after_import("trainer_client", ["broker.curve"])
+    assert "zmq.auth.certs" in all_loaded_after_import(["broker.curve"])
