@@ -17,6 +17,7 @@ functions touch msgpack.
 
 from __future__ import annotations
 
+import hashlib
 import typing
 from array import array
 from collections.abc import Callable, Iterable
@@ -54,7 +55,7 @@ from broker.messages.worker import (
 
 # The contract's public names: everything workers and trainer clients may use of `broker`.
 __all__ = [
-    "PROTOCOL_VERSION", "DEFAULT_CONTROL_ENDPOINT", "DEFAULT_WORKER_ENDPOINT",
+    "PROTOCOL_VERSION", "DEFAULT_CONTROL_ENDPOINT", "DEFAULT_WORKER_ENDPOINT", "session_tag",
     "ErrorCode", "ProtocolError", "VersionMismatch",
     "ids_array", "logprobs_array", "pack_message", "is_packed_map", "unpack_messages",
     "Message", "RequestFinish", "FinishAccepted", "Refused",
@@ -71,6 +72,12 @@ PROTOCOL_VERSION = 1
 
 DEFAULT_CONTROL_ENDPOINT = "tcp://127.0.0.1:5557"  # trainer clients connect here
 DEFAULT_WORKER_ENDPOINT = "tcp://127.0.0.1:5558"  # gateway workers connect here
+
+
+def session_tag(session_id: str) -> str:
+    """A session's stable, non-secret name (128 bits of its key's SHA-256), for logs, error messages and engine
+    routers. The session id is the agent's API key: it is never logged or echoed, only this tag."""
+    return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 ErrorCode = Literal[
     "unknown_session",  # no such session (never opened, or already freed)

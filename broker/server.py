@@ -28,8 +28,9 @@ from broker.curve import CurveError
 from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
+from broker.protocol import session_tag
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
-from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry
+from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry, check_chosen_key
 from broker.sockets import MORE_NOBLOCK, NOBLOCK, POLLIN, RouterSocket, bind_routers, send_part, waiting
 from broker.zap import ZapHandler
 
@@ -54,6 +55,12 @@ Decoder = Callable[[bytes], "protocol.WorkerToBroker | protocol.TrainerToBroker"
 _encode_turn_opened = protocol.frame_encoder(protocol.TurnOpened)
 _encode_turn_committed = protocol.frame_encoder(protocol.TurnCommitted)
 _encode_turn_aborted = protocol.frame_encoder(protocol.TurnAborted)
+
+
+def _tag_of(msg: object) -> str | None:
+    """The tag of the session a message names, for the log (its id is an API key)."""
+    sid = getattr(msg, "session_id", None)
+    return session_tag(sid) if isinstance(sid, str) else None
 
 
 class BrokerServer:
@@ -344,6 +351,7 @@ class BrokerServer:
                     return accepted
                 # trainer side
                 case protocol.OpenSession():
+                    check_chosen_key(msg.session_id)
                     session = self.registry.open_session(
                         msg.session_id, msg.sampling_defaults, msg.max_context_tokens, msg.max_turns,
                         msg.metadata, msg.client_id, msg.group,
@@ -365,7 +373,7 @@ class BrokerServer:
         except Refusal as r:
             return protocol.Refused(msg.request_id, r.code, r.message)
         except Exception:
-            logger.exception("%s for session %s failed", msg.TAG, getattr(msg, "session_id", None))
+            logger.exception("%s for session %s failed", msg.TAG, _tag_of(msg))
             return protocol.Refused(msg.request_id, "internal", f"the broker failed handling {msg.TAG}; see its log")
 
     def handle_get_turn(self, msg: protocol.GetTurn) -> protocol.Message:

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from broker.protocol import session_tag
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
 from gateway_workers.adapters.base import Adapter
 from gateway_workers.capture.backplane import Backplane
@@ -103,7 +104,8 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
         with contextlib.suppress(Exception):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
     except Exception:
-        logger.exception("sending the reply of turn %s (session %s) failed", source.turn_id, source.session_id)
+        logger.exception("sending the reply of turn %s (session %s) failed", source.turn_id,
+                         session_tag(source.session_id))
     finally:
         connection.stop()
         aclose = getattr(body, "aclose", None)
@@ -198,7 +200,7 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapte
         connection.stop()
         if turn is not None:
             turn.abort("the reply could not be built")
-        logger.exception("turn of session %s failed", sid)
+        logger.exception("turn of session %s failed", session_tag(sid))
         error = ApiError(500, "internal", "internal error in the gateway worker")
         return await _error(adapter, error, counters)(scope, receive, send)
     headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]

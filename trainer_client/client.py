@@ -146,7 +146,7 @@ class TrainerClient:
         if reply.turns_abandoned:
             logger.warning(
                 "session %s finished with %d in-flight turn(s) cut off after %.1fs",
-                sid,
+                protocol.session_tag(sid),
                 reply.turns_abandoned,
                 wait_timeout,
             )

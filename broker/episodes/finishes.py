@@ -20,6 +20,7 @@ from typing import Any
 from broker import protocol
 from broker.episodes.outbox import Envelope, Outbox, Reply
 from broker.episodes.rows import RowBuilder
+from broker.protocol import session_tag
 from broker.sessions.registry import FinishedSession, FinishOrigin, Refusal, SessionRegistry
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class Finishes:
         if parked.envelope is None:
             self._outbox.unreserve()
             return []
-        refused = protocol.Refused(parked.msg.request_id, "unknown_session", f"session {sid!r} was dropped")
+        refused = protocol.Refused(parked.msg.request_id, "unknown_session", f"session {session_tag(sid)} was dropped")
         return [(parked.envelope, refused)]
 
     # --- drains --------------------------------------------------------------------------
@@ -146,7 +147,7 @@ class Finishes:
         try:
             reply = self._complete(parked.msg)
         except Exception:  # _complete answers its own failures; this is a last guard
-            logger.exception("finish of session %s failed", parked.msg.session_id)
+            logger.exception("finish of session %s failed", session_tag(parked.msg.session_id))
             reply = protocol.Refused(parked.msg.request_id, "internal", "finish failed; see the broker log")
         return [(parked.envelope, reply)]
 
@@ -156,10 +157,9 @@ class Finishes:
             trace_rows, status = self._rows.build(finished, msg)
         except Exception:
             self.counters["finish_failures"] += 1
-            logger.exception("building rows of session %s failed (%d turns)", finished.sid, len(finished.turns))
-            return protocol.Refused(
-                msg.request_id, "internal", f"building rows of session {finished.sid!r} failed; see the broker log"
-            )
+            tag = session_tag(finished.sid)
+            logger.exception("building rows of session %s failed (%d turns)", tag, len(finished.turns))
+            return protocol.Refused(msg.request_id, "internal", f"building rows of session {tag} failed; see the log")
         if finished.turns_abandoned:
             self.counters["drain_timeouts"] += 1
         return protocol.SessionFinished(
@@ -182,7 +182,8 @@ class Finishes:
         except Exception:
             # No caller is waiting to be told: the episode carries the failure, never silently lost.
             self.counters["finish_failures"] += 1
-            logger.exception("building rows of session %s failed (%d turns)", finished.sid, len(finished.turns))
+            tag = session_tag(finished.sid)
+            logger.exception("building rows of session %s failed (%d turns)", tag, len(finished.turns))
             trace_rows, status = [], "failed"
             metadata["error"] = "building rows failed; see the broker log"
         if finished.turns_abandoned:

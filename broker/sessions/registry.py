@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from broker import protocol
+from broker.protocol import session_tag
 from broker.sessions.compaction import COMPACT_CHUNK_BYTES, COMPACT_SLICE_BYTES, AgingEntry, CompactionScheduler
 from broker.sessions.logs.append_logs import packed_messages
 from broker.sessions.turn_record import TurnRecord
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 # An API key the agents will send in a header: visible ASCII, bounded.
 _SESSION_ID_RE = re.compile(r"[!-~]{1,256}")
+# A key a trainer chooses is at least as long as 128 random bits spelled in url-safe base64
+# (`secrets.token_urlsafe(16)`): one agent must not be able to guess another's session.
+MIN_CHOSEN_KEY_CHARS = 22
 _MAX_TURN_ID_LEN = 256
 _MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
 _MINTED_KEY_PREFIX = "rg-"
@@ -102,6 +106,14 @@ class FinishedSession:
     finished_by: FinishOrigin = "trainer"
 
 
+def check_chosen_key(session_id: str | None) -> None:
+    """Refuse a key chosen by a trainer (`OpenSession.session_id`) that is too short to be unguessable."""
+    if session_id is not None and len(session_id) < MIN_CHOSEN_KEY_CHARS:
+        raise Refusal("bad_request", f"a chosen session_id must be at least {MIN_CHOSEN_KEY_CHARS} characters: it is "
+                      "the agents' API key, so make it unguessable (secrets.token_urlsafe(16) or longer), or leave "
+                      "it out and the broker mints one")
+
+
 class SessionRegistry:
     """Every live session, keyed by id, and the lifecycle rules applied to them."""
 
@@ -155,10 +167,11 @@ class SessionRegistry:
         if session is None:
             origin = self._finished.get(sid)
             if origin == "dropped":
-                raise Refusal("session_closed", f"session {sid!r} was dropped")
+                raise Refusal("session_closed", f"session {session_tag(sid)} was dropped")
             if origin is not None:
-                raise Refusal("session_closed", f"session {sid!r} has already finished (finished by the {origin})")
-            raise Refusal("unknown_session", f"no session {sid!r}")
+                raise Refusal("session_closed",
+                              f"session {session_tag(sid)} has already finished (finished by the {origin})")
+            raise Refusal("unknown_session", f"no session {session_tag(sid)}")
         return session
 
     def __contains__(self, sid: object) -> bool:
@@ -190,7 +203,7 @@ class SessionRegistry:
         if session_id is None:
             session_id = _MINTED_KEY_PREFIX + secrets.token_urlsafe(_MINTED_KEY_BYTES)
         elif session_id in self._sessions:
-            raise Refusal("duplicate_session", f"session {session_id!r} is already open")
+            raise Refusal("duplicate_session", f"session {session_tag(session_id)} is already open")
         if self._max_turns_cap is not None:
             max_turns = self._max_turns_cap if max_turns is None else min(max_turns, self._max_turns_cap)
         self._finished.pop(session_id, None)  # a reused id starts afresh
@@ -204,9 +217,8 @@ class SessionRegistry:
         """The session, if a finish may still close it; else the Refusal that later finishers get."""
         session = self.get(sid)
         if session.state != "open":
-            raise Refusal(
-                "session_closed", f"session {sid!r} is already finishing (finished by the {session.finished_by})"
-            )
+            raise Refusal("session_closed",
+                          f"session {session_tag(sid)} is already finishing (finished by the {session.finished_by})")
         return session
 
     def close(self, sid: str, origin: FinishOrigin = "trainer") -> Session:
@@ -264,14 +276,14 @@ class SessionRegistry:
         if seq is not None:  # a worker re-sent OPEN after losing our reply: same answer, even if closing
             return session, seq
         if session.state != "open":
-            raise Refusal("session_closed", f"session {sid!r} is finishing; no new turns")
+            raise Refusal("session_closed", f"session {session_tag(sid)} is finishing; no new turns")
         if not turn_id or len(turn_id) > _MAX_TURN_ID_LEN:
             raise Refusal("bad_request", f"turn_id must be 1-{_MAX_TURN_ID_LEN} characters")
         if turn_id in session.committed or turn_id in session.aborted:
-            raise Refusal("bad_request", f"turn {turn_id!r} of session {sid!r} is already over")
+            raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(sid)} is already over")
         cap = session.max_turns
         if cap is not None and len(session.in_flight) + len(session.committed) >= cap:
-            raise Refusal("turn_cap", f"session {sid!r} reached its cap of {cap} turns")
+            raise Refusal("turn_cap", f"session {session_tag(sid)} reached its cap of {cap} turns")
         seq = session.next_seq
         session.next_seq += 1
         session.in_flight[turn_id] = seq
@@ -294,7 +306,7 @@ class SessionRegistry:
         seq = in_flight.get(turn_id)
         if seq is None:
             what = "was aborted" if turn_id in session.aborted else "was never opened"
-            raise Refusal("bad_request", f"turn {turn_id!r} of session {sid!r} {what}")
+            raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(sid)} {what}")
         try:
             messages = packed_messages(msg.prompt_messages, msg.response_message)
         except ValueError as e:
@@ -313,7 +325,7 @@ class SessionRegistry:
             problem = store.add_delta(msg, seq, messages)
             if problem is not None:
                 counters["commits_unknown_base"] += 1
-                raise Refusal("unknown_base", f"session {sid!r}: {problem}; resend the turn in full")
+                raise Refusal("unknown_base", f"session {session_tag(sid)}: {problem}; resend the turn in full")
             counters["commits_delta"] += 1
         elif msg.base_tokens or msg.base_messages or msg.prompt_len not in (0, len(msg.prompt_ids)):
             raise Refusal(
@@ -338,7 +350,7 @@ class SessionRegistry:
             session.aborted.add(turn_id)
             self.counters["turns_aborted"] += 1
         elif turn_id in session.committed:
-            raise Refusal("bad_request", f"turn {turn_id!r} of session {sid!r} is already committed")
+            raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(sid)} is already committed")
         return session
 
     def turn_messages(self, sid: str, turn_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -348,13 +360,13 @@ class SessionRegistry:
         """
         session = self.get(sid)
         if session.state != "open":
-            raise Refusal("session_closed", f"session {sid!r} is finishing; no new turns")
+            raise Refusal("session_closed", f"session {session_tag(sid)} is finishing; no new turns")
         found = session.committed.turn_messages(turn_id)
         if found is None:
             if turn_id in session.in_flight:
                 # Its reply reached the agent just before its COMMIT reached us: the worker retries.
                 raise Refusal("turn_pending", f"turn {turn_id!r} is not committed yet")
-            raise Refusal("unknown_turn", f"session {sid!r} has no committed turn {turn_id!r}")
+            raise Refusal("unknown_turn", f"session {session_tag(sid)} has no committed turn {turn_id!r}")
         return found
 
     # --- idle-time compaction (`compaction.CompactionScheduler`) ---------------------------

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import zmq
 
 from broker import curve, protocol
+from broker.protocol import session_tag
 from gateway_workers.capture.commit_bases import CommitBases
 
 logger = logging.getLogger(__name__)
@@ -248,7 +249,8 @@ class Backplane:
         try:
             delta, prompt_crc32 = self.bases.delta_and_crc(full, next(self._ids))
         except Exception:  # a bug of ours must not cost the turn: send it in full
-            logger.exception("cannot build a delta commit of turn %s (session %s)", full.turn_id, full.session_id)
+            logger.exception("cannot build a delta commit of turn %s (session %s)", full.turn_id,
+                             session_tag(full.session_id))
             delta = None
         reply: protocol.BrokerToWorker | None = None
         if delta is not None:
@@ -264,7 +266,7 @@ class Backplane:
                 prompt_crc32 = None
                 log = logger.debug if reply.code == "unknown_base" else logger.warning
                 log("delta commit of turn %s (session %s) refused (%s: %s); resending in full",
-                    full.turn_id, full.session_id, reply.code, reply.message)
+                    full.turn_id, session_tag(full.session_id), reply.code, reply.message)
                 reply = None
         if reply is None:
             self.counters["commits_full"] += 1
@@ -300,18 +302,19 @@ class Backplane:
                 if loop.time() > deadline:
                     logger.error(
                         "gave up on %s of turn %s (session %s) after %d attempts: broker unreachable",
-                        message.TAG, message.turn_id, message.session_id, attempt,
+                        message.TAG, message.turn_id, session_tag(message.session_id), attempt,
                     )
                     return None
                 logger.warning("%s of turn %s not acknowledged yet (attempt %d); resending",
                                message.TAG, message.turn_id, attempt)
                 continue
             except Exception:
-                logger.exception("%s of turn %s (session %s) failed", message.TAG, message.turn_id, message.session_id)
+                logger.exception("%s of turn %s (session %s) failed", message.TAG, message.turn_id,
+                                 session_tag(message.session_id))
                 return None
             if isinstance(reply, protocol.Refused) and log_refusal:
                 logger.error("broker refused %s of turn %s (session %s): %s %s",
-                             message.TAG, message.turn_id, message.session_id, reply.code, reply.message)
+                             message.TAG, message.turn_id, session_tag(message.session_id), reply.code, reply.message)
             return reply
 
     async def drain(self, timeout: float) -> None:

@@ -6,8 +6,9 @@ adding or removing a replica moves only the sessions that hashed to it. The same
 sent in the headers that engine routers use for session affinity:
 `X-Session-ID` (vllm-router's consistent_hash policy, first key it reads) and
 `X-SMG-Routing-Key` (SGLang Model Gateway's consistent_hashing and manual policies).
-The key is a digest, never the session id itself: the session id is the agent's API key.
-Must not import anything from the worker beyond the stdlib.
+The key is the session's tag (`protocol.session_tag`), never the session id itself: the session id
+is the agent's API key. The gateway's logs name sessions by the same tag, so an engine's request
+log and ours can be matched. Imports only the stdlib and `broker.protocol`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from broker.protocol import session_tag
+
 VLLM_ROUTER_HEADER = "X-Session-ID"
 SGLANG_GATEWAY_HEADER = "X-SMG-Routing-Key"
 
 
 def routing_key(session_id: str) -> str:
-    """A stable, non-secret stand-in for the session id (128 bits of its SHA-256)."""
-    return hashlib.sha256(session_id.encode("utf-8")).hexdigest()[:32]
+    """The key a session is routed by: its non-secret tag."""
+    return session_tag(session_id)
 
 
 def routing_headers(key: str) -> dict[str, str]:

@@ -19,6 +19,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from broker.protocol import session_tag
 from gateway_workers.adapters import openai_chat
 from gateway_workers.capture.backplane import BrokerUnavailable, TurnRefused
 from gateway_workers.http.connection import session_key
@@ -118,7 +119,7 @@ async def finish_session(request: Request) -> Response:
         headers = {"retry-after": str(BUSY_RETRY_AFTER_S)} if status == 503 else None
         return _error(ApiError(status, kind, message, code), counters, headers)
     except BrokerUnavailable as e:
-        logger.error("agent finish of session %s: %s", sid, e)
+        logger.error("agent finish of session %s: %s", session_tag(sid), e)
         return _error(ApiError(503, "unavailable", "the capture broker is unavailable; retry later"), counters)
     counters["sessions_finished_by_agent"] += 1
     return JSONResponse({"object": "rollout.session.finish", "status": "accepted"})

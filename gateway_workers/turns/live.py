@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from broker.protocol import session_tag
 from gateway_workers.engines.base import EngineChunk, EngineError, EngineResult, FinishReason
 from gateway_workers.formats.live_split import IncrementalDecoder, LiveDelta, StreamTracker, live_splitter
 from gateway_workers.http.connection import AgentConnection
@@ -129,7 +130,8 @@ class LiveTurn:
             # Only for replies the final parse finds ill-formed (or a format's splitter got wrong): the
             # agent saw text the stored message lacks; its tokens are still exactly what was sampled.
             logger.warning(
-                "turn %s (session %s): the live stream diverged from the final parse", self.turn_id, self.session_id
+                "turn %s (session %s): the live stream diverged from the final parse", self.turn_id,
+                session_tag(self.session_id),
             )
             turn.flags["stream_diverged"] = True
         self.turn = turn

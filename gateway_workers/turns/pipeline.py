@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import protocol
+from broker.protocol import session_tag
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
 from gateway_workers.formats import ParsedResponse, ResponseParser
@@ -52,9 +53,9 @@ def refusal_error(e: TurnRefused) -> ApiError:
 def engine_error(e: EngineError, session_id: str, turn_id: str) -> ApiError:
     """The HTTP error for an engine failure (logged: it is ours, not the agent's)."""
     if isinstance(e, EngineTimeout):
-        logger.error("engine timed out on turn %s (session %s): %s", turn_id, session_id, e)
+        logger.error("engine timed out on turn %s (session %s): %s", turn_id, session_tag(session_id), e)
         return ApiError(504, "timeout", f"the inference engine timed out: {e}")
-    logger.error("engine failed on turn %s (session %s): %s", turn_id, session_id, e)
+    logger.error("engine failed on turn %s (session %s): %s", turn_id, session_tag(session_id), e)
     return ApiError(502, "engine", f"the inference engine failed: {e}")
 
 
@@ -187,7 +188,7 @@ class TurnPipeline:
             if isinstance(e, TurnRefused):
                 raise refusal_error(e) from None
             if isinstance(e, BrokerUnavailable):
-                logger.error("OPEN of a turn for session %s failed: %s", session_id, e)
+                logger.error("OPEN of a turn for session %s failed: %s", session_tag(session_id), e)
                 raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
             raise
         try:
@@ -261,7 +262,7 @@ class TurnPipeline:
         except TurnRefused as e:
             raise refusal_error(e) from None
         except BrokerUnavailable as e:
-            logger.error("GET of turn %s of session %s failed: %s", turn_id, session_id, e)
+            logger.error("GET of turn %s of session %s failed: %s", turn_id, session_tag(session_id), e)
             raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
 
     async def check_session(self, session_id: str) -> None:

@@ -67,14 +67,19 @@ def test_lifecycle_open_turns_commit_finish_free(client, worker):
         client.finish_session(sid)
 
 
+CHOSEN = "my-episode-7-" + "k" * 9  # a chosen key of the shortest length allowed
+
+
 def test_minted_keys_are_distinct_and_given_ids_are_kept(client):
     minted = {client.open_session() for _ in range(50)}
-    assert len(minted) == 50
-    assert client.open_session(session_id="my-episode-7") == "my-episode-7"
+    assert len(minted) == 50 and all(len(key) >= 32 for key in minted)
+    assert client.open_session(session_id=CHOSEN) == CHOSEN
     with pytest.raises(DuplicateSession):
-        client.open_session(session_id="my-episode-7")
+        client.open_session(session_id=CHOSEN)
     with pytest.raises(InvalidRequest):
-        client.open_session(session_id="has space")
+        client.open_session(session_id="has space" + "k" * 20)
+    with pytest.raises(InvalidRequest, match="at least 22 characters"):
+        client.open_session(session_id=CHOSEN[:-1])
     with pytest.raises(InvalidRequest):
         client.open_session(max_turns=0)
 
