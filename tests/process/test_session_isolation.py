@@ -22,6 +22,7 @@ from gateway_workers.engines.routing import routing_key
 from trainer_client import launch_gateway
 
 USER = [{"role": "user", "content": "hello"}]
+FINISH_ROUTE = "/rollout/v1/sessions/finish"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_a_key_reads_and_writes_only_its_own_session(gateway: Any) -> None:
         with pytest.raises(anthropic.AuthenticationError):
             nobody.messages.count_tokens(model="qwen3", messages=USER)
     # an agent's finish closes its own session and nobody else's
-    finished = httpx.post(gateway.base_url.removesuffix("/v1") + "/rollout/v1/sessions/finish", json={"reward": 1.0},
+    finished = httpx.post(gateway.base_url.removesuffix("/v1") + FINISH_ROUTE, json={"reward": 1.0},
                           headers={"authorization": f"Bearer {bob}"}, timeout=30)
     assert finished.status_code == 200, finished.text
     with _openai(gateway, alice) as a:
@@ -87,7 +88,7 @@ def test_the_logs_of_a_run_hold_no_key(gateway: Any, fake_engine: FakeEngine) ->
         agent.chat.completions.create(model="qwen3", messages=USER)  # a finished session: refused
     with _anthropic(gateway, finished) as agent:
         agent.messages.create(model="qwen3", max_tokens=16, messages=USER)
-    httpx.post(gateway.base_url.removesuffix("/v1") + "/rollout/v1/sessions/finish", json={"reward": 0.0, "rollout_id": "r1"},
+    httpx.post(gateway.base_url.removesuffix("/v1") + FINISH_ROUTE, json={"reward": 0.0, "rollout_id": "r1"},
                headers={"x-api-key": finished}, timeout=30).raise_for_status()
     with _anthropic(gateway, finished) as agent, pytest.raises(anthropic.PermissionDeniedError):
         agent.messages.create(model="qwen3", max_tokens=16, messages=USER)
