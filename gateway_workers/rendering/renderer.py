@@ -214,6 +214,7 @@ class Renderer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         session: str | None = None,
+        budget: int | None = None,
     ) -> RenderedPrompt | Callable[[int | None], RenderedPrompt]:
         """Do the cheap part of a render on the calling thread (the event loop's): the prompt if that was all,
         else a function of the context budget that does the rest (`render`'s `budget`), to run on the render
@@ -222,7 +223,8 @@ class Renderer:
         Cheap: the template renders through its plain-Python twin, no check against the originals is
         due, and the new text to tokenize (by the tiktoken twin) is at most INLINE_NEW_CHARS. That is
         most turns, and it saves the thread hand-off (two wake-ups) on the critical path. `session`
-        names the conversation, whose previous render spares re-cutting their shared text.
+        names the conversation, whose previous render spares re-cutting their shared text. A `budget` known
+        already spares cutting a text whose size proves it over (`PromptOverBudget`).
         """
         template = self.template_twin
         if template is None or not template.active or self._splitter is None or template.next_checked():
@@ -232,6 +234,8 @@ class Renderer:
 
             return render
         text = self.render_text(messages, tools)
+        if budget is not None and (at_least := self.token_bound.at_least(text, budget)):
+            raise PromptOverBudget(at_least, budget)
         pieces = self._lookup(text, session)
         encoder = self.encode_twin
         if pieces.missing and (
@@ -246,6 +250,17 @@ class Renderer:
 
             return encode
         return RenderedPrompt(prompt_ids=self._assemble(pieces, session), text=text)
+
+    def render_session(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        session: str | None,
+        budget: int | None,
+    ) -> RenderedPrompt:
+        """`begin_render` and the rest of it in one call, under `budget`: a whole render for the render thread."""
+        begun = self.begin_render(messages, tools, session, budget)
+        return begun(budget) if callable(begun) else begun
 
     def encode_prompt(self, text: str, budget: int | None = None) -> array:
         """Ids of rendered template text, equal to a full encode; only pieces not seen before are tokenized.

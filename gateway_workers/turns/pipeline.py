@@ -59,6 +59,16 @@ def engine_error(e: EngineError, session_id: str, turn_id: str) -> ApiError:
     return ApiError(502, "engine", f"the inference engine failed: {e}")
 
 
+# Requests with more message text than this are rendered wholly on the render thread, once the OPEN has
+# told their context budget: their template render and cut would hold the event loop for milliseconds
+# per MB, and the budget may prove them over it by their size before the cut.
+HUGE_REQUEST_CHARS = 1 << 22
+
+
+def _message_chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(content) for m in messages if type(content := m.get("content")) is str)
+
+
 def tool_call_id(prefix: str, turn_id: str, index: int) -> str:
     """The wire id of a reply's index-th tool call: derived from the turn, so a later request can name it."""
     return f"{prefix}{turn_id[:24]}_{index}"
@@ -174,14 +184,16 @@ class TurnPipeline:
         t0 = time.perf_counter()
         # The OPEN is on its way before the render starts, and awaited after its cheap part; the broker's
         # verdict still comes first, so a refused session gets its refusal, not a template error. The rest of
-        # a long render waits for the OPEN's context budget, which spares tokenizing a prompt proven over it.
+        # a long render waits for the OPEN's context budget, which spares tokenizing a prompt proven over it;
+        # a huge request waits for it before its render starts, all of it on the render thread.
         opening = self.backplane.open_turn(session_id, turn_id)
-        begun: RenderedPrompt | Callable[[int | None], RenderedPrompt] | RenderError
+        begun: RenderedPrompt | Callable[[int | None], RenderedPrompt] | RenderError | None = None
         try:
-            try:
-                begun = self.renderer.begin_render(request.messages, request.tools, session_id)
-            except RenderError as e:
-                begun = e
+            if _message_chars(request.messages) <= HUGE_REQUEST_CHARS:
+                try:
+                    begun = self.renderer.begin_render(request.messages, request.tools, session_id)
+                except RenderError as e:
+                    begun = e
             opened = await opening
         except BaseException as e:
             opening.close()
@@ -195,9 +207,12 @@ class TurnPipeline:
             try:
                 if isinstance(begun, RenderError):
                     raise begun
-                if callable(begun):
-                    loop = asyncio.get_running_loop()
-                    rendered = await loop.run_in_executor(self.renderer.thread, begun, opened.max_context_tokens)
+                budget, loop = opened.max_context_tokens, asyncio.get_running_loop()
+                if begun is None:
+                    rendered = await loop.run_in_executor(self.renderer.thread, self.renderer.render_session,
+                                                          request.messages, request.tools, session_id, budget)
+                elif callable(begun):
+                    rendered = await loop.run_in_executor(self.renderer.thread, begun, budget)
                 else:
                     rendered = begun
             except RenderError as e:

@@ -349,3 +349,18 @@ def test_token_bound_of_the_builtin_tokenizer(builtin_tokenizer):
     assert renderer.token_bound.max_token_bytes <= spelled <= 2 * renderer.token_bound.max_token_bytes
     lowercasing = _word_level(normalizer=normalizers.Lowercase())
     assert token_bound(lowercasing, None).max_token_bytes == 0  # a normalizer it does not model: no bound
+
+
+def test_a_known_budget_spares_cutting_a_prompt_its_size_proves_over(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    renderer.template_twin.uses = renderer.encode_twin.uses = VERIFY_FIRST + 1
+    cut: list[str] = []
+    lookup = renderer._lookup
+    renderer._lookup = lambda text, session=None: cut.append(text) or lookup(text, session)  # type: ignore[method-assign]
+    huge = [{"role": "user", "content": "word " * 300_000}]
+    with pytest.raises(PromptOverBudget):
+        renderer.render_session(huge, None, "s1", 1024)
+    assert cut == []
+    small = [{"role": "user", "content": "word " * 100}]
+    assert list(renderer.render_session(small, None, "s1", 1024).prompt_ids) == expected_ids(builtin_tokenizer, small,
+                                                                                            None)
