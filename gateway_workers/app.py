@@ -295,7 +295,8 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         parser = detect_parser(tokenizer, config.response_format, config.allow_plain_text)
         renderer = Renderer(tokenizer)
         renderer.prepare_thread()
-        pipeline = TurnPipeline(backplane, renderer, parser, engine, config.default_max_tokens)
+        pipeline = TurnPipeline(backplane, renderer, parser, engine, config.default_max_tokens,
+                                config.max_context_tokens)
         logger.info("worker %d ready: broker %s, engine %s", os.getpid(), config.broker_endpoint, config.engine.kind)
         try:
             yield {"pipeline": pipeline, "config": config, "counters": Counter()}

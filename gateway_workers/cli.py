@@ -55,6 +55,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                         f"self-signed certificate) instead of the system's; env {ENGINE_CA_FILE_ENV}. Certificates "
                         "and host names are always verified")
     p.add_argument("--mock-delay", type=float, default=0.0, help="mock engine: seconds per call")
+    p.add_argument("--max-context-tokens", type=int, default=None, metavar="N",
+                   help="the model's context window (the engine's max_model_len): a prompt of N tokens or more gets "
+                        "an empty reply with finish reason 'length' without reaching the engine, as under a "
+                        "session's own max_context_tokens, which may be smaller (default: sessions' budgets only)")
     p.add_argument("--tokenizer", default=None, help="local tokenizer dir or hub id (default: built-in Qwen BPE)")
     p.add_argument("--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template")
     p.add_argument("--model-name", default=None, help="model id served on /v1/models")
@@ -172,6 +176,8 @@ def _worker_config(
 ) -> WorkerConfig:
     if args.engine_kind != "mock" and not args.engine_url:
         raise SystemExit(f"--engine-kind {args.engine_kind} needs at least one --engine-url")
+    if args.max_context_tokens is not None and args.max_context_tokens <= 0:
+        raise SystemExit("--max-context-tokens must be > 0")
     if args.commit_base_sessions < 0 or args.commit_base_mib < 0:
         raise SystemExit("--commit-base-sessions and --commit-base-mib must be >= 0")
     ca_file = _engine_ca_file(args)
@@ -190,6 +196,7 @@ def _worker_config(
         response_format=args.response_format,
         allow_plain_text=args.allow_plain_text,
         allow_agent_finish=args.allow_agent_finish,
+        max_context_tokens=args.max_context_tokens,
         commit_base_sessions=args.commit_base_sessions,
         commit_base_mib=args.commit_base_mib,
         limits=_limits(args),

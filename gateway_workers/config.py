@@ -31,6 +31,8 @@ class WorkerConfig:
         chat_template: path of a Jinja file that replaces the tokenizer's own template.
         model_name: the model id served on /v1/models and echoed in replies.
         default_max_tokens: output cap when neither the request nor the context budget sets one.
+        max_context_tokens: the model's context window (the engine's max_model_len): the context budget of
+            sessions that set none or a larger one. None: only sessions' own budgets apply.
         commit_drain_s: how long a stopping worker waits for unacknowledged commits.
         commit_base_sessions, commit_base_mib: bounds on the per-session last commits kept so the next
             commit can be a delta (commit_bases.py); 0 sessions sends every commit in full.
@@ -51,6 +53,7 @@ class WorkerConfig:
     chat_template: str | None = None
     model_name: str = "rollout-gateway"
     default_max_tokens: int = 4096
+    max_context_tokens: int | None = None
     commit_drain_s: float = 10.0
     commit_base_sessions: int = commit_bases.MAX_SESSIONS
     commit_base_mib: int = commit_bases.MAX_CONTEXT_BYTES >> 20

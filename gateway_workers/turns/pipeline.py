@@ -171,12 +171,14 @@ class TurnPipeline:
         parser: ResponseParser,
         engine: Engine,
         default_max_tokens: int,
+        max_context_tokens: int | None = None,
     ) -> None:
         self.backplane = backplane
         self.renderer = renderer
         self.parser = parser
         self.engine = engine
         self.default_max_tokens = default_max_tokens
+        self.max_context_tokens = max_context_tokens  # the model's context window, for sessions without less
 
     async def prepare(self, session_id: str, request: TurnRequest) -> PreparedTurn:
         """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened)."""
@@ -207,7 +209,7 @@ class TurnPipeline:
             try:
                 if isinstance(begun, RenderError):
                     raise begun
-                budget, loop = opened.max_context_tokens, asyncio.get_running_loop()
+                budget, loop = self._budget(opened), asyncio.get_running_loop()
                 if begun is None:
                     rendered = await loop.run_in_executor(self.renderer.thread, self.renderer.render_session,
                                                           request.messages, request.tools, session_id, budget)
@@ -312,6 +314,13 @@ class TurnPipeline:
         except EngineError as e:
             raise engine_error(e, session_id, turn_id) from None
 
+    def _budget(self, opened: protocol.TurnOpened) -> int | None:
+        """The turn's context budget: the session's, within the model's context window."""
+        session, model = opened.max_context_tokens, self.max_context_tokens
+        if session is None or model is None:
+            return model if session is None else session
+        return min(session, model)
+
     def _sampling(
         self, request: TurnRequest, opened: protocol.TurnOpened, prompt_len: int
     ) -> tuple[SamplingParams, bool]:
@@ -323,8 +332,9 @@ class TurnPipeline:
 
         max_tokens = pick("max_tokens", request.max_tokens) or self.default_max_tokens
         over_budget = False
-        if opened.max_context_tokens is not None:
-            room = opened.max_context_tokens - prompt_len
+        budget = self._budget(opened)
+        if budget is not None:
+            room = budget - prompt_len
             over_budget = room <= 0
             max_tokens = min(max_tokens, max(room, 0))
         stop = request.stop or tuple(defaults.get("stop") or ())

@@ -186,3 +186,19 @@ def test_anthropic_limits_use_its_own_error_shape(gateway):
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
     assert "at most 64" in info.value.body["error"]["message"]
     assert gateway.client.finish_session(sid, wait_timeout=1.0) == []
+
+
+def test_the_model_context_window_bounds_sessions_without_a_smaller_budget():
+    """`--max-context-tokens`: the budget of sessions that set none (or more), applied like their own."""
+    with launch_gateway(workers=1, engine_kind="mock", extra_args=["--max-context-tokens", "64"]) as gw:
+        medium = [{"role": "user", "content": "a few words more " * 8}]  # ~40 tokens rendered
+        huge = [{"role": "user", "content": "many words in a row " * 250_000}]  # 5 MB: over by its size
+        unbounded, generous, tight = (gw.client.open_session(max_context_tokens=n) for n in (None, 10**6, 16))
+        for sid, messages, fits in ((unbounded, medium, True), (generous, medium, True), (tight, medium, False),
+                                    (unbounded, huge, False)):
+            with _chat(gw, sid) as agent:
+                started = time.monotonic()
+                reply = agent.chat.completions.create(model="qwen3", messages=messages, max_tokens=8)
+            sampled = reply.usage.completion_tokens
+            assert (sampled > 0) == fits and (fits or reply.choices[0].finish_reason == "length"), (sid, sampled)
+            assert time.monotonic() - started < 5.0

@@ -1,4 +1,5 @@
-"""The commit-base bounds are flags: they reach the worker's config, and 0 sessions means full commits only."""
+"""Worker flags reach the worker's config (commit-base bounds, the model's context window); 0 sessions means full
+commits only."""
 
 from __future__ import annotations
 
@@ -23,17 +24,20 @@ def _commit(turn_id: str, prompt: list[int]) -> protocol.CommitTurn:
 
 
 def test_the_flags_reach_the_worker_config_and_survive_its_trip_through_the_environment(monkeypatch):
-    config = _config("--commit-base-sessions", "0", "--commit-base-mib", "7")
-    assert (config.commit_base_sessions, config.commit_base_mib) == (0, 7)
+    config = _config("--commit-base-sessions", "0", "--commit-base-mib", "7", "--max-context-tokens", "32768")
+    assert (config.commit_base_sessions, config.commit_base_mib, config.max_context_tokens) == (0, 7, 32768)
     monkeypatch.setenv(*next(iter(config.to_env().items())))
     assert WorkerConfig.from_env() == config
     default = _config()
     assert (default.commit_base_sessions, default.commit_base_mib << 20) == (MAX_SESSIONS, MAX_CONTEXT_BYTES)
+    assert default.max_context_tokens is None
 
 
 def test_negative_bounds_are_refused():
     with pytest.raises(SystemExit, match="commit-base"):
         _config("--commit-base-sessions", "-1")
+    with pytest.raises(SystemExit, match="max-context-tokens"):
+        _config("--max-context-tokens", "0")
 
 
 @pytest.mark.parametrize(("sessions", "deltas"), [(0, False), (1, True)])
