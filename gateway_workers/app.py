@@ -40,6 +40,7 @@ from gateway_workers.http.connection import AgentConnection, session_key
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session
 from gateway_workers.http.limits import RequestLimits, check_headers, check_strings, read_body
+from gateway_workers.lifetime import tie_to_parent
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
 from gateway_workers.rendering.twins.checks import twin_stats
@@ -324,4 +325,5 @@ def create_app_from_env() -> GatewayApp:
     """uvicorn factory: the CLI put the WorkerConfig in the environment."""
     config = WorkerConfig.from_env()
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(message)s")
+    tie_to_parent()  # a worker never outlives the process that started it
     return create_app(config)

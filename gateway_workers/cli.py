@@ -1,10 +1,11 @@
 """`rollout-gateway`: serve (broker + N workers), broker, workers, keys.
 
-`serve` starts the broker as a subprocess (`python -m broker`), waits for the
-endpoints it bound, binds the agents' HTTP socket once in this process (port 0
-works) and runs N uvicorn workers on it (spawned; each builds its own state in the
-app lifespan). It prints machine-readable READY lines, stays in the foreground and, on
-SIGINT/SIGTERM, lets uvicorn stop the workers, then stops the broker. `keys` writes
+`serve` starts the broker as a subprocess (`python -m broker`, watched and restarted on
+the same endpoints if it dies: `supervisor`), waits for the endpoints it bound, binds the
+agents' HTTP socket once in this process (port 0 works) and runs N uvicorn workers on it
+(spawned; each builds its own state in the app lifespan). It prints machine-readable READY
+lines, stays in the foreground and, on SIGINT/SIGTERM, lets uvicorn stop the workers, then
+stops the broker; neither outlives it, however it ends (`lifetime`). `keys` writes
 the CURVE key directory (`broker.curve`) that `--curve-keys` points every component at;
 a non-loopback backplane endpoint is refused without it. The broker's server is never
 imported here: gateway_workers imports only `broker.protocol` and `broker.curve`.
@@ -15,8 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
-import subprocess
 import sys
 import threading
 import time
@@ -32,15 +31,14 @@ from gateway_workers.config import WorkerConfig
 from gateway_workers.engines.base import EngineConfig
 from gateway_workers.engines.http.client import tls_context
 from gateway_workers.http.limits import RequestLimits
+from gateway_workers.lifetime import PARENT_PID_ENV
+from gateway_workers.supervisor import BrokerStartError, BrokerSupervisor
 
 logger = logging.getLogger(__name__)
 
-BROKER_START_TIMEOUT_S = 30.0
 WORKERS_START_TIMEOUT_S = 180.0
 WORKER_HEALTHCHECK_S = 60  # a worker loads its tokenizer before it answers uvicorn's pings
-BROKER_STOP_TIMEOUT_S = 10.0
 ENGINE_CA_FILE_ENV = "ROLLOUT_ENGINE_CA_FILE"  # the --engine-ca-file default
-_BROKER_READY = re.compile(r"BROKER READY worker=(\S+) control=(\S+)")
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -219,50 +217,13 @@ def _engine_ca_file(args: argparse.Namespace) -> str | None:
     return path
 
 
-def _start_broker(
-    args: argparse.Namespace, tokenizer_dir: str | None, curve_keys: str | None
-) -> tuple[subprocess.Popen[str], str, str]:
-    cmd = [sys.executable, "-m", "broker", "--worker-endpoint", args.worker_endpoint, "--control", args.control,
-           "--log-level", args.log_level]
+def _broker_supervisor(args: argparse.Namespace, tokenizer_dir: str | None, curve_keys: str | None) -> BrokerSupervisor:
+    flags = ["--log-level", args.log_level]
     if tokenizer_dir:
-        cmd += ["--tokenizer", tokenizer_dir]
+        flags += ["--tokenizer", tokenizer_dir]
     # Always explicit, even empty: the broker must not fall back to a different ROLLOUT_GATEWAY_CURVE_KEYS.
-    cmd += ["--curve-keys", curve_keys or ""]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + BROKER_START_TIMEOUT_S
-    found: list[tuple[str, str]] = []
-
-    def pump() -> None:  # forward the broker's stdout; the first READY line gives its endpoints
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            match = _BROKER_READY.search(line)
-            if match and not found:
-                found.append((match.group(1), match.group(2)))
-            else:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-
-    threading.Thread(target=pump, name="broker-stdout", daemon=True).start()
-    while not found:
-        if proc.poll() is not None:
-            raise SystemExit(f"the broker exited with code {proc.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"the broker was not ready within {BROKER_START_TIMEOUT_S}s")
-        time.sleep(0.02)
-    return proc, found[0][0], found[0][1]
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(BROKER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            logger.error("broker did not stop within %ss; killing it", BROKER_STOP_TIMEOUT_S)
-            proc.kill()
-            proc.wait()
+    flags += ["--curve-keys", curve_keys or ""]
+    return BrokerSupervisor(flags, args.worker_endpoint, args.control)
 
 
 def _announce_when_healthy(base: str, control: str | None) -> None:
@@ -282,6 +243,7 @@ def _announce_when_healthy(base: str, control: str | None) -> None:
 
 def _run_workers(args: argparse.Namespace, config: WorkerConfig, control: str | None) -> None:
     os.environ.update(config.to_env())  # spawned workers inherit it; the factory reads it
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # and die with this process (`lifetime`)
     uv_config = uvicorn.Config(
         "gateway_workers.app:create_app_from_env",
         factory=True,
@@ -341,11 +303,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "workers":
         _run_workers(args, _worker_config(args, args.broker, tokenizer_dir, curve_keys), None)
         return
-    broker, worker_endpoint, control = _start_broker(args, tokenizer_dir, curve_keys)
+    broker = _broker_supervisor(args, tokenizer_dir, curve_keys)
+    try:
+        worker_endpoint, control = broker.start()
+    except BrokerStartError as e:
+        raise SystemExit(f"rollout-gateway: {e}") from None
     try:
         _run_workers(args, _worker_config(args, worker_endpoint, tokenizer_dir, curve_keys), control)
     finally:
-        _stop(broker)
+        broker.stop()
 
 
 if __name__ == "__main__":

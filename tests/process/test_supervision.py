@@ -1,0 +1,101 @@
+"""`serve` supervises its broker and takes its children with it: real processes, `kill -9`.
+
+A broker killed under `serve` is logged and restarted on the same endpoints: the trainer client and the
+workers reconnect by themselves, new sessions run end to end, and a session the old (in-memory) broker
+held is refused as unknown. A `serve` killed with SIGKILL leaves no broker or worker behind, so its ports
+are free for the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import openai
+import pytest
+from assets import wait_until
+
+from trainer_client import launch_gateway
+
+USER = [{"role": "user", "content": "hello"}]
+GONE_WITHIN_S = 15.0
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every live process below `root`."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in found:
+                try:
+                    found[child] = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                frontier.append(child)
+    return found
+
+
+def _broker_pid(serve_pid: int) -> int | None:
+    return next((pid for pid, cmd in _descendants(serve_pid).items() if "-m broker" in cmd), None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _turn(gw, key: str) -> openai.types.chat.ChatCompletion:
+    with openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=2, timeout=30) as agent:
+        return agent.chat.completions.create(model="qwen3", messages=USER)
+
+
+def test_a_killed_broker_is_restarted_on_its_endpoints() -> None:
+    with launch_gateway(workers=2, engine_kind="mock", extra_args=["--log-level", "warning"]) as gw:
+        before = gw.client.open_session()
+        _turn(gw, before)
+        first = _broker_pid(gw.process.pid)
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: _broker_pid(gw.process.pid) not in (None, first), timeout=GONE_WITHIN_S)
+        assert wait_until(lambda: any("the broker is back" in line for line in list(gw.output)), timeout=30)
+        log = "".join(gw.output)
+        assert f"the broker (pid {first}) was killed by signal 9; restarting it on" in log
+        # the same client, the same endpoint: a new session runs end to end through both workers
+        after = gw.client.open_session()
+        for _ in range(3):
+            assert _turn(gw, after).choices[0].message.content
+        rows = gw.client.finish_session(after)
+        assert len(rows) >= 1 and sum(len(r.metadata["turn_ids"]) for r in rows) == 3
+        with pytest.raises(openai.AuthenticationError):  # the in-memory broker's sessions are gone
+            _turn(gw, before)
+
+
+def test_nothing_outlives_a_killed_serve() -> None:
+    with launch_gateway(workers=2, engine_kind="mock", extra_args=["--log-level", "warning"]) as gw:
+        children = _descendants(gw.process.pid)
+        assert _broker_pid(gw.process.pid) is not None and len(children) >= 3, children  # broker + 2 workers
+        control = urlparse(gw.control.replace("tcp://", "http://"))
+        http = urlparse(gw.base_url)
+        os.kill(gw.process.pid, signal.SIGKILL)  # serve alone: its children are not signalled by anyone
+        gone = wait_until(lambda: not any(_alive(pid) for pid in children), timeout=GONE_WITHIN_S)
+        assert gone, {pid: cmd for pid, cmd in children.items() if _alive(pid)}
+        for host, port in ((control.hostname, control.port), (http.hostname, http.port)):
+            with socket.socket() as probe:  # the ports are free for the next serve
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+
