@@ -123,9 +123,8 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
 
 
 def _error(adapter: Adapter[Any], error: ApiError, counters: Counter[str]) -> Response:
+    # Not logged here: whoever raises a 5xx logs its cause once, with the turn and session tag it knows.
     counters[f"http_{error.status}"] += 1
-    if error.status >= 500:
-        logger.error("turn failed with %d: %s", error.status, error.message)
     # After a 413/431 the rest of the request is unread: closing the connection keeps uvicorn from buffering it.
     headers = {"connection": "close"} if error.status in (413, 431) else None
     return Response(orjson.dumps(adapter.error_body(error)), status_code=error.status, media_type="application/json",
@@ -281,7 +280,15 @@ async def metrics(request: Request) -> Response:
                   f"rollout_gateway_twin_checks_total{{{labels}}} {twin.checks}",
                   f"rollout_gateway_twin_mismatches_total{{{labels}}} {twin.mismatches}",
                   f"rollout_gateway_twin_active{{{labels}}} {int(twin.active)}"]
+    for (replica, kind), count in sorted(pipeline.engine.faults.items()):  # failed engine calls, per replica
+        lines.append(f'rollout_gateway_engine_faults_total{{pid="{pid}",replica="{_label(replica)}",kind="{kind}"}} '
+                     f"{count}")
     return PlainTextResponse("\n".join(lines) + "\n")
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def create_app(config: WorkerConfig) -> GatewayApp:

@@ -2,9 +2,10 @@
 
 `python tests/fake_engine.py --port 0 --tokenizer DIR` prints `FAKE ENGINE READY http://HOST:PORT`.
 Routes: vLLM `POST /inference/v1/generate`, SGLang `POST /generate` + `POST /abort_request`,
-and test controls `POST /_fake/config` (delay, per-token delay, injected HTTP errors, hang;
-scoped to a routing key so tests sharing the process do not collide; mid-stream failures) and `GET /_fake/log`
-(requests, aborts, disconnects, finished streams). `stream: true` streams one token per
+and test controls `POST /_fake/config` (delay, per-token delay and the faults of `Fault`: HTTP errors, hangs,
+dropped connections, error events, answers of the wrong kind or shape; scoped to a routing key so tests sharing
+the process do not collide, and to a number of requests) and `GET /_fake/log` (requests, each with the fault that
+struck it or None, aborts, disconnects, finished streams). `stream: true` streams one token per
 step as SSE: vLLM's new-ids chunks + usage + [DONE], SGLang's cumulative events + [DONE].
 Policy: tools declared and fewer than `tool_rounds` tool responses since the last user turn ->
 `<think>..</think>` + one or two Qwen3 `<tool_call>`s with arguments from the prompt; else a final
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import logging
 import random
 import re
 import socket
@@ -45,17 +47,61 @@ _USER_TURN = "<|im_start|>user\n"
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
 
 
+# What `Fault.answer` sends instead of a proper reply (streams: from token `answer_after` on).
+ANSWERS = (
+    "json",  # a whole non-stream JSON body, even to a streaming request
+    "sse",  # a stream, even to a non-stream request
+    "garbage",  # an HTML page with status 200 (streams: appended as raw bytes, then the body ends)
+    "no_ids",  # vLLM: no token_ids; SGLang: no output_token_logprobs (as if return_logprob were ignored)
+    "short_logprobs",  # one logprob fewer than ids (SGLang: output_ids one longer than its logprob entries)
+    "no_finish",  # no finish reason: the stream ends after the last id (and the usage, and [DONE])
+    "aborted",  # the engine aborts the generation by itself: finish reason "abort" after `answer_after` ids
+)
+GARBAGE = b"<html><body><h1>upstream error</h1></body></html>"
+
+
 @dataclass
 class Fault:
-    """Injected behaviour; `key` None applies to every request, else only to that routing key."""
+    """Injected behaviour; `key` None applies to every request, else only to that routing key.
+
+    `times` counts down on every request the entry applies to; once it reaches 0 requests are served normally.
+    """
 
     key: str | None = None
     delay: float = 0.0
-    status: int | None = None  # answer this HTTP status instead of generating...
-    times: int | None = None  # ...this many times (None: always)
+    status: int | None = None  # answer this HTTP status instead of generating
+    times: int | None = None  # how many requests get this entry (None: all)
     hang: bool = False
     token_delay: float = 0.0  # streaming: seconds before each token is sent
     error_after: int | None = None  # streaming: fail with an error event after this many tokens
+    drop_after: int | None = None  # close the connection after this many tokens (non-stream: halfway through the body)
+    hang_after: int | None = None  # streaming: send nothing more after this many tokens, until the client leaves
+    answer: str | None = None  # one of ANSWERS
+    answer_after: int = 0  # streaming: the token from which `answer` applies
+
+    def __post_init__(self) -> None:
+        if self.answer is not None and self.answer not in ANSWERS:
+            raise ValueError(f"answer must be one of {ANSWERS}, got {self.answer!r}")
+
+    def name(self) -> str | None:
+        """What struck a request (its log entry's `fault`), None when it was answered properly."""
+        if self.status is not None:
+            return f"status {self.status}"
+        if self.hang:
+            return "hang"
+        for what in ("error_after", "drop_after", "hang_after"):
+            if getattr(self, what) is not None:
+                return what
+        return self.answer
+
+
+class InjectedDrop(Exception):
+    """Raised inside a response so uvicorn drops the connection (its log of it is filtered out)."""
+
+
+class _QuietDrops(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], InjectedDrop))
 
 
 @dataclass
@@ -80,9 +126,14 @@ def _routing_key(request: Request) -> str | None:
 
 
 def _fault_for(state: State, key: str | None) -> Fault:
+    """The entry for this request (counted down), or a plain Fault() once its `times` ran out."""
     scoped = [f for f in state.faults if f.key is not None and f.key == key]
     for fault in scoped or [f for f in state.faults if f.key is None]:
-        return fault
+        if fault.times is None:
+            return fault
+        if fault.times > 0:
+            fault.times -= 1
+            return fault
     return Fault()
 
 
@@ -209,15 +260,16 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt) or not isinstance(params, dict):
         return JSONResponse({"error": "token ids and sampling_params are required"}, status_code=400)
     key = _routing_key(request)
-    state.requests.append(
-        {"api": api, "rid": rid, "key": key, "headers": dict(request.headers), "body": body, "at": time.time()}
-    )
     fault = _fault_for(state, key)
-    if fault.status is not None and (fault.times is None or fault.times > 0):
-        if fault.times is not None:
-            fault.times -= 1
+    state.requests.append(
+        {"api": api, "rid": rid, "key": key, "headers": dict(request.headers), "body": body, "at": time.time(),
+         "fault": fault.name()}
+    )
+    if fault.status is not None:
         return JSONResponse({"error": "injected fault"}, status_code=fault.status)
-    if body.get("stream"):
+    if fault.answer == "garbage" and (not body.get("stream") or fault.answer_after == 0):
+        return Response(GARBAGE, media_type="text/html")
+    if (body.get("stream") or fault.answer == "sse") and fault.answer != "json":
         ids, logprobs, finish = reply(state, prompt, int(params.get(max_key, 16)))
         return SseReply(state, api, rid, key, body, prompt, (ids, logprobs, finish), fault)
     state.running[rid] = asyncio.Event()
@@ -231,11 +283,54 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     ids, logprobs, finish = reply(state, prompt, int(params.get(max_key, 16)))
     if outcome == "abort":
         ids, logprobs, finish = [], [], "abort"
-    return JSONResponse(
+    elif fault.answer == "aborted":
+        half = len(ids) // 2
+        ids, logprobs, finish = ids[:half], logprobs[:half], "abort"
+    answer = (
         _vllm_body(rid, ids, logprobs, finish, params)
         if api == "vllm"
         else _sglang_body(state, rid, prompt, ids, logprobs, finish, body)
     )
+    _misshape(api, answer, fault.answer)
+    if fault.drop_after is not None:
+        return DroppedReply(json.dumps(answer).encode())
+    return JSONResponse(answer)
+
+
+def _misshape(api: str, answer: dict[str, Any], how: str | None) -> None:
+    """Make one generated body (a whole answer or a stream event) wrong in the way `how` names."""
+    if api == "vllm":
+        choices = answer["choices"]
+        if how == "no_ids":
+            del choices[0]["token_ids"]
+        elif how == "short_logprobs" and choices[0]["logprobs"]:
+            choices[0]["logprobs"]["content"].pop()
+        elif how == "no_finish":
+            choices[0]["finish_reason"] = None
+        return
+    meta = answer["meta_info"]
+    if how == "no_ids":
+        meta.pop("output_token_logprobs", None)
+        answer.pop("output_ids", None)
+    elif how == "short_logprobs" and meta.get("output_token_logprobs"):
+        meta["output_token_logprobs"].pop()
+    elif how == "no_finish":
+        meta["finish_reason"] = None
+
+
+class DroppedReply(Response):
+    """A whole answer whose connection is dropped halfway through the body (its Content-Length promised more)."""
+
+    def __init__(self, content: bytes) -> None:
+        self.content = content
+        self.status_code = 200
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(self.content)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": self.content[: len(self.content) // 2], "more_body": True})
+        raise InjectedDrop("injected connection drop")
 
 
 def _vllm_body(rid: str, ids: list[int], lps: list[float], finish: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -303,16 +398,30 @@ class SseReply(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             outcome = await _pause(aborted, gone, HANG_S if self.fault.hang else self.fault.delay)
-            ids, lps, finish = self.result
+            ids, lps, reason = self.result
+            fault = self.fault
+            finish = None if fault.answer == "no_finish" else reason
             sent = 0
             while outcome is None and sent < len(ids):
-                if sent == self.fault.error_after:
+                if sent == fault.error_after:
                     error = {"error": {"message": "injected mid-stream failure", "type": "InternalServerError",
                                        "code": 500}}
                     data = b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
                     await send({"type": "http.response.body", "body": data, "more_body": False})
                     return
-                outcome = await _pause(aborted, gone, self.fault.token_delay)
+                if sent == fault.drop_after:
+                    raise InjectedDrop("injected connection drop")
+                if sent == fault.hang_after:
+                    outcome = await _pause(aborted, gone, HANG_S)
+                    break
+                if sent == fault.answer_after and fault.answer == "garbage":
+                    await send({"type": "http.response.body", "body": GARBAGE, "more_body": False})
+                    return
+                if sent == fault.answer_after and fault.answer == "aborted":
+                    sent += 1
+                    await self._send_chunk(send, sent - 1, sent, "abort")
+                    break
+                outcome = await _pause(aborted, gone, fault.token_delay)
                 if outcome is None:
                     sent += 1
                     await self._send_chunk(send, sent - 1, sent, finish if sent == len(ids) else None)
@@ -340,6 +449,8 @@ class SseReply(Response):
             body = _sglang_body(self.state, self.rid, self.prompt, ids[:stop], lps[:stop], finish or "", self.body)
             if finish is None:
                 body["meta_info"]["finish_reason"] = None
+        if stop > self.fault.answer_after and self.fault.answer in ("no_ids", "short_logprobs"):
+            _misshape(self.api, body, self.fault.answer)
         data = b"data: " + json.dumps(body).encode() + b"\n\n"
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
@@ -438,7 +549,8 @@ async def _serve(args: argparse.Namespace) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(config)  # configures uvicorn's loggers: the filter goes on after
+    logging.getLogger("uvicorn.error").addFilter(_QuietDrops())
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         if serving.done():

@@ -2,10 +2,12 @@
 
 Owns the records every backend shares (`SamplingParams`, `EngineResult`, `EngineChunk`,
 `EngineConfig`), the two failures the app maps to HTTP (`EngineError` -> 502,
-`EngineTimeout` -> 504) and the pooled-HTTP plumbing the vLLM and SGLang backends share
+`EngineTimeout` -> 504), each with its `FaultKind`, the per-replica fault counts (`Engine.faults`,
+on the worker's /metrics) and the pooled-HTTP plumbing the vLLM and SGLang backends share
 (one keep-alive `http_client.HttpPool` per engine object, bounded timeouts, orjson bodies,
 an SSE reader for streamed generations). Backends (vllm, sglang, mock) implement `Engine`: `generate`
-returns a whole generation, `stream` yields it as it is sampled.
+returns a whole generation, `stream` yields it as it is sampled. A generation that did not finish
+(no finish reason, or one the engine aborted by itself) is a failure, never a reply.
 Must not import the app, adapters, backplane or transformers.
 """
 
@@ -15,7 +17,8 @@ import asyncio
 import contextlib
 import logging
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -28,7 +31,11 @@ from gateway_workers.engines.routing import choose_replica, routing_headers, rou
 logger = logging.getLogger(__name__)
 
 EngineKind = Literal["mock", "vllm", "sglang"]
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length"]
+# Why an engine call failed, as counted per replica: an HTTP error status; no answer in time; the connection
+# failed or broke; the engine's own error event mid-stream; a 2xx body we cannot use (not JSON, not a stream,
+# the wrong shape, ids without their logprobs); a generation that ended without finishing.
+FaultKind = Literal["status", "timeout", "connection", "error_event", "bad_answer", "incomplete"]
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a long generation is legitimate; a hung engine is not
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
@@ -38,13 +45,17 @@ ABORT_TIMEOUT_S = 2.0  # bound on the best-effort abort call sent when a generat
 class EngineError(Exception):
     """The engine failed or answered garbage: the agent gets a 502 and the turn is aborted."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, kind: FaultKind = "bad_answer") -> None:
         super().__init__(message)
         self.status = status
+        self.kind: FaultKind = kind
 
 
 class EngineTimeout(EngineError):
     """The engine did not answer within the configured bound: the agent gets a 504."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="timeout")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +142,10 @@ class Engine(Protocol):
     Cancelling `generate`, or cancelling or closing a `stream` iterator before its last
     chunk, must stop the engine's work (best effort). A stream's chunks concatenate to
     exactly what `generate` would have returned; its last chunk carries the finish reason.
+    `faults` counts the calls that failed with an EngineError, by (replica url, kind).
     """
+
+    faults: Counter[tuple[str, FaultKind]]
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
@@ -178,6 +192,7 @@ class HttpEngineBase:
         # Built here, at worker startup, so an unusable CA file fails the start rather than each request.
         self._tls = tls_context(config.ca_file) if any(tls) else None
         self._pool: HttpPool | None = None
+        self.faults: Counter[tuple[str, FaultKind]] = Counter()
 
     def route(self, session_id: str) -> tuple[str, dict[str, str]]:
         """(replica base url, routing headers) for a session."""
@@ -189,10 +204,14 @@ class HttpEngineBase:
             self._pool = HttpPool(self._config.connect_timeout_s, tls=self._tls)
         return self._pool
 
-    async def post_json(
+    def count_fault(self, replica: str, error: EngineError) -> None:
+        """Count a failed call against its replica (once per call: the backends call this where it fails)."""
+        self.faults[replica, error.kind] += 1
+
+    async def post(
         self, url: str, body: dict[str, Any], headers: dict[str, str], timeout: float | None = None
-    ) -> Any:
-        """POST `body` as JSON and return the decoded JSON answer; failures become EngineError/EngineTimeout.
+    ) -> bytes:
+        """POST `body` as JSON and return the 2xx answer's body; failures become EngineError/EngineTimeout.
 
         `timeout` (seconds, default the config's request_timeout_s) bounds the whole call, connecting included.
         """
@@ -203,16 +222,25 @@ class HttpEngineBase:
         except HttpTimeout as e:
             raise EngineTimeout(f"engine {url} did not answer within {limit}s") from e
         except HttpConnectionError as e:
-            raise EngineError(f"engine {url} request failed: {type(e).__name__}: {e}") from e
+            raise EngineError(f"engine {url} request failed: {type(e).__name__}: {e}", kind="connection") from e
         if status >= 300:
             snippet = raw[:_BODY_SNIPPET].decode("utf-8", "replace")
-            raise EngineError(f"engine {url} answered HTTP {status}: {snippet}", status=status)
+            raise EngineError(f"engine {url} answered HTTP {status}: {snippet}", status=status, kind="status")
+        return raw
+
+    async def post_json(
+        self, url: str, body: dict[str, Any], headers: dict[str, str], timeout: float | None = None
+    ) -> Any:
+        """`post`, and the answer decoded as JSON (an EngineError if it is not)."""
+        raw = await self.post(url, body, headers, timeout)
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as e:
-            raise EngineError(f"engine {url} answered non-JSON: {raw[:_BODY_SNIPPET]!r}") from e
+            raise bad_answer(url, f"not JSON: {raw[:_BODY_SNIPPET]!r}") from e
 
-    async def stream_json(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> AsyncIterator[Any]:
+    async def stream_json(
+        self, url: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> AsyncGenerator[Any, None]:
         """POST `body` and yield each SSE `data:` event decoded as JSON, until `[DONE]` or the end of the body.
 
         Closing the iterator closes the connection, which is how vLLM learns the client went away.
@@ -225,7 +253,12 @@ class HttpEngineBase:
             resp = await self.pool().open_stream(url, data, headers, limit)
             if resp.status >= 300:
                 snippet = (await resp.read())[:_BODY_SNIPPET].decode("utf-8", "replace")
-                raise EngineError(f"engine {url} answered HTTP {resp.status}: {snippet}", status=resp.status)
+                raise EngineError(f"engine {url} answered HTTP {resp.status}: {snippet}", status=resp.status,
+                                  kind="status")
+            if resp.content_type.startswith(b"application/json"):
+                # An engine that ignores `stream` (a version or route without streaming) answers one JSON body,
+                # which holds no events: it must not pass for an empty generation.
+                raise bad_answer(url, f"a JSON body to a streaming request: {(await resp.read())[:_BODY_SNIPPET]!r}")
             async for event in _sse_events(resp, url):
                 if event == b"[DONE]":
                     # The body's end follows at once: reading it lets the connection go back to the pool.
@@ -235,12 +268,12 @@ class HttpEngineBase:
                 try:
                     decoded = orjson.loads(event)
                 except orjson.JSONDecodeError as e:
-                    raise EngineError(f"engine {url} streamed non-JSON: {event[:_BODY_SNIPPET]!r}") from e
+                    raise bad_answer(url, f"a streamed event that is not JSON: {event[:_BODY_SNIPPET]!r}") from e
                 yield decoded
         except HttpTimeout as e:
             raise EngineTimeout(f"engine {url} did not finish within {limit}s") from e
         except HttpConnectionError as e:
-            raise EngineError(f"engine {url} stream failed: {type(e).__name__}: {e}") from e
+            raise EngineError(f"engine {url} stream failed: {type(e).__name__}: {e}", kind="connection") from e
         finally:
             if resp is not None:
                 resp.close()  # a body not read to its end closes the connection; a finished one is pooled already
@@ -285,7 +318,12 @@ async def _sse_events(content: _ChunkSource, url: str) -> AsyncIterator[bytes]:
 
 def bad_answer(url: str, what: str) -> EngineError:
     """An engine answered 2xx with a body we cannot use."""
-    return EngineError(f"engine {url} answered an unusable body: {what}")
+    return EngineError(f"engine {url} answered an unusable body: {what}", kind="bad_answer")
+
+
+def incomplete(url: str, what: str) -> EngineError:
+    """A generation that did not finish: what was sampled is not a reply, so none is sent or recorded."""
+    return EngineError(f"engine {url} did not finish the generation: {what}", kind="incomplete")
 
 
 # An answer's ids and logprobs are read on every turn, so whole lists are checked by the set of

@@ -20,11 +20,18 @@ import logging
 import random
 import re
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from gateway_workers.engines.base import EngineChunk, EngineConfig, EngineResult, FinishReason, SamplingParams
+from gateway_workers.engines.base import (
+    EngineChunk,
+    EngineConfig,
+    EngineResult,
+    FaultKind,
+    FinishReason,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,7 @@ class MockEngine:
         # ChatML: a generation prompt is <|im_start|> followed by the single token "assistant".
         self._turn_marker = (im_start, assistant[0]) if isinstance(im_start, int) and len(assistant) == 1 else None
         self._tools_cache: OrderedDict[bytes, list[dict[str, Any]]] = OrderedDict()
+        self.faults: Counter[tuple[str, FaultKind]] = Counter()  # the mock never fails: always empty
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str

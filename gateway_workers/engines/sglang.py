@@ -10,13 +10,16 @@ Streaming (`stream: true`): SSE `data: {output_ids, meta_info}` per step, then `
 by default every event is cumulative (all ids and logprobs so far), with
 `--incremental-streaming-output` each holds only the new ones: `meta_info.completion_tokens`
 (the running total) tells which, and both are accepted. A cancelled or timed-out generate,
-or a stream closed before its finish, sends {"rid"} to /abort_request with its own short
-bound, shielded so the cancellation cannot skip it; a failed abort is logged.
+or a stream closed or failed before its finish, sends {"rid"} to /abort_request (answered with an
+empty 200) with its own short bound, shielded so the cancellation cannot skip it; a failed abort is
+logged. A generation SGLang aborted itself (finish reason `abort`, with its message) or one without a
+finish reason is an EngineError; every failed call is counted against its replica (`faults`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from operator import itemgetter
@@ -35,14 +38,16 @@ from gateway_workers.engines.base import (
     as_floats,
     bad_answer,
     ids_json,
+    incomplete,
 )
 
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort_request"
-_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 _ENTRY = frozenset([list, tuple])  # [logprob, token_id, text]
+_REASON_SNIPPET = 200  # characters of an engine's finish reason quoted in our error
 _LOGPROB, _ID = itemgetter(0), itemgetter(1)
 
 
@@ -67,12 +72,16 @@ class SglangEngine(HttpEngineBase):
             "stream": False,
         }
         try:
-            answer = await self.post_json(url, body, headers)
-        except (asyncio.CancelledError, EngineTimeout):
+            return parse_answer(url, await self.post_json(url, body, headers))
+        except (asyncio.CancelledError, EngineTimeout) as e:
             # The engine keeps generating for a request nobody will read: tell it to stop.
             await self._abort(base, request_id, headers)
+            if isinstance(e, EngineTimeout):
+                self.count_fault(base, e)
             raise
-        return parse_answer(url, answer)
+        except EngineError as e:
+            self.count_fault(base, e)
+            raise
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
@@ -90,17 +99,22 @@ class SglangEngine(HttpEngineBase):
         have = 0
         finished = False
         try:
-            async for event in self.stream_json(url, body, headers):
-                if finished:
-                    continue  # nothing follows a finish but [DONE]; read on so the connection is reusable
-                if isinstance(event, dict) and "error" in event:
-                    raise EngineError(f"engine {url} failed mid-stream: {str(event['error'])[:300]}")
-                chunk = parse_stream_event(url, event, have)
-                have += len(chunk.output_ids)
-                finished = chunk.finish_reason is not None
-                yield chunk
+            async with contextlib.aclosing(self.stream_json(url, body, headers)) as events:
+                async for event in events:
+                    if finished:
+                        continue  # nothing follows a finish but [DONE]; read on so the connection is reusable
+                    if isinstance(event, dict) and "error" in event:
+                        message = f"engine {url} failed mid-stream: {str(event['error'])[:300]}"
+                        raise EngineError(message, kind="error_event")
+                    chunk = parse_stream_event(url, event, have)
+                    have += len(chunk.output_ids)
+                    finished = chunk.finish_reason is not None
+                    yield chunk
             if not finished:
-                raise bad_answer(url, "the stream ended without a finish reason")
+                raise incomplete(url, "the stream ended without a finish reason")
+        except EngineError as e:
+            self.count_fault(base, e)
+            raise
         finally:
             if not finished:
                 # Closed early (the agent left), failed or timed out: the engine would keep generating.
@@ -115,7 +129,7 @@ class SglangEngine(HttpEngineBase):
 
     async def _send_abort(self, base: str, rid: str, headers: dict[str, str]) -> None:
         try:
-            await self.post_json(base + ABORT_PATH, {"rid": rid}, headers, timeout=ABORT_TIMEOUT_S)
+            await self.post(base + ABORT_PATH, {"rid": rid}, headers, timeout=ABORT_TIMEOUT_S)
         except EngineError as e:
             logger.warning("abort of SGLang request %s failed: %s", rid, e)
 
@@ -153,10 +167,7 @@ def parse_answer(url: str, answer: Any) -> EngineResult:
     output_ids = answer.get("output_ids")
     if output_ids is not None and output_ids != ids:
         raise bad_answer(url, "output_ids disagree with output_token_logprobs")
-    reason = _finish(url, meta)
-    if reason is None:
-        raise EngineError(f"engine {url} finished with {meta.get('finish_reason')!r}")
-    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=_finish(url, meta.get("finish_reason")))
 
 
 def parse_stream_event(url: str, event: Any, have: int) -> EngineChunk:
@@ -176,16 +187,22 @@ def parse_stream_event(url: str, event: Any, have: int) -> EngineChunk:
         raise bad_answer(url, f"a stream event holds {len(entries)} ids; {have} came before, total {total!r}")
     ids, logprobs = _tokens(url, entries)
     raw = meta.get("finish_reason")
-    reason = None if raw is None else _finish(url, meta)
-    if raw is not None and reason is None:
-        raise EngineError(f"engine {url} finished with {raw!r}")
-    return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+    return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=None if raw is None else _finish(url, raw))
 
 
-def _finish(url: str, meta: dict[str, Any]) -> FinishReason | None:
-    finish = meta.get("finish_reason")
+def _finish(url: str, finish: Any) -> FinishReason:
+    """A finished generation's reason; one SGLang aborted, or none at all, is no reply (an EngineError)."""
     kind = finish.get("type") if isinstance(finish, dict) else finish
-    return _FINISH.get(kind) if isinstance(kind, str) else None
+    reason = _FINISH.get(kind) if isinstance(kind, str) else None
+    if reason is not None:
+        return reason
+    if kind == "abort":
+        # SGLang says why: an over-long prompt, a bad parameter, its own shutdown or a /abort_request.
+        why = finish.get("message") if isinstance(finish, dict) else None
+        raise incomplete(url, f"SGLang aborted it: {str(why)[:_REASON_SNIPPET]}")
+    if finish is None:
+        raise incomplete(url, "no finish reason")
+    raise bad_answer(url, f"the finish reason {str(finish)[:_REASON_SNIPPET]!r}")
 
 
 def _tokens(url: str, entries: list[Any]) -> tuple[list[int], list[float]]:

@@ -10,12 +10,14 @@ gives SSE `data: {choices: [{index, token_ids (new ids only), logprobs, finish_r
 engine step (steps without new ids are skipped, so an abort may end the stream without a
 finish reason), then `data: {choices: [], usage}`, `data: [DONE]`; errors arrive as
 `data: {"error": {...}}`. The route runs under vLLM's `with_cancellation`: closing the
-connection (a cancelled `generate`, a closed stream) aborts the request. `X-Request-Id`
-carries our id, which vLLM prefers.
+connection (a cancelled `generate`, a closed stream, a failed one) aborts the request. `X-Request-Id`
+carries our id, which vLLM prefers. A generation vLLM aborted (finish reason `abort`, or a stream
+without one) is an EngineError; every failed call is counted against its replica (`faults`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -31,12 +33,14 @@ from gateway_workers.engines.base import (
     as_floats,
     bad_answer,
     ids_json,
+    incomplete,
 )
 
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
-_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+_REASON_SNIPPET = 200  # characters of an engine's finish reason quoted in our error
 
 
 class VllmEngine(HttpEngineBase):
@@ -55,8 +59,11 @@ class VllmEngine(HttpEngineBase):
         }
         if self._config.model:
             body["model"] = self._config.model
-        answer = await self.post_json(url, body, {**headers, "X-Request-Id": request_id})
-        return parse_answer(url, answer)
+        try:
+            return parse_answer(url, await self.post_json(url, body, {**headers, "X-Request-Id": request_id}))
+        except EngineError as e:
+            self.count_fault(base, e)
+            raise
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
@@ -74,24 +81,33 @@ class VllmEngine(HttpEngineBase):
             body["model"] = self._config.model
         finished = False
         total = 0
-        async for event in self.stream_json(url, body, {**headers, "X-Request-Id": request_id}):
-            if not isinstance(event, dict):
-                raise bad_answer(url, "a stream event is not an object")
-            if "error" in event:
-                raise EngineError(f"engine {url} failed mid-stream: {str(event['error'])[:300]}")
-            for choice in event.get("choices") or ():
-                if finished:
-                    raise bad_answer(url, "tokens after the finish reason")
-                chunk = parse_stream_choice(url, choice)
-                total += len(chunk.output_ids)
-                finished = chunk.finish_reason is not None
-                yield chunk
-            usage = event.get("usage")
-            if isinstance(usage, dict) and usage.get("completion_tokens") not in (None, total):
-                raise bad_answer(url, f"usage counts {usage.get('completion_tokens')} tokens, the stream had {total}")
-        if not finished:
-            # vLLM skips steps without new ids, so a request aborted on its side ends without a reason.
-            yield EngineChunk(output_ids=[], logprobs=[], finish_reason="abort")
+        opened = self.stream_json(url, body, {**headers, "X-Request-Id": request_id})
+        try:
+            # Closed on any exit, so a failed stream's connection closes now, which aborts the request in vLLM.
+            async with contextlib.aclosing(opened) as events:
+                async for event in events:
+                    if not isinstance(event, dict):
+                        raise bad_answer(url, "a stream event is not an object")
+                    if "error" in event:
+                        message = f"engine {url} failed mid-stream: {str(event['error'])[:300]}"
+                        raise EngineError(message, kind="error_event")
+                    for choice in event.get("choices") or ():
+                        if finished:
+                            raise bad_answer(url, "tokens after the finish reason")
+                        chunk = parse_stream_choice(url, choice)
+                        total += len(chunk.output_ids)
+                        finished = chunk.finish_reason is not None
+                        yield chunk
+                    usage = event.get("usage")
+                    if isinstance(usage, dict) and usage.get("completion_tokens") not in (None, total):
+                        count = usage.get("completion_tokens")
+                        raise bad_answer(url, f"usage counts {count} tokens, the stream had {total}")
+            if not finished:
+                # vLLM skips steps without new ids, so a request it aborted ends without a finish reason.
+                raise incomplete(url, "the stream ended without a finish reason")
+        except EngineError as e:
+            self.count_fault(base, e)
+            raise
 
 
 def sampling_body(params: SamplingParams) -> dict[str, Any]:
@@ -119,10 +135,7 @@ def parse_answer(url: str, answer: Any) -> EngineResult:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise bad_answer(url, "no choices")
     ids, logprobs = _tokens(url, choices[0])
-    reason = _FINISH.get(choices[0].get("finish_reason") or "stop")
-    if reason is None:
-        raise EngineError(f"engine {url} finished with {choices[0].get('finish_reason')!r}")
-    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=_finish(url, choices[0].get("finish_reason")))
 
 
 def parse_stream_choice(url: str, choice: Any) -> EngineChunk:
@@ -131,10 +144,17 @@ def parse_stream_choice(url: str, choice: Any) -> EngineChunk:
         raise bad_answer(url, "a stream choice other than index 0")
     ids, logprobs = _tokens(url, choice)
     raw = choice.get("finish_reason")
-    reason = None if raw is None else _FINISH.get(raw)
-    if raw is not None and reason is None:
-        raise EngineError(f"engine {url} finished with {raw!r}")
-    return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=reason)
+    return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=None if raw is None else _finish(url, raw))
+
+
+def _finish(url: str, raw: Any) -> FinishReason:
+    """A finished generation's reason; one vLLM aborted, or none at all, is no reply (an EngineError)."""
+    reason = _FINISH.get(raw) if isinstance(raw, str) else None
+    if reason is not None:
+        return reason
+    if raw == "abort" or raw is None:
+        raise incomplete(url, "vLLM aborted it" if raw else "no finish reason")
+    raise bad_answer(url, f"the finish reason {str(raw)[:_REASON_SNIPPET]!r}")
 
 
 def _tokens(url: str, choice: dict[str, Any]) -> tuple[list[int], list[float]]:

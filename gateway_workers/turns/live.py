@@ -87,8 +87,9 @@ class LiveTurn:
         assert self._stream is not None
         try:
             return await self._stream.__anext__()
-        except StopAsyncIteration:
-            raise ApiError(502, "engine", "the inference engine ended its stream without a finish") from None
+        except StopAsyncIteration:  # a backend must raise instead; logged and answered as any engine failure
+            error = EngineError("the engine stream ended without a finish", kind="incomplete")
+            raise engine_error(error, self.session_id, self.turn_id) from None
         except EngineError as e:
             raise engine_error(e, self.session_id, self.turn_id) from None
 

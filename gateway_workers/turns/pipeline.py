@@ -55,7 +55,7 @@ def engine_error(e: EngineError, session_id: str, turn_id: str) -> ApiError:
     if isinstance(e, EngineTimeout):
         logger.error("engine timed out on turn %s (session %s): %s", turn_id, session_tag(session_id), e)
         return ApiError(504, "timeout", f"the inference engine timed out: {e}")
-    logger.error("engine failed on turn %s (session %s): %s", turn_id, session_tag(session_id), e)
+    logger.error("engine failed on turn %s (session %s, %s): %s", turn_id, session_tag(session_id), e.kind, e)
     return ApiError(502, "engine", f"the inference engine failed: {e}")
 
 

@@ -223,9 +223,9 @@ def test_unusable_answers_are_engine_errors():
     for answer in bad_vllm:
         with pytest.raises(EngineError):
             vllm_backend.parse_answer(url, answer)
-    meta = {"finish_reason": {"type": "abort", "message": "x"}, "output_token_logprobs": [[-0.25, 9, None]]}
-    aborted = sglang_backend.parse_answer(url, {"output_ids": [9], "meta_info": meta})
-    assert (aborted.output_ids, aborted.logprobs, aborted.finish_reason) == ([9], [-0.25], "abort")
+    meta = {"finish_reason": {"type": "stop", "matched": 7}, "output_token_logprobs": [[-0.25, 9, None]]}
+    stopped = sglang_backend.parse_answer(url, {"output_ids": [9], "meta_info": meta})
+    assert (stopped.output_ids, stopped.logprobs, stopped.finish_reason) == ([9], [-0.25], "stop")
     two = sglang_backend.parse_answer(url, {"meta_info": {**meta, "output_token_logprobs": [[0, 9, "a"], (-1.5, 7)]}})
     assert (two.output_ids, two.logprobs) == ([9, 7], [0.0, -1.5])
     assert [type(v) for v in two.logprobs] == [float, float]

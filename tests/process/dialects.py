@@ -1,8 +1,9 @@
 """Helpers for the dialect process tests: the fake engine's own policy, what it sampled, tools per dialect.
 
 `engine_turns` recomputes, from the fake engine's request log and its deterministic policy,
-exactly what the engine sampled for one session, so the rows the trainer gets can be checked
-with the shared fidelity checker. Imports only test helpers and the broker's records.
+exactly what the engine sampled for one session (leaving out the requests an injected fault struck),
+so the rows the trainer gets can be checked with the shared fidelity checker. Imports only test
+helpers and the broker's records.
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ def fake_policy(tokenizer_dir: str) -> Policy:
 
 
 def engine_turns(fake_engine: FakeEngine, sid: str, policy: Policy) -> list[TurnRecord]:
-    """What the engine sampled for one session, in request order."""
+    """What the engine sampled and answered properly for one session, in request order (no fault struck it)."""
     turns = []
-    for i, req in enumerate(fake_engine.log(routing_key(sid))["requests"]):
+    answered = [req for req in fake_engine.log(routing_key(sid))["requests"] if req["fault"] is None]
+    for i, req in enumerate(answered):
         body = req["body"]
         prompt = body.get("token_ids") or body.get("input_ids")
         params = body["sampling_params"]

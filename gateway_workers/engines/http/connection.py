@@ -56,6 +56,7 @@ class StreamBody:
         self._waiter: asyncio.Future[None] | None = None
         self._eof = False
         self._error: BaseException | None = None
+        self.content_type = b""  # the response's Content-Type, lowercased (set when the headers arrive)
 
     def feed(self, data: bytes) -> None:
         self._chunks.append(data)
@@ -111,6 +112,11 @@ class StreamResponse:
     def __init__(self, status: int, body: StreamBody) -> None:
         self.status = status
         self._body = body
+
+    @property
+    def content_type(self) -> bytes:
+        """The Content-Type header's value, lowercased (empty if absent)."""
+        return self._body.content_type
 
     def iter_any(self) -> StreamBody:
         """The body's chunks as they arrive (any size; not lines)."""
@@ -299,8 +305,11 @@ class Connection(asyncio.Protocol):
             self._stray = True  # a second response to one request
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
+        size = len(name)
+        if size in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
             self._framed = True
+        elif size == 12 and self._stream is not None and name.lower() == b"content-type":
+            self._stream.content_type = value.lower()
 
     def on_headers_complete(self) -> None:
         if not self._active:
