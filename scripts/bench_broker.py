@@ -312,7 +312,8 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
             sids = [[f"p{p}-s{i}" for i in range(per)] for p in range(args.publishers)]
         else:
             client = TrainerClient(control_ep, timeout=60)
-            sids = [[client.open_session(session_id=f"p{p}-s{i}".ljust(22, "-")) for i in range(per)] for p in range(args.publishers)]
+            sids = [[client.open_session(session_id=f"p{p}-s{i}".ljust(22, "-")) for i in range(per)]
+                    for p in range(args.publishers)]
         start, ready, results = spawn.Event(), spawn.Queue(), spawn.Queue()
         params = {
             "turns": args.turns,
