@@ -2,7 +2,8 @@
 
 Builds one `BrokerConfig` from flags over `ROLLOUT_BROKER_*` environment variables over
 defaults, configures logging to stderr, and runs the process (`run_broker`: startup, the
-server's loop, signals). Once both sockets are bound it prints one line on stdout,
+server's loop, signals). With `--state-dir` it first recovers the directory's state (before binding:
+no peer reaches a half-recovered broker). Once both sockets are bound it prints one line on stdout,
 `BROKER READY worker=<endpoint> control=<endpoint>`, which supervisors parse. Imports `broker.*` only.
 """
 
@@ -20,7 +21,10 @@ from typing import Any
 import zmq
 
 from broker import curve, protocol
-from broker.config import BrokerConfig
+from broker.config import FSYNC_POLICIES, BrokerConfig
+from broker.durability.records import RecordError
+from broker.durability.store import StateDirError
+from broker.durability.wal import CorruptLog
 from broker.server import BrokerServer
 
 # Run as `python -m broker`, this module is `__main__`: the process's lines keep the name they have
@@ -60,6 +64,29 @@ def _parser() -> argparse.ArgumentParser:
         "--outbox-max-bytes", type=int, default=None, help="approximate row bytes held for subscribers (default 2 GiB)"
     )
     p.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="durable broker: keep a write-ahead log and snapshots in DIR (created if missing, one broker per "
+        "directory) and recover every open session, acknowledged turn and unacknowledged episode from it on start "
+        "(default: in memory only)",
+    )
+    p.add_argument(
+        "--fsync",
+        default=None,
+        choices=FSYNC_POLICIES,
+        help="with --state-dir, when the log is synced to disk (a process crash loses nothing acknowledged under "
+        "any): always (before each batch of replies; a power loss loses nothing acknowledged), interval (every "
+        "100 ms, the default; a power loss loses up to that), never (the OS decides)",
+    )
+    p.add_argument(
+        "--restarted",
+        action="store_true",
+        default=None,
+        help="this broker replaces one that ran before (set by serve's supervisor): without --state-dir, "
+        "requests for sessions it never saw are refused saying the earlier state was not durable",
+    )
+    p.add_argument(
         "--curve-keys",
         default=None,
         metavar="DIR",
@@ -74,9 +101,18 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
     """Bind, print the READY line, serve until SIGINT/SIGTERM; the process entry point. Returns an exit code."""
     server = BrokerServer(config)
     try:
+        durable = server.open_state()
+    except (StateDirError, CorruptLog, RecordError, OSError) as e:
+        logger.error("cannot recover the state directory %s: %s", config.state_dir, e)
+        return 1
+    if durable is not None:
+        _log_recovery(server)
+    try:
         worker, control = server.bind()
     except (zmq.ZMQError, curve.CurveError) as e:
         logger.error("%s", e)
+        if server.durable is not None:
+            server.durable.close()
         return 1
 
     try:
@@ -115,6 +151,24 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
     return 0
 
 
+def _log_recovery(server: BrokerServer) -> None:
+    durable = server.durable
+    assert durable is not None
+    rec, fsync = durable.recovered, server.config.fsync
+    if rec is None:
+        logger.info("state directory %s is new (fsync=%s)", durable.directory, fsync)
+        return
+    sessions, episodes = server.registry.stats(), server.outbox.stats()
+    logger.info(
+        "recovered from %s in %.3f s: %d sessions, %d turns, %d episodes (snapshot %d bytes, then %d log records "
+        "in %d bytes; fsync=%s)",
+        durable.directory, rec.seconds, sessions["sessions_open"] + sessions["sessions_closing"],
+        sessions["turns_held"], episodes["outbox_episodes"], rec.snapshot_bytes, rec.records, rec.log_bytes, fsync,
+    )  # fmt: skip
+    if rec.refused:
+        logger.warning("%d log records were refused on replay (see the warnings above)", rec.refused)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, build the config, run the broker; returns the exit code."""
     args = _parser().parse_args(argv)
@@ -130,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             outbox_max_episodes=args.outbox_max_episodes,
             outbox_max_bytes=args.outbox_max_bytes,
             curve_keys=curve.keys_from_env(args.curve_keys),
+            state_dir=args.state_dir,
+            fsync=args.fsync,
+            restarted=args.restarted,
         )
     except ValueError as e:
         print(f"broker: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from broker import protocol
 
@@ -58,6 +58,20 @@ COMPACT_MIN_SESSION_BYTES = 64 * 1024
 # (a small broker's last wave is worth it too); and a busy broker never trims more than once a second.
 TRIM_MIN_BYTES = 256 * 1024
 TRIM_INTERVAL_S = 1.0
+# A durable broker (`state_dir`, see `broker.durability`): under the default fsync policy, `interval`,
+# a syncer thread fdatasyncs the log this often, so a power loss loses at most about this much of
+# acknowledged work (a process crash loses nothing: replies are sent after the log's write(2)).
+FSYNC_INTERVAL_MS = 100
+# Log segments are sealed at this size; snapshots remove the ones before them.
+WAL_SEGMENT_BYTES = 64 * 1024**2
+# A snapshot begins once the log since the last one is about the live state's size, and at least
+# SNAPSHOT_MIN_BYTES (small states are not rewritten over and over) and at most SNAPSHOT_MAX_BYTES
+# (what a restart may have to replay on top of loading the snapshot: replay is the slow part;
+# docs/performance.md has the recovery times behind this).
+SNAPSHOT_MIN_BYTES = 64 * 1024**2
+SNAPSHOT_MAX_BYTES = 256 * 1024**2
+FsyncPolicy = Literal["always", "interval", "never"]
+FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +107,20 @@ class BrokerConfig:
         curve_keys: the key directory of `rollout-gateway keys` (`broker.key_secret`, `authorized_workers/`,
             `authorized_trainers/`): both endpoints use CURVE and accept only the authorized keys. None: no
             CURVE, and both endpoints must be loopback (or ipc://).
+        state_dir: make the broker durable: a write-ahead log and snapshots in this directory (created if
+            missing; one broker per directory), recovered on start (`broker.durability`). None: in memory.
+        fsync: when the log is synced to the disk: "always" (before each pass's replies: a power loss
+            loses nothing acknowledged), "interval" (every `fsync_interval_ms`: a power loss loses up to
+            that much), "never" (the OS decides; a power loss may lose the last ~30 s). A process crash
+            loses nothing acknowledged under any of them.
+        fsync_interval_ms: the "interval" policy's period.
+        wal_segment_bytes: log segments are sealed at this size.
+        snapshot_min_bytes, snapshot_max_bytes: a snapshot begins once the log since the last one reaches
+            the last snapshot's size, kept within these bounds (the max bounds what a restart replays).
+        wal_truncate_corrupt: at start, cut the log at a damaged record (losing what follows it) instead of
+            refusing to start.
+        restarted: this broker replaces one that ran before (`serve`'s supervisor sets it); without a
+            state directory, refusals of unknown sessions then say the earlier sessions were lost.
     """
 
     worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -117,6 +145,14 @@ class BrokerConfig:
     trim_min_bytes: int = TRIM_MIN_BYTES
     trim_interval_s: float = TRIM_INTERVAL_S
     curve_keys: str | None = None
+    state_dir: str | None = None
+    fsync: FsyncPolicy = "interval"
+    fsync_interval_ms: int = FSYNC_INTERVAL_MS
+    wal_segment_bytes: int = WAL_SEGMENT_BYTES
+    snapshot_min_bytes: int = SNAPSHOT_MIN_BYTES
+    snapshot_max_bytes: int = SNAPSHOT_MAX_BYTES
+    wal_truncate_corrupt: bool = False
+    restarted: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,6 +165,10 @@ class BrokerConfig:
             "max_poll_wait",
             "max_lease",
             "max_credit",
+            "fsync_interval_ms",
+            "wal_segment_bytes",
+            "snapshot_min_bytes",
+            "snapshot_max_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -144,6 +184,10 @@ class BrokerConfig:
         ):
             if not getattr(self, name) >= 0:  # `not >=`: NaN fails too
                 raise ValueError(f"BrokerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ValueError(f"BrokerConfig.fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
+        if self.snapshot_max_bytes < self.snapshot_min_bytes:
+            raise ValueError("BrokerConfig.snapshot_max_bytes must be >= snapshot_min_bytes")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"BrokerConfig.log_level: unknown level {self.log_level!r}")
 
@@ -168,6 +212,10 @@ def _optional_str(text: str) -> str | None:
     return text or None
 
 
+def _flag(text: str) -> bool:
+    return text.strip().lower() not in ("0", "false", "no", "off")
+
+
 _CASTS: dict[str, Callable[[str], Any]] = {
     "worker_endpoint": str,
     "control_endpoint": str,
@@ -185,12 +233,20 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_poll_wait": float,
     "max_lease": float,
     "max_credit": int,
-    "compact_idle": lambda text: text.strip().lower() not in ("0", "false", "no", "off"),
+    "compact_idle": _flag,
     "compact_age_s": float,
     "compact_min_bytes": int,
     "trim_min_bytes": int,
     "trim_interval_s": float,
     "curve_keys": _optional_str,
+    "state_dir": _optional_str,
+    "fsync": str,
+    "fsync_interval_ms": int,
+    "wal_segment_bytes": int,
+    "snapshot_min_bytes": int,
+    "snapshot_max_bytes": int,
+    "wal_truncate_corrupt": _flag,
+    "restarted": _flag,
 }
 
 

@@ -4,8 +4,10 @@ Owns the ZeroMQ side of the broker: binds the worker and control endpoints (a `s
 each: port 0 works; the bound addresses are reported; with keys, CURVE servers behind `broker.zap`),
 decodes each frame with `broker.protocol`, dispatches it (one `match` on the message class, for both
 sockets) to `sessions.SessionRegistry`, `finishes.Finishes` and `outbox.Outbox`, and answers every
-request exactly once with the same request id (`Refused` on any error). The process around it
-(signals, READY line) is `broker.__main__`. Finishes that wait for in-flight turns, and subscribers'
+request exactly once with the same request id (`Refused` on any error). With a state directory
+(`broker.durability`), every change a reply acknowledges is appended to the write-ahead log first:
+the log is committed before any reply of a pass is sent. The process around it (signals, READY
+line) is `broker.__main__`. Finishes that wait for in-flight turns, and subscribers'
 long polls, are parked there, never blocking the loop; their deadlines set the poll timeout. Plain
 blocking pyzmq: no asyncio. Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
 """
@@ -25,6 +27,8 @@ import zmq
 from broker import protocol
 from broker.config import BrokerConfig
 from broker.curve import CurveError
+from broker.durability.journal import Journal
+from broker.durability.store import DurableState
 from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
@@ -41,6 +45,11 @@ MAX_POLL_MS = 100
 # Frames handled per socket before the loop looks at the other socket and the clock:
 # batching amortizes the poll, the bound keeps the trainer side responsive under load.
 DRAIN_BATCH = 64
+# The unknown_session refusals of an in-memory broker that replaced an earlier one (`BrokerConfig.restarted`).
+LOST_ON_RESTART = (
+    " (the broker restarted without a state directory (--state-dir), so sessions opened before the restart "
+    "are lost: open a new session and rerun the episode)"
+)
 # Protocol errors are logged individually up to this many, then at most once per interval.
 PROTOCOL_LOG_BURST = 20
 PROTOCOL_LOG_INTERVAL_S = 5.0
@@ -55,6 +64,10 @@ Decoder = Callable[[bytes], "protocol.WorkerToBroker | protocol.TrainerToBroker"
 _encode_turn_opened = protocol.frame_encoder(protocol.TurnOpened)
 _encode_turn_committed = protocol.frame_encoder(protocol.TurnCommitted)
 _encode_turn_aborted = protocol.frame_encoder(protocol.TurnAborted)
+
+
+class LogFailure(RuntimeError):
+    """The write-ahead log could not be written: the broker stops rather than acknowledge what it did not log."""
 
 
 def _tag_of(msg: object) -> str | None:
@@ -73,7 +86,10 @@ class BrokerServer:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self.should_exit = False
+        # A restarted in-memory broker says why a key the caller had is gone.
+        lost = "" if config.state_dir is not None or not config.restarted else LOST_ON_RESTART
         self.registry = SessionRegistry(
+            unknown_hint=lost,
             max_sessions=config.max_sessions,
             max_turns_cap=config.max_turns_cap,
             finished_memory=config.finished_memory,
@@ -105,6 +121,27 @@ class BrokerServer:
         self._last_protocol_log = 0.0
         self._control_sent = False  # replies went to trainer peers since the control socket's ZMQ_EVENTS
         self._started = time.monotonic()
+        self.durable: DurableState | None = None  # with a state directory, once `open_state` ran
+        self._journal: Journal | None = None  # its journal: the handlers log through it
+        self._log_failed = False
+
+    def open_state(self) -> DurableState | None:
+        """With `config.state_dir`: lock it and recover its state (before `bind`); None without one.
+
+        Raises what `DurableState.open` raises (another broker holds the directory, damage in the log).
+        """
+        if self.config.state_dir is None:
+            return None
+        durable = DurableState(self.config, self.registry, self.outbox, self.finishes)
+        durable.open()
+        # This process's counters count its own work, not the replayed history.
+        for counters in (self.registry.counters, self.outbox.counters, self.finishes.counters):
+            for key in counters:
+                counters[key] = 0
+        self.durable, self._journal = durable, durable.journal
+        replies = durable.resume(time.monotonic())
+        assert not replies, "no subscriber can be waiting before the sockets are bound"
+        return durable
 
     # --- startup ---------------------------------------------------------------------
 
@@ -170,6 +207,7 @@ class BrokerServer:
         try:
             compact, compaction, trimmer = self.config.compact_idle, self.registry.compaction, self.trimmer
             counters = self.registry.counters
+            durable = self.durable
             workers_ready = control_ready = True  # whatever arrived before the loop: look once
             while not self.should_exit:
                 if workers_ready:
@@ -184,6 +222,9 @@ class BrokerServer:
                 if self._control_sent:  # replies to parked requests went out since the control socket was asked
                     control_ready = control_ready or waiting([(control, POLLIN)])
                     self._control_sent = False
+                # The log is written every pass (what was logged with no reply too), and a snapshot in progress
+                # writes its next part (paced by the log's growth), idle or not.
+                snapshotting = durable is not None and self._tick_state(durable)
                 if workers_ready or control_ready:
                     # Frames still wait on one socket: a look at the other without sleeping, so a
                     # busy worker socket never keeps the trainers waiting (and the reverse).
@@ -193,12 +234,12 @@ class BrokerServer:
                     # and gives freed heap pages back to the OS (`heap_trim`: rate-limited, one call):
                     # a frame waiting always goes first, so this costs the commit path nothing.
                     trim = trimmer.due(counters["bytes_freed"])
-                    idle_work = trim or (compact and compaction.pending)
+                    idle_work = trim or (compact and compaction.pending) or snapshotting
                     events = poller.poll(0 if idle_work else self._poll_timeout_ms())
                     if idle_work and not events:
                         if trim:
                             trimmer.trim(counters["bytes_freed"])
-                        else:
+                        elif compact and compaction.pending:
                             compaction.step()
                 for fd, _ in events:
                     if fd == worker_fd:
@@ -252,6 +293,10 @@ class BrokerServer:
                 break
         # Replies leave as one burst after the batch: libzmq wakes its I/O thread once per
         # burst instead of once per reply (measured: that wake-up dominated the send cost).
+        # A durable broker first writes (and under fsync=always syncs) what the batch logged: one
+        # write(2) per batch, and no reply acknowledges a change that is not in the log.
+        if self.durable is not None:
+            self._commit_log()
         for envelope, reply in replies:
             self._send(sock, envelope, reply)
         more = waiting(probe)  # after the sends: a send may have taken the command that announced a frame
@@ -264,8 +309,27 @@ class BrokerServer:
         assert self._control is not None
         if replies:
             self._control_sent = True
+            if self.durable is not None:
+                self._commit_log()
         for envelope, reply in replies:
             self._send(self._control, envelope, reply)
+
+    def _tick_state(self, durable: DurableState) -> bool:
+        try:
+            return durable.tick()
+        except OSError as e:
+            self._log_failed = True
+            raise LogFailure(f"cannot write the write-ahead log in {durable.directory}: {e}") from e
+
+    def _commit_log(self) -> None:
+        """Write what was logged before replies go out; a log that cannot be written stops the broker."""
+        assert self.durable is not None
+        try:
+            self.durable.commit()
+        except OSError as e:
+            # Nothing more may be acknowledged: the loop ends, and a restart recovers what the log holds.
+            self._log_failed = True
+            raise LogFailure(f"cannot write the write-ahead log in {self.durable.directory}: {e}") from e
 
     def _send(self, sock: zmq.Socket, envelope: list[bytes], reply: protocol.Message | bytes) -> None:
         """Send one reply: a message, or a frame a handler encoded itself (`protocol.frame_encoder`)."""
@@ -322,12 +386,16 @@ class BrokerServer:
                 # worker side, the hot cases first (a commit and an open per turn)
                 case protocol.CommitTurn():
                     outcome = self.registry.commit_turn(msg)
+                    if self._journal is not None and outcome == "stored":
+                        self._journal.worker_frame(payload)  # the frame as received: replayed as it was stored
                     parked = self.finishes.turn_ended(msg.session_id, time.monotonic())
                     if parked:
                         self._send_all(parked)
                     return _encode_turn_committed(request_id=msg.request_id, turn_id=msg.turn_id, outcome=outcome)
                 case protocol.OpenTurn():
                     session, seq = self.registry.open_turn(msg.session_id, msg.turn_id)
+                    if self._journal is not None:
+                        self._journal.worker_frame(payload)
                     return _encode_turn_opened(
                         request_id=msg.request_id,
                         turn_id=msg.turn_id,
@@ -336,7 +404,8 @@ class BrokerServer:
                         max_context_tokens=session.max_context_tokens,
                     )
                 case protocol.AbortTurn():
-                    self.registry.abort_turn(msg.session_id, msg.turn_id)
+                    if self.registry.abort_turn(msg.session_id, msg.turn_id) is not None and self._journal is not None:
+                        self._journal.worker_frame(payload)
                     parked = self.finishes.turn_ended(msg.session_id, time.monotonic())
                     if parked:
                         self._send_all(parked)
@@ -356,6 +425,8 @@ class BrokerServer:
                         msg.session_id, msg.sampling_defaults, msg.max_context_tokens, msg.max_turns,
                         msg.metadata, msg.client_id, msg.group,
                     )  # fmt: skip
+                    if self._journal is not None:
+                        self._journal.session_opened(session)
                     return protocol.SessionOpened(msg.request_id, session.sid)
                 case protocol.FetchEpisodes():
                     reply, others = self.outbox.fetch(envelope, msg, time.monotonic())
@@ -365,6 +436,8 @@ class BrokerServer:
                     return self.finishes.finish(envelope, msg, time.monotonic())
                 case protocol.DropSession():
                     existed = self.registry.drop(msg.session_id)
+                    if existed and self._journal is not None:
+                        self._journal.session_dropped(msg.session_id)
                     self._send_all(self.finishes.dropped(msg.session_id))
                     return protocol.SessionDropped(msg.request_id, msg.session_id, existed)
                 case protocol.GetStats():
@@ -396,6 +469,7 @@ class BrokerServer:
             **self.outbox.stats(),
             **self.finishes.stats(),
             **self.trimmer.stats(self.registry.counters["bytes_freed"]),
+            **(self.durable.stats() if self.durable is not None else {"state_dir": None}),
             "refusals": dict(self._refusals),
             "protocol_errors": self._counters["protocol_errors"],
             "replies_dropped": self._counters["replies_dropped"],
@@ -404,9 +478,13 @@ class BrokerServer:
         }
 
     def _shutdown(self) -> None:
-        # Parked finishers get what was committed (drain_timeout) instead of a dead socket.
-        self._send_all(self.finishes.shutdown(time.monotonic()))
-        # Long polls are answered empty; unacknowledged episodes die with this process (documented).
-        self._send_all(self.outbox.close())
+        if not self._log_failed:  # else nothing more may be acknowledged
+            # Parked finishers get what was committed (drain_timeout) instead of a dead socket.
+            self._send_all(self.finishes.shutdown(time.monotonic()))
+            # Long polls are answered empty; unacknowledged episodes die with this process (documented),
+            # unless the broker is durable: then they wait in the log for the next start.
+            self._send_all(self.outbox.close())
+        if self.durable is not None:
+            self.durable.close()
         self.close(linger=self.config.shutdown_linger_ms)
         logger.info("broker stopped")

@@ -5,9 +5,10 @@ its own, one `FetchEpisodes` request per step that acknowledges what was consume
 lease, reports what it holds and asks for as many episodes as its credit allows (a long poll
 when nothing is buffered). Delivery is at least once: an episode stays leased to this stream
 until acknowledged, and goes to another subscriber (marked redelivered) if this one stops
-polling for longer than its lease. The outbox lives in the broker's memory: a broker restart
-loses the episodes it held unacknowledged (the stream reconnects by itself and logs how many
-it held); there is no persistence. Plain blocking pyzmq in the caller's thread; imports zmq,
+polling for longer than its lease. A broker started with `--state-dir` keeps its outbox across
+restarts (same epoch and delivery ids: acks and held episodes carry on); an in-memory broker's
+restart loses the episodes it held unacknowledged (a new epoch: the stream reconnects by itself
+and logs how many it held). Plain blocking pyzmq in the caller's thread; imports zmq,
 the stdlib, `broker.protocol` and `trainer_client` only.
 """
 
@@ -227,7 +228,7 @@ class EpisodeStream:
     def _apply(self, reply: protocol.EpisodesDelivered, n_acks: int, n_release: int) -> None:
         if reply.epoch != self._epoch:
             if self._epoch and (self._buffer or self._unacked or self._acks):
-                # Documented: the outbox lives in the broker's memory; what it held is gone with it.
+                # Documented: an in-memory broker's outbox (a new epoch); what it held is gone with it.
                 logger.warning(
                     "the broker restarted: %d unacknowledged episode(s) held by stream %s were lost with it",
                     len(self._buffer) + len(self._unacked) + len(self._acks),

@@ -3,9 +3,10 @@
 Owns what happens between "finish this session" and its rows: `finish_session` (the trainer
 waits for a `SessionFinished`), `RequestFinish` from a trainer or an agent (answered at once;
 the episode goes to `outbox.Outbox`), parking while in-flight turns drain (up to each finish's
-`wait_timeout`), and building rows exactly once whichever way came first. No sockets: it
-returns the replies to send (all to trainer peers) with their envelopes, and takes `now` from
-the caller. Imports the stdlib and `broker.*` only.
+`wait_timeout`), and building rows exactly once whichever way came first. A durable broker logs
+closes by request and finishes through `journal`, and resumes the requests a restart found
+draining (`resume`). No sockets: it returns the replies to send (all to trainer peers) with their
+envelopes, and takes `now` from the caller. Imports the stdlib and `broker.*` only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import protocol
+from broker.episodes.journal import EpisodeJournal
 from broker.episodes.outbox import Envelope, Outbox, Reply
 from broker.episodes.rows import RowBuilder
 from broker.protocol import session_tag
@@ -55,6 +57,7 @@ class Finishes:
         self._deadlines: list[tuple[float, int, str]] = []
         self._tokens = itertools.count()
         self.counters: dict[str, int] = {"drain_timeouts": 0, "finish_failures": 0}
+        self.journal: EpisodeJournal | None = None  # a durable broker's log (`broker.durability`)
 
     # --- the ways in ---------------------------------------------------------------------
 
@@ -78,13 +81,31 @@ class Finishes:
         _check_wait(msg.wait_timeout)
         self._registry.closable(msg.session_id)  # "already finished" before "busy": the precise answer
         self._outbox.reserve()
-        session = self._registry.close(msg.session_id, origin)
-        out: list[Reply] = []
+        self._registry.close(msg.session_id, origin)
+        if self.journal is not None:
+            self.journal.finish_requested(msg, origin)
+        return protocol.FinishAccepted(msg.request_id, msg.session_id), self._drain_or_park(msg, now)
+
+    def resume(self, msg: protocol.RequestFinish, now: float) -> list[Reply]:
+        """A RequestFinish accepted before a restart (its session restored closing): keep its promise.
+
+        Its room in the outbox is taken whatever the outbox holds; in-flight turns get its whole
+        `wait_timeout` again from now, since their workers retry their commits after the restart.
+        """
+        self._outbox.reserve(force=True)
+        return self._drain_or_park(msg, now)
+
+    def pending_request(self, sid: str) -> protocol.RequestFinish | None:
+        """The RequestFinish whose session waits for its in-flight turns, if one does (for snapshots)."""
+        parked = self._parked.get(sid)
+        return parked.msg if parked is not None and parked.envelope is None else None  # type: ignore[return-value]
+
+    def _drain_or_park(self, msg: protocol.RequestFinish, now: float) -> list[Reply]:
+        session = self._registry.get(msg.session_id)
         if not session.in_flight or msg.wait_timeout == 0:
-            out = self._complete_into_outbox(msg, now)
-        else:
-            self._park(None, msg, now)
-        return protocol.FinishAccepted(msg.request_id, msg.session_id), out
+            return self._complete_into_outbox(msg, now)
+        self._park(None, msg, now)
+        return []
 
     def dropped(self, sid: str) -> list[Reply]:
         """The session was dropped: a parked finisher is told; a promised episode will not come."""
@@ -153,6 +174,8 @@ class Finishes:
 
     def _complete(self, msg: protocol.FinishSession) -> protocol.Message:
         finished = self._registry.finish(msg.session_id)
+        if self.journal is not None:
+            self.journal.session_finished(finished.sid, finished.finished_by)
         try:
             trace_rows, status = self._rows.build(finished, msg)
         except Exception:

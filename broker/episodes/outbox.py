@@ -5,15 +5,16 @@ bounded store (episodes and bytes; a finish that would not fit is refused with b
 session closes, so nothing is lost), ready queues indexed by group and opening client for the
 subscription filters, one lease per subscriber (renewed by each `FetchEpisodes`; when it runs
 out, its unacknowledged episodes go back to the queue marked redelivered), and long polls
-parked until an episode matches or their wait ends. Pure bookkeeping like `sessions.py`: no
-sockets and no clock of its own (callers pass `now`); envelopes are opaque. Imports the stdlib,
-`broker.protocol` and `broker.sessions.registry` (for `Refusal`) only.
+parked until an episode matches or their wait ends. A durable broker logs each change through
+`journal` and restores the outbox after a restart (`restore*`: delivery ids and epoch kept, so
+subscribers' acks still apply). Pure bookkeeping like `sessions.py`: no sockets and no clock of
+its own (callers pass `now`); envelopes are opaque. Imports the stdlib, `broker.protocol`,
+`broker.episodes.journal` and `broker.sessions.registry` (for `Refusal`) only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import secrets
@@ -21,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from broker import protocol
+from broker.episodes.journal import EpisodeJournal
 from broker.sessions.registry import Refusal
 
 logger = logging.getLogger(__name__)
@@ -91,14 +93,16 @@ class Outbox:
     def __init__(
         self, *, max_episodes: int, max_bytes: int, max_wait: float, max_lease: float, max_credit: int
     ) -> None:
-        # Delivery ids restart with the broker; the epoch tells a subscriber's old ids from new ones.
+        # Delivery ids restart with an in-memory broker; the epoch tells a subscriber's old ids from new
+        # ones. A durable broker keeps both across restarts (`restore_ids`), so acks of held episodes still apply.
         self.epoch = secrets.token_hex(8)
+        self.journal: EpisodeJournal | None = None  # a durable broker's log (`broker.durability`)
         self._max_episodes = max_episodes
         self._max_bytes = max_bytes
         self._max_wait = max_wait
         self._max_lease = max_lease
         self._max_credit = max_credit
-        self._ids = itertools.count(1)
+        self.next_delivery_id = 1
         self._entries: dict[int, _Entry] = {}
         self._ready: _Queue = OrderedDict()
         self._ready_by_group: dict[str, _Queue] = {}
@@ -121,10 +125,13 @@ class Outbox:
 
     # --- finishes --------------------------------------------------------------------------
 
-    def reserve(self) -> None:
-        """Promise room for one episode (an accepted finish); a Refusal "busy" if the outbox is full."""
+    def reserve(self, *, force: bool = False) -> None:
+        """Promise room for one episode (an accepted finish); a Refusal "busy" if the outbox is full.
+
+        `force`: a promise made before a restart, which must be kept whatever the room.
+        """
         held = len(self._entries) + self._reserved
-        if held >= self._max_episodes or self._bytes >= self._max_bytes:
+        if not force and (held >= self._max_episodes or self._bytes >= self._max_bytes):
             self.counters["outbox_full_refusals"] += 1
             raise Refusal(
                 "busy",
@@ -141,10 +148,14 @@ class Outbox:
     def add(self, episode: protocol.DeliveredEpisode, client_id: str, now: float) -> list[Reply]:
         """Store a finished episode (its room was reserved); returns answers to parked polls it satisfies."""
         self._reserved = max(0, self._reserved - 1)
-        entry = _Entry(dataclasses.replace(episode, delivery_id=next(self._ids)), client_id, _episode_bytes(episode))
+        delivery_id = self.next_delivery_id
+        self.next_delivery_id += 1
+        entry = _Entry(dataclasses.replace(episode, delivery_id=delivery_id), client_id, _episode_bytes(episode))
         self._entries[entry.delivery_id] = entry
         self._bytes += entry.nbytes
         self.counters["episodes_added"] += 1
+        if self.journal is not None:
+            self.journal.episode_added(entry.episode, client_id)
         self._make_ready(entry, front=False)
         return self._offer(now)
 
@@ -161,7 +172,10 @@ class Outbox:
             sub = self._subscribers[msg.subscriber_id] = _Subscriber(msg.subscriber_id, msg.lease, now)
         sub.lease = min(msg.lease, self._max_lease)
         current = msg.epoch == self.epoch  # else its ids name another broker's episodes
-        acked = sum(self._ack(d) for d in msg.acks) if current else 0
+        acked_ids = [d for d in msg.acks if self._ack(d)] if current else []
+        acked = len(acked_ids)
+        if acked_ids and self.journal is not None:
+            self.journal.episodes_acked(acked_ids)
         if current:
             self._requeue([sub.leased.pop(d) for d in msg.release if d in sub.leased], redelivered=False)
         held = set(msg.held) if current else set()
@@ -240,6 +254,71 @@ class Outbox:
             **self.counters,
         }
 
+    # --- a durable broker's snapshots and recovery (`broker.durability`) ---------------------
+
+    def delivery_ids(self) -> list[int]:
+        """Every episode held (ready or leased), oldest first."""
+        return list(self._entries)
+
+    def entry(self, delivery_id: int) -> tuple[protocol.DeliveredEpisode, str, str | None, float, bool] | None:
+        """An episode held: (episode, opening client, holder or None, the holder's lease, redelivered); or None."""
+        entry = self._entries.get(delivery_id)
+        if entry is None:
+            return None
+        holder = self._subscribers.get(entry.holder) if entry.holder is not None else None
+        lease = holder.lease if holder is not None else 0.0
+        return entry.episode, entry.client_id, entry.holder, lease, entry.redelivered
+
+    def restore_ids(self, epoch: str, next_delivery_id: int) -> None:
+        """Continue a previous run's delivery ids: its subscribers' acks and held ids stay valid."""
+        self.epoch = epoch
+        self.next_delivery_id = max(self.next_delivery_id, next_delivery_id)
+
+    def restore(self, episode: protocol.DeliveredEpisode, client_id: str, *, redelivered: bool = False) -> None:
+        """Put back an episode (its delivery id kept) as ready; a no-op for one held already."""
+        if episode.delivery_id in self._entries:
+            return
+        entry = _Entry(episode, client_id, _episode_bytes(episode), redelivered)
+        self._entries[entry.delivery_id] = entry
+        self._bytes += entry.nbytes
+        self.next_delivery_id = max(self.next_delivery_id, episode.delivery_id + 1)
+        self._make_ready(entry, front=False)
+
+    def restore_lease(self, subscriber_id: str, lease: float, delivery_ids: list[int], now: float) -> None:
+        """Lease held episodes to a subscriber again, from wherever they are; its lease runs from `now`."""
+        entries = [self._entries[d] for d in delivery_ids if d in self._entries]
+        if not entries:
+            return
+        sub = self._subscribers.get(subscriber_id)
+        if sub is None:
+            sub = self._subscribers[subscriber_id] = _Subscriber(subscriber_id, lease, now + lease)
+        sub.lease, sub.deadline = lease, now + lease
+        for entry in entries:
+            self._detach(entry)
+            entry.holder = subscriber_id
+            sub.leased[entry.delivery_id] = entry
+
+    def restore_ack(self, delivery_ids: list[int]) -> None:
+        for d in delivery_ids:
+            self._ack(d)
+
+    def restore_requeue(self, delivery_ids: list[int], redelivered: bool) -> None:
+        entries = [self._entries[d] for d in delivery_ids if d in self._entries]
+        for entry in entries:
+            self._detach(entry)
+        self._ready_first(entries, redelivered)
+
+    def _detach(self, entry: _Entry) -> None:
+        """Take an episode out of the ready queues or its holder's lease."""
+        if entry.holder is None:
+            self._unready(entry)
+            return
+        holder = self._subscribers.get(entry.holder)
+        if holder is not None:
+            holder.leased.pop(entry.delivery_id, None)
+            self._forget_if_idle(holder)
+        entry.holder = None
+
     # --- internals -------------------------------------------------------------------------
 
     def _validate(self, msg: protocol.FetchEpisodes) -> None:
@@ -276,6 +355,8 @@ class Outbox:
         return True
 
     def _lease(self, sub: _Subscriber, taken: list[_Entry]) -> None:
+        if taken and self.journal is not None:
+            self.journal.episodes_leased(sub.subscriber_id, sub.lease, [e.delivery_id for e in taken])
         for entry in taken:
             entry.holder = sub.subscriber_id
             sub.leased[entry.delivery_id] = entry
@@ -299,6 +380,11 @@ class Outbox:
 
     def _requeue(self, entries: list[_Entry], *, redelivered: bool) -> None:
         """Back to the ready queues, ahead of newer episodes (they are the oldest), in their own order."""
+        if entries and self.journal is not None:
+            self.journal.episodes_requeued([e.delivery_id for e in entries], redelivered)
+        self._ready_first(entries, redelivered)
+
+    def _ready_first(self, entries: list[_Entry], redelivered: bool) -> None:
         for entry in sorted(entries, key=lambda e: e.delivery_id, reverse=True):
             entry.redelivered = entry.redelivered or redelivered
             self._make_ready(entry, front=True)

@@ -4,11 +4,14 @@ Pure bookkeeping: no sockets, no encoding; the one clock (injectable) only ages 
 idle-time compaction, which `compaction.CompactionScheduler` schedules. `server.py` calls it from
 its single thread and turns `Refusal` into `protocol.Refused`. Each session keeps its committed
 turns in a deduplicated `turn_store.TurnStore` (about its unique tokens); `TurnRecord`s are
-materialized only at finish. Imports only the stdlib, `broker.protocol` and `broker.sessions`.
+materialized only at finish. A durable broker's recovery puts sessions back (`restore`, from
+`images`) and replays finishes without building rows (`forget`). Imports only the stdlib,
+`broker.protocol` and `broker.sessions`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import secrets
@@ -127,8 +130,13 @@ class SessionRegistry:
         compact_min_bytes: int = 0,
         compact_age_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        unknown_hint: str = "",
     ) -> None:
         self._sessions: dict[str, Session] = {}
+        self._serials = itertools.count()  # each opening's `Session.serial`
+        # Appended to every unknown_session refusal: why a key the caller had may be gone (a broker that
+        # restarted without a state directory says so).
+        self._unknown_hint = unknown_hint
         self._finished: OrderedDict[str, FinishOrigin] = OrderedDict()
         self._max_sessions = max_sessions
         self._max_turns_cap = max_turns_cap
@@ -171,7 +179,7 @@ class SessionRegistry:
             if origin is not None:
                 raise Refusal("session_closed",
                               f"session {session_tag(sid)} has already finished (finished by the {origin})")
-            raise Refusal("unknown_session", f"no session {session_tag(sid)}")
+            raise Refusal("unknown_session", f"no session {session_tag(sid)}{self._unknown_hint}")
         return session
 
     def __contains__(self, sid: object) -> bool:
@@ -208,7 +216,7 @@ class SessionRegistry:
             max_turns = self._max_turns_cap if max_turns is None else min(max_turns, self._max_turns_cap)
         self._finished.pop(session_id, None)  # a reused id starts afresh
         session = Session(session_id, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group)
-        session.serial = self.counters["sessions_opened"]
+        session.serial = next(self._serials)
         self._sessions[session_id] = session
         self.counters["sessions_opened"] += 1
         return session
@@ -368,6 +376,42 @@ class SessionRegistry:
                 raise Refusal("turn_pending", f"turn {turn_id!r} is not committed yet")
             raise Refusal("unknown_turn", f"session {session_tag(sid)} has no committed turn {turn_id!r}")
         return found
+
+    # --- a durable broker's recovery and snapshots (`broker.durability`) ---------------------
+
+    def session(self, sid: str) -> Session | None:
+        """The live session `sid`, or None (no refusal: for snapshots and replay)."""
+        return self._sessions.get(sid)
+
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def restore(self, session: Session) -> None:
+        """Put back a session rebuilt from a snapshot (`images.restore_session`); its id must be free."""
+        if session.sid in self._sessions:
+            raise ValueError(f"session {session_tag(session.sid)} is restored twice")
+        self._finished.pop(session.sid, None)
+        session.serial = next(self._serials)
+        self._sessions[session.sid] = session
+        if self._compact and session.committed.raw_bytes >= self._compact_min_bytes:
+            self.compaction.note_commit(session)  # its logs age from the restart on
+
+    def forget(self, sid: str, origin: FinishOrigin) -> bool:
+        """Free a session that finished (replaying its finish: no rows are built); False if there was none."""
+        session = self._sessions.pop(sid, None)
+        if session is None:
+            return False
+        self._remember_finished(sid, origin)
+        self.counters["bytes_freed"] += session.committed.bytes_held()
+        return True
+
+    def finished_items(self) -> list[tuple[str, FinishOrigin]]:
+        """The finished-session memory, oldest first: (id, who finished it)."""
+        return list(self._finished.items())
+
+    def restore_finished(self, items: list[tuple[str, FinishOrigin]]) -> None:
+        for sid, origin in items:
+            self._remember_finished(sid, origin)
 
     # --- idle-time compaction (`compaction.CompactionScheduler`) ---------------------------
 

@@ -375,6 +375,37 @@ class TurnStore:
                 )
         return out
 
+    # --- images (a durable broker's snapshots) ------------------------------------------------
+
+    def image(self) -> list[Any]:
+        """Everything `from_image` needs to rebuild this store exactly: logs, rows, ranges, order.
+
+        Buffers are shared with the store, not copied, so the caller packs the image before the
+        store changes again; arrays are native byte order (a snapshot names its machine's).
+        """
+        return [
+            self.ids.image(), self.msgs.image(), self.lps.image(), list(self._index), self._rec,
+            self._ranges.tobytes(), self._seqs, self._order, self._reasons, self._flags,
+            list(self._mark), list(self._prev_mark),
+        ]  # fmt: skip
+
+    @classmethod
+    def from_image(cls, image: list[Any]) -> TurnStore:
+        ids, msgs, lps, turn_ids, rec, ranges, seqs, order, reasons, flags, mark, prev_mark = image
+        store = cls()
+        store.ids = ItemLog.from_image(ids)
+        store.msgs = MessageLog.from_image(msgs)
+        store.lps = ItemLog.from_image(lps)
+        store._index = {turn_id: row for row, turn_id in enumerate(turn_ids)}
+        store._rec = bytearray(rec)
+        store._ranges.frombytes(ranges)
+        store._seqs, store._order, store._reasons = list(seqs), list(order), list(reasons)
+        store._flags = dict(flags)
+        store._mark, store._prev_mark = (mark[0], mark[1]), (prev_mark[0], prev_mark[1])
+        if len(store._rec) != len(store._index) * _ROW.size or len(store._seqs) != len(store._index):
+            raise ValueError(f"a turn store image of {len(store._index)} turns holds {len(store._rec)} row bytes")
+        return store
+
     # --- idle time ---------------------------------------------------------------------------
 
     @property

@@ -9,7 +9,9 @@
   the messages only `broker.codec`, the codec nothing else; `broker.sockets` (the ROUTER role) only
   the config, the wire, `broker.curve` and `broker.zap`; `broker.sessions` nothing
   of `broker.episodes`; neither of those two opens sockets (no zmq, no `broker.server`).
-  `broker.episodes` may import `broker.sessions`, not the reverse.
+  `broker.episodes` may import `broker.sessions`, not the reverse. `broker.durability` (the state
+  directory: log, snapshots, recovery) loads no zmq, no asyncio and nothing of the server or the
+  sockets; neither sessions nor episodes load it (only the server and `__main__` wire it in).
 - `broker.token_ids` (byte tables, matching prefixes) is the other broker module workers may import:
   stdlib only (no zmq, numpy or msgpack) and nothing else of `broker`; workers load nothing of the
   broker's server, sessions or episodes.
@@ -88,8 +90,12 @@ SUBPACKAGES = {
     ),
     "broker.curve": Layer(forbid=("asyncio", "zmq.asyncio"), broker_only=("broker.curve",)),
     "broker.zap": Layer(forbid=("asyncio", "zmq.asyncio"), broker_only=("broker.zap", "broker.curve")),
-    "broker.sessions": Layer(forbid=("broker.episodes", "broker.server", "zmq", "asyncio")),
-    "broker.episodes": Layer(forbid=("broker.server", "zmq", "asyncio")),  # broker.sessions is allowed
+    "broker.sessions": Layer(forbid=("broker.episodes", "broker.server", "broker.durability", "zmq", "asyncio")),
+    # broker.sessions is allowed
+    "broker.episodes": Layer(forbid=("broker.server", "broker.durability", "zmq", "asyncio")),
+    "broker.durability": Layer(
+        forbid=("zmq", "asyncio", "broker.server", "broker.sockets", "broker.zap", "gateway_workers", "trainer_client")
+    ),
     "broker.token_ids": Layer(
         forbid=("zmq", "asyncio", "numpy", "msgpack", "tokenizers"), broker_only=("broker.token_ids",)
     ),
@@ -183,6 +189,8 @@ def test_the_watch_is_real():
     assert {"broker.codec.fast", "broker.messages.worker"} <= set(all_loaded_after_import(["broker.protocol"]))
     assert {"broker.messages.common", "broker.messages.trainer"} <= set(modules_of("broker.messages"))
     assert any(under(m, ("broker.sessions",)) for m in all_loaded_after_import(modules_of("broker.episodes")))
+    assert {"broker.durability.wal", "broker.durability.recovery"} <= set(modules_of("broker.durability"))
+    assert "broker.durability.store" in all_loaded_after_import(["broker.server"])
     assert any(under(m, (_GW + "engines",)) for m in all_loaded_after_import(modules_of(_GW + "turns")))
     assert "zmq" in all_loaded_after_import(modules_of(_GW + "capture"))
     assert "broker.curve" in loaded_after_import("trainer_client", ["broker.curve"])

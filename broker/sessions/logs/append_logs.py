@@ -37,6 +37,18 @@ class ItemLog:
         """Bytes held, the compressed head as compressed."""
         return self.cold.stored + len(self.hot)
 
+    def image(self) -> list[Any]:
+        """What `from_image` rebuilds this log from (buffers shared, not copied: pack it at once)."""
+        return [self.hot, self.cold.image()]
+
+    @classmethod
+    def from_image(cls, image: list[Any]) -> ItemLog:
+        hot, cold = image
+        log = cls.__new__(cls)
+        log.hot = bytearray(hot)
+        log.cold = ColdLog.from_image(cold)
+        return log
+
     def read(self, lo: int, hi: int) -> bytes | bytearray:
         """Log bytes [lo, hi) (compressed parts decompressed)."""
         cold = self.cold.size
@@ -89,6 +101,20 @@ class MessageLog:
     def stored(self) -> int:
         """Bytes held, the compressed head as compressed."""
         return self.cold.stored + sum(map(len, self.hot))
+
+    def image(self) -> list[Any]:
+        """What `from_image` rebuilds this log from (messages shared, not copied: pack it at once)."""
+        return [self.hot, self.cold.image(), self.cold_ends.tobytes(), self.raw_bytes]
+
+    @classmethod
+    def from_image(cls, image: list[Any]) -> MessageLog:
+        hot, cold, cold_ends, raw_bytes = image
+        log = cls()
+        log.hot = list(hot)
+        log.cold = ColdLog.from_image(cold)
+        log.cold_ends.frombytes(cold_ends)
+        log.raw_bytes = raw_bytes
+        return log
 
     def add(self, messages: list[bytes]) -> None:
         self.hot += messages

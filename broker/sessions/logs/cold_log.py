@@ -15,6 +15,7 @@ import zlib
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable
+from typing import Any
 
 # A chunk is compressed only once this many bytes are due: smaller ones compress worse.
 MIN_CHUNK = 16 * 1024
@@ -86,6 +87,19 @@ class ColdLog:
         self.size = 0  # raw bytes held
         self.stored = 0  # compressed bytes held
         self.width = width
+
+    def image(self) -> list[Any]:
+        """What `from_image` rebuilds this log from (the chunks are shared, not copied: pack it at once)."""
+        return [self._chunks, self._starts.tobytes(), self.size, self.stored, self.width]
+
+    @classmethod
+    def from_image(cls, image: list[Any]) -> ColdLog:
+        chunks, starts, size, stored, width = image
+        log = cls(width)
+        log._chunks = list(chunks)
+        log._starts.frombytes(starts)
+        log.size, log.stored = size, stored
+        return log
 
     def add_chunk(self, raw_len: int, chunk: bytes) -> None:
         """Append the log's next `raw_len` bytes, already compressed (a `PendingChunk`'s end)."""

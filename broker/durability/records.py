@@ -1,0 +1,242 @@
+"""What the write-ahead log and the snapshots hold: the record kinds and the typed records, and their codec.
+
+A record's kind byte (`broker.durability.wal`) says how to read its payload:
+- `WORKER_FRAME`: a worker's OpenTurn, CommitTurn or AbortTurn frame exactly as it arrived (the
+  cheapest durable form of a commit: it is msgpack already, and replaying it through the registry
+  rebuilds the same store, delta commits included, since they are replayed in the order they were
+  stored); read back with `protocol.decode_worker_to_broker`.
+- `STATE`: one of the tagged dataclasses below, a frame `[WAL_FORMAT, TAG, *fields]` written and read
+  by the broker's own codec (`broker.codec`: generated encoders, one typed decoder), as wire messages
+  are, so a record of the wrong shape is an error, never a guess.
+Records name sessions by their id (the API key: the state directory is as secret as the broker's
+memory). Imports the stdlib, `broker.protocol` and `broker.codec`; no sockets.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from broker import protocol
+from broker.codec import fast, frames
+
+# The records' own format version, in every STATE frame: a broker never reads a state directory
+# written in a format it does not know (it says so and refuses to start).
+WAL_FORMAT = 1
+
+WORKER_FRAME = 1
+STATE = 2
+
+
+class RecordError(Exception):
+    """A record whose checksum holds but whose content is not a record this broker writes."""
+
+    def __init__(self, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+
+
+class FormatMismatch(RecordError):
+    """The state directory was written in another record format."""
+
+    def __init__(self, peer_version: object, request_id: int | None = None) -> None:
+        super().__init__(f"record format {peer_version!r}, this broker reads format {WAL_FORMAT}")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Base of the STATE records; `TAG` names each in its frame."""
+
+    TAG: ClassVar[str] = ""
+
+
+# --- the log: one record per change, appended before the change is acknowledged -------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRecord(Record):
+    """A session opened, with its settings as the registry keeps them (a minted key included)."""
+
+    TAG: ClassVar[str] = "open"
+    session_id: str
+    sampling_defaults: dict[str, Any]
+    max_context_tokens: int | None
+    max_turns: int | None
+    metadata: dict[str, Any]
+    client_id: str
+    group: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CloseRecord(Record):
+    """A session closed by a RequestFinish (trainer or agent): its episode is promised to the outbox.
+
+    A FinishSession's close is not logged: its trainer waits for the rows, and a broker that restarts
+    before they were sent finds the session open, so the trainer's retried finish gets them.
+    """
+
+    TAG: ClassVar[str] = "close"
+    session_id: str
+    origin: str
+    reward: float | None
+    rollout_id: str | None
+    metadata: dict[str, Any]
+    wait_timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRecord(Record):
+    """A FinishSession's rows were built: the session is over (logged before its rows are sent)."""
+
+    TAG: ClassVar[str] = "finish"
+    session_id: str
+    origin: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropRecord(Record):
+    TAG: ClassVar[str] = "drop"
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeRecord(Record):
+    """A finished-by-request session's episode entered the outbox (and the session is over).
+
+    `episode` is the episode's encoding (`encode_episode`): what a restart redelivers, rows included.
+    """
+
+    TAG: ClassVar[str] = "episode"
+    delivery_id: int
+    session_id: str
+    client_id: str
+    episode: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord(Record):
+    """Episodes leased to a subscriber (its lease, seconds, renewed from the restart on)."""
+
+    TAG: ClassVar[str] = "lease"
+    subscriber_id: str
+    lease: float
+    delivery_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class AckRecord(Record):
+    TAG: ClassVar[str] = "ack"
+    delivery_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RequeueRecord(Record):
+    """Leased episodes back in the ready queue (a lease ran out, or a subscriber handed them back)."""
+
+    TAG: ClassVar[str] = "requeue"
+    delivery_ids: list[int]
+    redelivered: bool
+
+
+# --- a snapshot: the live state, object by object, each as of its own log position ----------------
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotHeader(Record):
+    """A snapshot's first record: the outbox's epoch and next delivery id, and the finished-session memory,
+    as of `position` (the start of the segment it was begun with). `byteorder`: the machine's, since
+    session images hold native arrays."""
+
+    TAG: ClassVar[str] = "snapshot"
+    position: int
+    byteorder: str
+    epoch: str
+    next_delivery_id: int
+    finished_ids: list[str]
+    finished_origins: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionImage(Record):
+    """One live session as of log `position` (`sessions.images`); `pending`: the encoded CloseRecord of the
+    RequestFinish that is closing it, if one is."""
+
+    TAG: ClassVar[str] = "session"
+    position: int
+    image: list[Any]
+    pending: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeImage(Record):
+    """One unacknowledged episode as of log `position`: its holder (None: ready) and whether it was delivered."""
+
+    TAG: ClassVar[str] = "episode_image"
+    position: int
+    delivery_id: int
+    session_id: str
+    client_id: str
+    holder: str | None
+    lease: float
+    redelivered: bool
+    episode: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotTrailer(Record):
+    """A snapshot's last record: how many images it holds (a snapshot without it is incomplete)."""
+
+    TAG: ClassVar[str] = "snapshot_end"
+    sessions: int
+    episodes: int
+
+
+LogRecord = (
+    OpenRecord | CloseRecord | FinishRecord | DropRecord | EpisodeRecord | LeaseRecord | AckRecord | RequeueRecord
+)
+SnapshotRecord = SnapshotHeader | SessionImage | EpisodeImage | SnapshotTrailer
+
+_ENCODERS: dict[type, Callable[[Any], bytes]] = {}
+
+
+def encode(record: Record) -> bytes:
+    """A STATE record's payload."""
+    encoder = _ENCODERS.get(type(record))
+    if encoder is None:
+        encoder = _ENCODERS[type(record)] = fast.build_encoder(type(record), WAL_FORMAT)
+    return encoder(record)
+
+
+_ERRORS = frames.ErrorTypes(RecordError, FormatMismatch)
+# msgpack reads any buffer: the payloads are memoryviews into a segment read whole.
+_decode_log = typing.cast(
+    Callable[[bytes | memoryview], Any], frames.direction_decoder("log", LogRecord, WAL_FORMAT, _ERRORS)
+)
+_decode_snapshot = typing.cast(
+    Callable[[bytes | memoryview], Any], frames.direction_decoder("snapshot", SnapshotRecord, WAL_FORMAT, _ERRORS)
+)
+
+
+def decode_log(payload: bytes | memoryview) -> LogRecord:
+    """A log STATE record; RecordError if it is none."""
+    record: LogRecord = _decode_log(payload)
+    return record
+
+
+def decode_snapshot(payload: bytes | memoryview) -> SnapshotRecord:
+    """A snapshot record; RecordError if it is none."""
+    record: SnapshotRecord = _decode_snapshot(payload)
+    return record
+
+
+def encode_episode(episode: protocol.DeliveredEpisode) -> bytes:
+    """An episode as the log keeps it: the frame of a reply carrying just it (the wire codec, rows and all)."""
+    return protocol.encode(protocol.EpisodesDelivered(0, "", [episode], [], 0))
+
+
+def decode_episode(data: bytes) -> protocol.DeliveredEpisode:
+    reply = protocol.decode_broker_to_trainer(data)
+    if not isinstance(reply, protocol.EpisodesDelivered) or len(reply.episodes) != 1:
+        raise RecordError("an episode record holds no episode")
+    return reply.episodes[0]

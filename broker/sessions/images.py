@@ -1,0 +1,63 @@
+"""Session images: one live session as plain msgpack-able values, and the session rebuilt from them.
+
+A durable broker's snapshots (`broker.durability.snapshots`) write each live session as its image,
+so a restart loads a session's turn store as it was (its logs' bytes, compressed parts included)
+instead of replaying every commit. The image is the store's own layout (`TurnStore.image`), not its
+turns: loading it is a few copies per session. A session closed by a FinishSession is imaged as
+open: its trainer is still waiting for the rows, and after a restart its retried finish closes it
+again. No sockets, no encoding; imports only the stdlib and `broker.sessions`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.sessions.registry import Session
+from broker.sessions.turn_store import TurnStore
+
+# The layout of an image (a list): bumped with any change to it, checked on load.
+IMAGE_VERSION = 1
+
+
+def session_image(session: Session, *, closing: bool) -> list[Any]:
+    """`session` as of now; `closing`: keep it closing (a RequestFinish closed it), else imaged open.
+
+    Shares the store's buffers (see `TurnStore.image`): pack it before the session changes.
+    """
+    return [
+        IMAGE_VERSION,
+        session.sid,
+        session.sampling_defaults,
+        session.max_context_tokens,
+        session.max_turns,
+        session.metadata,
+        session.client_id,
+        session.group,
+        session.finished_by if closing else None,
+        session.next_seq,
+        session.in_flight,
+        sorted(session.aborted),
+        session.committed.image(),
+    ]
+
+
+def restore_session(image: list[Any]) -> Session:
+    """The session an image was taken of (its compaction state starts afresh); ValueError if it is none."""
+    if not image or image[0] != IMAGE_VERSION:
+        raise ValueError(f"a session image of layout {image[0] if image else None!r}, not {IMAGE_VERSION}")
+    try:
+        (
+            _, sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group, finished_by,
+            next_seq, in_flight, aborted, store,
+        ) = image  # fmt: skip
+        session = Session(sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group)
+        if finished_by is not None:
+            session.state = "closing"
+            session.finished_by = finished_by
+        session.next_seq = next_seq
+        session.in_flight = dict(in_flight)
+        session.aborted = set(aborted)
+        session.committed = TurnStore.from_image(store)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a malformed session image: {e}") from e
+    return session
