@@ -323,11 +323,10 @@ class Renderer:
         the prompt longer than `budget`: the ids so far, one per added token and the size bound of the rest."""
         cached, missing, texts = pieces.cached, pieces.missing, pieces.texts
         known = len(pieces.head or ()) + len(pieces.parts) // 2 + sum(len(ids) for ids in cached if ids is not None)
-        bound = self.token_bound
-        rest = "".join(texts[i] for i in missing)  # pieces are cut at added tokens: a bound of the join is theirs
         if known > budget:
             raise PromptOverBudget(known, budget)
-        at_least = bound.at_least(rest, budget - known)
+        rest = "".join(texts[i] for i in missing)  # pieces are cut at added tokens: a bound of the join is theirs
+        at_least = self.token_bound.at_least(rest, budget - known)
         if at_least:
             raise PromptOverBudget(known + at_least, budget)
         batch: list[int] = []
