@@ -64,7 +64,7 @@ def read_snapshot(path: Path, seq: int) -> Snapshot:
         raise records.RecordError(f"{path} does not start with a snapshot header")
     if header.byteorder != sys.byteorder:
         raise records.RecordError(f"{path} was written on a {header.byteorder}-endian machine")
-    snap = Snapshot(seq, header, nbytes=len(reader.data))
+    snap = Snapshot(seq, header, nbytes=reader.size)
     trailer = None
     for offset, kind, payload in it:
         record = records.decode_snapshot(payload) if kind == STATE and trailer is None else None

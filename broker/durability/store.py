@@ -15,6 +15,7 @@ sockets, no asyncio.
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import sys
@@ -91,6 +92,10 @@ class DurableState:
         except OSError as e:
             self._release_lock()
             raise StateDirError(f"cannot use {self.directory} as the state directory: {e}") from e
+        # Recovery builds millions of objects that all live on: collections in the middle of it would
+        # scan them over and over for nothing (docs/performance.md, "Durability").
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             recovered = recover(
                 self.directory, self._registry, self._outbox, truncate_corrupt=config.wal_truncate_corrupt
@@ -109,6 +114,9 @@ class DurableState:
         except BaseException:
             self._release_lock()
             raise
+        finally:
+            if collecting:
+                gc.enable()
         self.writer = writer
         self.journal = Journal(writer)
         self._outbox.journal = self._finishes.journal = self.journal

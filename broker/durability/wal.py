@@ -15,6 +15,7 @@ tests/unit/test_import_layers.py).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 import struct
@@ -34,7 +35,12 @@ FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
 _HEADER = struct.Struct("<III")
 _LENGTH_CRC = struct.Struct("<II")
 _CRC = struct.Struct("<I")
+_CRC_KIND = struct.Struct("<IB")
 _KIND_BYTES = [bytes((k,)) for k in range(256)]
+_KIND_CRCS = [zlib.crc32(b) for b in _KIND_BYTES]  # a body's CRC-32 starts from its kind byte's
+# Buffers one writev(2) takes at most (Linux's IOV_MAX is 1024; a commit usually holds a batch's
+# 64 records, two buffers each).
+_IOV_BATCH = 512
 HEADER_BYTES = _HEADER.size
 # A position in the log is one int: the segment's number above these bits, the offset in it below.
 # Segments rotate long before 1 TiB.
@@ -103,7 +109,9 @@ def fsync_directory(directory: Path) -> None:
 class SegmentReader:
     """The records of one file, in order: iterate for (offset, kind, payload).
 
-    Reads the whole file at once (replay is a sequential scan). A damaged record where nothing but
+    Maps the whole file (replay is a sequential scan; payloads are views into the mapping, so
+    nothing is copied before a decoder reads it; the mapping goes with the last view of it). A
+    damaged record where nothing but
     zeros or the end of the file follows is a torn last write: with `tail=True` (the newest
     segment, the only one a crash can leave half-written) iteration stops there, `torn` says why and
     `end` is where the good records end; anywhere else it raises `CorruptLog`.
@@ -112,7 +120,10 @@ class SegmentReader:
     def __init__(self, path: Path, *, tail: bool) -> None:
         self.path = path
         self.tail = tail
-        self.data = path.read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self.data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        self.size = size
         self.end = 0  # offset just past the last good record read so far
         self.torn: str | None = None
 
@@ -148,7 +159,7 @@ class SegmentReader:
         # A process killed mid-write leaves a prefix of what it wrote (the file just ends); a power
         # loss may leave zeros past the last block that reached the disk.
         if self.tail and (at_end or not self.data[off:].strip(b"\0")):
-            self.torn = f"{why} (offset {off}, {len(self.data) - off} bytes dropped)"
+            self.torn = f"{why} (offset {off}, {self.size - off} bytes dropped)"
             return
         raise CorruptLog(self.path, off, why)
 
@@ -222,7 +233,11 @@ class LogWriter:
         self.directory = directory
         self.fsync: FsyncPolicy = fsync
         self._segment_bytes = segment_bytes
-        self._buf = bytearray()
+        # The buffered records, as header and payload buffers: writev(2) copies each payload straight
+        # from the frame it arrived in (no copy into a buffer of ours first).
+        self._parts: list[bytes | bytearray | memoryview] = []
+        self._buffered = 0
+        self._failed: OSError | None = None
         self.seq = seq
         self._offset = 0  # bytes written to the open segment
         self._fd = -1
@@ -238,38 +253,62 @@ class LogWriter:
     @property
     def position(self) -> int:
         """The position the next record will have (buffered records count as appended)."""
-        return position(self.seq, self._offset + len(self._buf))
+        return position(self.seq, self._offset + self._buffered)
 
     @property
     def pending(self) -> bool:
         """Whether records wait in the buffer for `commit`."""
-        return bool(self._buf)
+        return bool(self._parts)
 
     def append(self, kind: int, payload: bytes | bytearray | memoryview) -> None:
-        """Buffer one record; it reaches the file at the next `commit`."""
-        append_record(self._buf, kind, payload)
+        """Buffer one record (the same bytes as `append_record`); it reaches the file at the next `commit`.
+
+        The payload is kept by reference until then: it must not change meanwhile (frames never do).
+        """
+        head = _LENGTH_CRC.pack(len(payload) + 1, zlib.crc32(payload, _KIND_CRCS[kind]))
+        parts = self._parts
+        parts.append(head + _CRC_KIND.pack(zlib.crc32(head), kind))
+        parts.append(payload)
+        self._buffered += HEADER_BYTES + 1 + len(payload)
 
     def commit(self) -> None:
-        """Write the buffered records (one write(2)); with `always`, fdatasync before returning.
+        """Write the buffered records (one writev(2)); with `always`, fdatasync before returning.
 
-        Raises OSError when the disk refuses (the records stay buffered: nothing is acknowledged
-        that is not written), or when the `interval` syncer's last sync failed.
+        Raises OSError when the disk refuses, or when the `interval` syncer's last sync failed: the file
+        is cut back to its last whole commit, and the writer refuses every later commit (a broker whose
+        log fails stops; nothing it did not write is acknowledged).
         """
+        if self._failed is not None:
+            raise OSError(f"the write-ahead log failed earlier: {self._failed}") from self._failed
         syncer = self._syncer
         if syncer is not None and syncer.error is not None:
+            self._failed = syncer.error
             raise OSError(f"the write-ahead log's last fdatasync failed: {syncer.error}") from syncer.error
-        buf = self._buf
-        if not buf:
+        parts = self._parts
+        if not parts:
             return
-        with memoryview(buf) as view:
-            done = 0
-            while done < len(view):  # a regular file takes it all at once unless the disk is full
-                done += os.write(self._fd, view[done:])
-        self._offset += len(buf)
-        self.bytes_written += len(buf)
-        buf.clear()
+        fd = self._fd
+        try:
+            for i in range(0, len(parts), _IOV_BATCH):
+                chunk = parts[i : i + _IOV_BATCH]
+                done, want = os.writev(fd, chunk), sum(map(len, chunk))
+                if done < want:  # a regular file takes it all at once unless the disk is full
+                    rest = memoryview(b"".join(chunk))
+                    while done < want:
+                        done += os.write(fd, rest[done:])
+        except OSError as e:
+            self._failed = e
+            try:
+                os.ftruncate(fd, self._offset)  # no half record may stay where the next start reads
+            except OSError:
+                pass
+            raise
+        self._offset += self._buffered
+        self.bytes_written += self._buffered
+        parts.clear()
+        self._buffered = 0
         if self.fsync == "always":
-            os.fdatasync(self._fd)
+            os.fdatasync(fd)
             self.syncs += 1
         elif syncer is not None:
             syncer.dirty = True
@@ -298,9 +337,10 @@ class LogWriter:
         if self._fd < 0:
             return
         try:
-            self.commit()
-            if self.fsync != "never":
-                os.fdatasync(self._fd)
+            if self._failed is None:
+                self.commit()
+                if self.fsync != "never":
+                    os.fdatasync(self._fd)
         finally:
             if self._syncer is not None:
                 self._syncer.stop()
