@@ -126,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="ZeroMQ endpoint trainer clients connect to")
     serve.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0",
                        help="ZeroMQ endpoint between broker and workers (default: a free local port)")
+    serve.add_argument("--state-dir", default=None, metavar="DIR",
+                       help="durable broker: its write-ahead log and snapshots in DIR; a restarted broker (or serve) "
+                            "recovers every open session, acknowledged turn and unacknowledged episode (default: "
+                            "in memory: a broker restart loses them)")
+    serve.add_argument("--fsync", choices=["always", "interval", "never"], default=None,
+                       help="with --state-dir, when the log is synced to disk: always, interval (default), never "
+                            "(see `rollout-gateway broker --help`)")
     workers = sub.add_parser("workers", help="N workers against a broker running elsewhere")
     _add_worker_flags(workers)
     _add_limit_flags(workers)
@@ -223,6 +230,10 @@ def _broker_supervisor(args: argparse.Namespace, tokenizer_dir: str | None, curv
         flags += ["--tokenizer", tokenizer_dir]
     # Always explicit, even empty: the broker must not fall back to a different ROLLOUT_GATEWAY_CURVE_KEYS.
     flags += ["--curve-keys", curve_keys or ""]
+    if args.state_dir:
+        flags += ["--state-dir", os.path.abspath(args.state_dir)]
+    if args.fsync:
+        flags += ["--fsync", args.fsync]
     return BrokerSupervisor(flags, args.worker_endpoint, args.control)
 
 
