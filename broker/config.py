@@ -69,7 +69,7 @@ WAL_SEGMENT_BYTES = 64 * 1024**2
 # (what a restart may have to replay on top of loading the snapshot: replay is the slow part;
 # docs/performance.md has the recovery times behind this).
 SNAPSHOT_MIN_BYTES = 64 * 1024**2
-SNAPSHOT_MAX_BYTES = 256 * 1024**2
+SNAPSHOT_MAX_BYTES = 128 * 1024**2
 FsyncPolicy = Literal["always", "interval", "never"]
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
 

@@ -66,10 +66,6 @@ _encode_turn_committed = protocol.frame_encoder(protocol.TurnCommitted)
 _encode_turn_aborted = protocol.frame_encoder(protocol.TurnAborted)
 
 
-class LogFailure(RuntimeError):
-    """The write-ahead log could not be written: the broker stops rather than acknowledge what it did not log."""
-
-
 def _tag_of(msg: object) -> str | None:
     """The tag of the session a message names, for the log (its id is an API key)."""
     sid = getattr(msg, "session_id", None)
@@ -123,7 +119,6 @@ class BrokerServer:
         self._started = time.monotonic()
         self.durable: DurableState | None = None  # with a state directory, once `open_state` ran
         self._journal: Journal | None = None  # its journal: the handlers log through it
-        self._log_failed = False
 
     def open_state(self) -> DurableState | None:
         """With `config.state_dir`: lock it and recover its state (before `bind`); None without one.
@@ -134,13 +129,7 @@ class BrokerServer:
             return None
         durable = DurableState(self.config, self.registry, self.outbox, self.finishes)
         durable.open()
-        # This process's counters count its own work, not the replayed history.
-        for counters in (self.registry.counters, self.outbox.counters, self.finishes.counters):
-            for key in counters:
-                counters[key] = 0
         self.durable, self._journal = durable, durable.journal
-        replies = durable.resume(time.monotonic())
-        assert not replies, "no subscriber can be waiting before the sockets are bound"
         return durable
 
     # --- startup ---------------------------------------------------------------------
@@ -224,7 +213,7 @@ class BrokerServer:
                     self._control_sent = False
                 # The log is written every pass (what was logged with no reply too), and a snapshot in progress
                 # writes its next part (paced by the log's growth), idle or not.
-                snapshotting = durable is not None and self._tick_state(durable)
+                snapshotting = durable is not None and durable.tick()
                 if workers_ready or control_ready:
                     # Frames still wait on one socket: a look at the other without sleeping, so a
                     # busy worker socket never keeps the trainers waiting (and the reverse).
@@ -296,7 +285,7 @@ class BrokerServer:
         # A durable broker first writes (and under fsync=always syncs) what the batch logged: one
         # write(2) per batch, and no reply acknowledges a change that is not in the log.
         if self.durable is not None:
-            self._commit_log()
+            self.durable.commit()
         for envelope, reply in replies:
             self._send(sock, envelope, reply)
         more = waiting(probe)  # after the sends: a send may have taken the command that announced a frame
@@ -310,26 +299,9 @@ class BrokerServer:
         if replies:
             self._control_sent = True
             if self.durable is not None:
-                self._commit_log()
+                self.durable.commit()
         for envelope, reply in replies:
             self._send(self._control, envelope, reply)
-
-    def _tick_state(self, durable: DurableState) -> bool:
-        try:
-            return durable.tick()
-        except OSError as e:
-            self._log_failed = True
-            raise LogFailure(f"cannot write the write-ahead log in {durable.directory}: {e}") from e
-
-    def _commit_log(self) -> None:
-        """Write what was logged before replies go out; a log that cannot be written stops the broker."""
-        assert self.durable is not None
-        try:
-            self.durable.commit()
-        except OSError as e:
-            # Nothing more may be acknowledged: the loop ends, and a restart recovers what the log holds.
-            self._log_failed = True
-            raise LogFailure(f"cannot write the write-ahead log in {self.durable.directory}: {e}") from e
 
     def _send(self, sock: zmq.Socket, envelope: list[bytes], reply: protocol.Message | bytes) -> None:
         """Send one reply: a message, or a frame a handler encoded itself (`protocol.frame_encoder`)."""
@@ -478,7 +450,7 @@ class BrokerServer:
         }
 
     def _shutdown(self) -> None:
-        if not self._log_failed:  # else nothing more may be acknowledged
+        if self.durable is None or not self.durable.failed:  # else nothing more may be acknowledged
             # Parked finishers get what was committed (drain_timeout) instead of a dead socket.
             self._send_all(self.finishes.shutdown(time.monotonic()))
             # Long polls are answered empty; unacknowledged episodes die with this process (documented),

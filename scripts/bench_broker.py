@@ -14,7 +14,12 @@ count (from the broker at rest after a warm-up session; 20 sessions interleaved,
 the broker's compact_age_s, then a wait for their last bytes to age and be compressed, and for
 the broker's next heap trim: the output says so). Commits are deltas against the sender's
 previous turn, as a worker sends them (`gateway_workers.capture.commit_bases`); `--full-commits`
-also measures whole-turn commits in the same run. Prints medians of --runs runs.
+also measures whole-turn commits in the same run. Durability (issue 22): `durable` runs the ingest
+with no state directory and with one under each fsync policy side by side (and the commit path
+in-process, steadier on a shared box; `--durable-prefill-mib` first fills the broker with live
+sessions, so that snapshots rewrite a large state meanwhile), `recovery` kill -9s a durable broker
+holding `--recovery-mib` MiB of live log and times its restart to READY, against an in-memory
+broker's start. Prints medians of --runs runs.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ import multiprocessing as mp
 import os
 import random
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from array import array
 from pathlib import Path
@@ -293,7 +301,9 @@ def bench_ingest(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str, float]:
+def ingest_run(
+    args: argparse.Namespace, baseline: bool, full: bool, extra: list[str] | None = None, prefill: int = 0
+) -> dict[str, float]:
     spawn = mp.get_context("spawn")
     stop = spawn.Event()
     if baseline:
@@ -302,7 +312,7 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
         server.start()
         worker_ep, pid = endpoints.get(timeout=30), server.pid
     else:
-        proc, worker_ep, control_ep = start_broker([])
+        proc, worker_ep, control_ep = start_broker(extra or [], durable_env(args) if extra else None)
         pid = proc.pid
     try:
         per = args.sessions // args.publishers
@@ -312,8 +322,17 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
             sids = [[f"p{p}-s{i}" for i in range(per)] for p in range(args.publishers)]
         else:
             client = TrainerClient(control_ep, timeout=60)
+            if prefill:  # live sessions the broker holds while the publishers commit (snapshots rewrite them)
+                fill_ctx = zmq.Context()
+                filler = Worker(fill_ctx, worker_ep)
+                fill_sessions(client, filler, prefill, args)
+                filler.sock.close(0)
+                fill_ctx.term()
+            deltas_before = client.stats()["commits_delta"]
             sids = [[client.open_session(session_id=f"p{p}-s{i}".ljust(22, "-")) for i in range(per)]
                     for p in range(args.publishers)]
+        if baseline:
+            deltas_before = 0
         start, ready, results = spawn.Event(), spawn.Queue(), spawn.Queue()
         params = {
             "turns": args.turns,
@@ -348,7 +367,7 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
         stats = {"tokens_held": 0, "commits_delta": 0} if baseline else client.stats()
         if not baseline:
             deltas = commits - commits // args.turns  # every turn but each session's first
-            assert stats["commits_delta"] == (0 if full else deltas), stats["commits_delta"]
+            assert stats["commits_delta"] - deltas_before == (0 if full else deltas), stats["commits_delta"]
         out = {
             "commits": commits,
             "seconds": t1 - t0,
@@ -365,6 +384,9 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
             "MiB_per_s": sum(r["bytes"] for r in res) / (t1 - t0) / 2**20,
             "broker_rss_growth_MiB": (rss1 - rss0) / 2**20,
             "tokens_held": stats["tokens_held"],
+            "wal_MiB": stats.get("wal_bytes_written", 0) / 2**20,
+            "wal_syncs": stats.get("wal_syncs", 0),
+            "snapshots_written": stats.get("snapshots_written", 0),
         }
         if not baseline:
             client.close()
@@ -375,6 +397,183 @@ def ingest_run(args: argparse.Namespace, baseline: bool, full: bool) -> dict[str
             server.join(10)
         else:
             stop_broker(proc)
+
+
+# --- durability: ingest with a state directory, recovery time -----------------------------------
+
+DURABLE_MODES = ("none", "interval", "always", "never")
+
+
+def bench_durable(args: argparse.Namespace) -> dict[str, float]:
+    """The ingest run without a state directory and with one under each fsync policy, in one run."""
+    out: dict[str, float] = durable_hot_path(args)
+    for mode in DURABLE_MODES:
+        state_dir = tempfile.mkdtemp(prefix="bench-state-", dir=args.state_parent)
+        try:
+            extra = [] if mode == "none" else ["--state-dir", state_dir, "--fsync", mode]
+            r = ingest_run(args, baseline=False, full=False, extra=extra, prefill=args.durable_prefill_mib << 20)
+        finally:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        for key in (
+            "commits_per_s", "broker_cpu_us_per_commit", "sustainable_commits_per_s", "wal_MiB", "wal_syncs",
+            "snapshots_written",
+        ):  # fmt: skip
+            out[f"{mode}_{key}"] = r[key]
+    for mode in DURABLE_MODES[1:]:
+        out[f"{mode}_ratio"] = out[f"{mode}_commits_per_s"] / out["none_commits_per_s"]
+        out[f"{mode}_cpu_ratio"] = out["none_broker_cpu_us_per_commit"] / out[f"{mode}_broker_cpu_us_per_commit"]
+    return out
+
+
+def durable_hot_path(args: argparse.Namespace) -> dict[str, float]:
+    """The commit path in-process (thread CPU, no sockets): decode, store, ACK, and with a state directory the
+    log's append per commit and its write per batch of DRAIN_BATCH, as the server does; the log's fsync
+    policy's own thread (interval) or syncs (always) included. Far steadier than the socket runs on a shared box.
+    """
+    from broker.durability.journal import Journal  # in-process on purpose: this isolates the hot path
+    from broker.durability.wal import LogWriter
+    from broker.server import DRAIN_BATCH
+    from broker.sessions.registry import SessionRegistry
+
+    sessions = args.sessions
+    eps = [episode(i, args.turns, args.first_prompt, args.tail, args.output) for i in range(sessions)]
+    bases = CommitBases(max_sessions=sessions + 1)
+    frames = [
+        protocol.encode(as_sent(bases, commit_of(1, f"s{s}", f"t{k}", eps[s][k])))
+        for k in range(args.turns)
+        for s in range(sessions)
+    ]
+    del eps
+    protocol.decode_worker_to_broker(frames[0])  # the decoder is generated on the first frame: not timed
+    encode_committed = protocol.frame_encoder(protocol.TurnCommitted)
+    out: dict[str, float] = {}
+    for mode in DURABLE_MODES:
+        reg = SessionRegistry(max_sessions=sessions)
+        for s in range(sessions):
+            reg.open_session(f"s{s}", {}, None, None, {})
+            for k in range(args.turns):
+                reg.open_turn(f"s{s}", f"t{k}")
+        state_dir = tempfile.mkdtemp(prefix="bench-hot-", dir=args.state_parent)
+        writer = None if mode == "none" else LogWriter(
+            Path(state_dir), 0, fsync=mode, interval_s=BrokerConfig().fsync_interval_ms / 1000,  # type: ignore[arg-type]
+            segment_bytes=BrokerConfig().wal_segment_bytes,
+        )  # fmt: skip
+        journal = Journal(writer) if writer is not None else None
+        try:
+            cpu0 = time.process_time()  # every thread of this process: the syncer's fsyncs count
+            for i, frame in enumerate(frames):
+                msg = protocol.decode_worker_to_broker(frame)
+                outcome = reg.commit_turn(msg)
+                if journal is not None and outcome == "stored":
+                    journal.worker_frame(frame)
+                encode_committed(request_id=msg.request_id, turn_id=msg.turn_id, outcome=outcome)
+                if writer is not None and i % DRAIN_BATCH == DRAIN_BATCH - 1:
+                    writer.commit()
+            if writer is not None:
+                writer.close()
+            cpu = time.process_time() - cpu0
+        finally:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        out[f"{mode}_hot_path_us"] = 1e6 * cpu / len(frames)
+    for mode in DURABLE_MODES[1:]:
+        out[f"{mode}_hot_path_ratio"] = out["none_hot_path_us"] / out[f"{mode}_hot_path_us"]
+    return out
+
+
+def bench_recovery(args: argparse.Namespace) -> dict[str, float]:
+    """kill -9 of a durable broker holding N MiB of live log, then the time from its restart to READY.
+
+    The state is long sessions (--long-turns turns growing to --long-context tokens, delta commits) opened
+    and committed in waves until the commit frames of live sessions add up to N MiB (what a broker without
+    snapshots would have to replay); snapshots run as they would. Side by side: an in-memory broker's
+    start to READY (the floor: the interpreter, imports, binding).
+    """
+    out: dict[str, float] = {}
+    t0 = time.monotonic()
+    proc, _, _ = start_broker([])
+    out["in_memory_start_s"] = time.monotonic() - t0
+    stop_broker(proc)
+    for mib in args.recovery_mib:
+        state_dir = tempfile.mkdtemp(prefix="bench-recovery-", dir=args.state_parent)
+        try:
+            out.update({f"{mib}MiB_{k}": v for k, v in recovery_run(args, state_dir, mib << 20).items()})
+        finally:
+            shutil.rmtree(state_dir, ignore_errors=True)
+    return out
+
+
+def durable_env(args: argparse.Namespace) -> dict[str, str]:
+    """The broker's snapshot bounds for the durable and recovery parts (its defaults unless given)."""
+    env = {}
+    if args.snapshot_max_mib is not None:
+        env["ROLLOUT_BROKER_SNAPSHOT_MAX_BYTES"] = str(args.snapshot_max_mib << 20)
+        env["ROLLOUT_BROKER_SNAPSHOT_MIN_BYTES"] = str(min(args.snapshot_max_mib, 64) << 20)
+    return env
+
+
+def recovery_run(args: argparse.Namespace, state_dir: str, target: int) -> dict[str, float]:
+    extra = ["--state-dir", state_dir]
+    proc, worker_ep, control_ep = start_broker(extra, durable_env(args))
+    ctx = zmq.Context()
+    try:
+        client = TrainerClient(control_ep, timeout=120)
+        w = Worker(ctx, worker_ep)
+        logged = fill_sessions(client, w, target, args)
+        before = client.stats()
+        client.close()
+        os.killpg(proc.pid, signal.SIGKILL)  # at whatever point its log and snapshots are
+        proc.wait(30)
+        on_disk = sum(f.stat().st_size for f in Path(state_dir).iterdir())
+        t0 = time.monotonic()
+        proc, worker_ep, control_ep = start_broker(extra, durable_env(args))
+        restart = time.monotonic() - t0
+        client = TrainerClient(control_ep, timeout=120)
+        after = client.stats()
+        client.close()
+        w.sock.close(0)
+        for key in ("sessions_open", "turns_held", "tokens_held"):
+            assert after[key] == before[key], (key, before[key], after[key])
+        return {
+            "live_log_MiB": logged / 2**20,
+            "state_dir_MiB": on_disk / 2**20,
+            "bytes_held_MiB": before["bytes_held"] / 2**20,
+            "sessions": before["sessions_open"],
+            "restart_to_ready_s": restart,
+            "recovery_s": after["recovery_s"],
+            "replayed_log_MiB": after["recovered_log_bytes"] / 2**20,
+            "replayed_records": after["recovered_records"],
+            "snapshot_MiB": after["last_snapshot_bytes"] / 2**20,
+        }
+    finally:
+        ctx.term()
+        stop_broker(proc)
+
+
+def fill_sessions(client: TrainerClient, w: Worker, target: int, args: argparse.Namespace) -> int:
+    """Open long sessions and commit their turns (waves of sessions, turn-major) until `target` bytes of commit
+    frames are held; returns the bytes sent. One episode's commits are built once and sent for every session
+    (each session stores its own copy: nothing is shared between sessions)."""
+    _, frames, _ = session_frames(client, 7, args)  # encoded for one session: its commits as messages below
+    template = [protocol.decode_worker_to_broker(commit) for _, commit in frames]
+    per_session = sum(len(commit) for _, commit in frames)
+    n_sessions = max(1, -(-target // per_session))
+    sent, rid = 0, 0
+    wave = args.recovery_wave
+    for first in range(0, n_sessions, wave):
+        n = min(wave, n_sessions - first)
+        sids = [client.open_session(max_context_tokens=args.long_context + 1024) for _ in range(n)]
+        for msg in template:
+            batch = []
+            for sid in sids:
+                rid += 2
+                batch.append(protocol.encode(protocol.OpenTurn(rid - 1, sid, msg.turn_id)))
+                commit = protocol.encode(dataclasses.replace(msg, request_id=rid, session_id=sid))
+                batch.append(commit)
+                sent += len(commit)
+            replies = w.pipeline(batch, args.window)
+            bad = [r for r in replies if isinstance(r, protocol.Refused)]
+            assert not bad, bad[:3]
+    return sent
 
 
 # --- finish latency and memory per session ---------------------------------------------------
@@ -654,7 +853,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="memory part: each session's turns are spread over this many times --compact-age (0: back to back); "
         "a real 50-turn episode lives minutes. The policy scales with the age: --compact-age 1 runs 5x faster",
     )
-    p.add_argument("--only", choices=["ingest", "hotpath", "finish", "memory"], action="append")
+    p.add_argument(
+        "--recovery-mib",
+        type=int,
+        action="append",
+        default=None,
+        help="recovery part: MiB of live log (commit frames of open sessions) at the kill -9; repeat "
+        "(default 64, 256, 1024)",
+    )
+    p.add_argument("--recovery-wave", type=int, default=500, help="recovery part: sessions filled at a time")
+    p.add_argument(
+        "--snapshot-max-mib",
+        type=int,
+        default=None,
+        help="durable and recovery parts: the broker's ROLLOUT_BROKER_SNAPSHOT_MAX_BYTES in MiB (default: its own)",
+    )
+    p.add_argument(
+        "--durable-prefill-mib",
+        type=int,
+        default=0,
+        help="durable part: the broker first holds this many MiB of live sessions (as the recovery part fills "
+        "them), so that snapshots rewrite a large state during the measured ingest",
+    )
+    p.add_argument("--state-parent", default=None, help="where the state directories go (default: the system temp dir)")
+    p.add_argument("--only", choices=["ingest", "hotpath", "finish", "memory", "durable", "recovery"], action="append")
     p.add_argument(
         "--full-commits", action="store_true", help="also measure whole-turn commits (the old way) in the same run"
     )
@@ -664,9 +886,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    parts = args.only or ["ingest", "hotpath", "finish", "memory"]
+    if args.recovery_mib is None:
+        args.recovery_mib = [64, 256, 1024]
+    parts = args.only or ["ingest", "hotpath", "finish", "memory", "durable", "recovery"]
     report: dict[str, Any] = {}
-    benches = {"ingest": bench_ingest, "hotpath": bench_hotpath, "finish": bench_finish, "memory": bench_memory}
+    benches = {
+        "ingest": bench_ingest,
+        "hotpath": bench_hotpath,
+        "finish": bench_finish,
+        "memory": bench_memory,
+        "durable": bench_durable,
+        "recovery": bench_recovery,
+    }
     for name, fn in benches.items():
         if name not in parts:
             continue

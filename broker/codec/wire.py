@@ -24,6 +24,9 @@ MASK = {"packed": "B"}
 # encoding of one map: the broker keeps them as bytes and decodes them only when it needs the dicts.
 PACKED_MAPS = {"packed_maps": True}
 
+# msgpack's extension type: what a durable broker's snapshots mark large buffers with (`broker.durability.records`).
+ExtType = msgpack.ExtType
+
 # One Packer for every frame this process writes (building one per frame would cost more than packing).
 packer = msgpack.Packer(use_bin_type=True)
 pack = packer.pack

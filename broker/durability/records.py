@@ -8,19 +8,24 @@ A record's kind byte (`broker.durability.wal`) says how to read its payload:
 - `STATE`: one of the tagged dataclasses below, a frame `[WAL_FORMAT, TAG, *fields]` written and read
   by the broker's own codec (`broker.codec`: generated encoders, one typed decoder), as wire messages
   are, so a record of the wrong shape is an error, never a guess.
+- `STATE_WITH_BLOBS`: a snapshot's session image whose large buffers (compressed log chunks) follow
+  its frame as raw bytes, so that writing it copies none of them in the broker's thread (`image_parts`).
 Records name sessions by their id (the API key: the state directory is as secret as the broker's
-memory). Imports the stdlib, `broker.protocol` and `broker.codec`; no sockets.
+memory). Imports the stdlib, `broker.protocol` and `broker.codec` (its msgpack extension type marks
+a blob); no sockets.
 """
 
 from __future__ import annotations
 
+import struct
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from broker import protocol
 from broker.codec import fast, frames
+from broker.codec.wire import ExtType
 
 # The records' own format version, in every STATE frame: a broker never reads a state directory
 # written in a format it does not know (it says so and refuses to start).
@@ -28,6 +33,8 @@ WAL_FORMAT = 1
 
 WORKER_FRAME = 1
 STATE = 2
+# A snapshot image with its large buffers after it (`split_blobs`): a u32 length, the STATE frame, the blobs.
+STATE_WITH_BLOBS = 3
 
 
 class RecordError(Exception):
@@ -166,6 +173,7 @@ class SessionImage(Record):
     position: int
     image: list[Any]
     pending: bytes | None
+    blob_paths: list[Any] = field(default_factory=list)  # where `split_blobs` put its references (index paths)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +236,94 @@ def decode_snapshot(payload: bytes | memoryview) -> SnapshotRecord:
     """A snapshot record; RecordError if it is none."""
     record: SnapshotRecord = _decode_snapshot(payload)
     return record
+
+
+# --- blobs: an image's large immutable buffers written beside its frame, not copied into it ------------
+
+BLOB_EXT = 1  # the msgpack extension type of a blob reference: (offset, length) into the blobs
+BLOB_MIN_BYTES = 4096
+_BLOB_REF = struct.Struct("<QQ")
+_META_LENGTH = struct.Struct("<I")
+
+
+def split_blobs(
+    value: list[Any], blobs: list[bytes | memoryview], paths: list[list[int]], at: list[int], path: list[int]
+) -> list[Any]:
+    """The list `value` (an image: nested lists, maps, scalars, buffers) with each buffer of at least BLOB_MIN_BYTES
+    replaced by a reference into `blobs` (appended; `at[0]`: their total length so far), and each reference's index
+    path (from the image's root) appended to `paths`, so that `join_blobs` goes straight to them.
+
+    A blob must not change while a writer thread may still be writing it: `bytes` and read-only views (of a
+    snapshot's mapping) go as they are, a `bytearray` (a log's raw tail) as a copy, which costs what packing it
+    into the frame would and leaves a restart one copy to make instead of two. Lists are copied where they
+    change, never changed: an image shares them with the live state.
+    """
+    out = value
+    for i, v in enumerate(value):
+        kind = type(v)
+        if kind is list:
+            inner = split_blobs(v, blobs, paths, at, [*path, i])
+            if inner is v:
+                continue
+            ref: Any = inner
+        elif (kind is bytes or kind is memoryview or kind is bytearray) and len(v) >= BLOB_MIN_BYTES:
+            if kind is bytearray:  # a log's raw tail, which changes as commits come: its bytes as of now
+                v = bytes(v)
+            ref = ExtType(BLOB_EXT, _BLOB_REF.pack(at[0], len(v)))
+            blobs.append(v)
+            paths.append([*path, i])
+            at[0] += len(v)
+        else:
+            continue
+        if out is value:
+            out = list(value)
+        out[i] = ref
+    return out
+
+
+def join_blobs(image: list[Any], paths: list[Any], blobs: memoryview) -> list[Any]:
+    """The image `split_blobs` took apart (freshly decoded: changed in place): each reference at `paths`
+    replaced by a read-only view of its bytes in `blobs`.
+
+    Views, not copies: `blobs` is a view of the snapshot file's mapping, so restoring a session's
+    compressed chunks copies nothing (the page cache holds them; a read decompresses them from there).
+    Whoever keeps a buffer it will change copies it (`sessions.images`)."""
+    try:
+        for path in paths:
+            node = image
+            for i in path[:-1]:
+                node = node[i]
+            ref = node[path[-1]]
+            if type(ref) is not ExtType or ref.code != BLOB_EXT or len(ref.data) != _BLOB_REF.size:
+                raise RecordError(f"no blob reference at {path} of an image")
+            offset, length = _BLOB_REF.unpack(ref.data)
+            if offset + length > len(blobs):
+                raise RecordError("a blob reference past the end of its record")
+            node[path[-1]] = blobs[offset : offset + length]
+    except (IndexError, TypeError) as e:
+        raise RecordError(f"a blob path that is not in its image: {e}") from e
+    return image
+
+
+def image_parts(record: SessionImage) -> list[bytes | memoryview]:
+    """A STATE_WITH_BLOBS payload as parts: the frame's length and the frame, then the blobs (by reference)."""
+    blobs: list[bytes | memoryview] = []
+    paths: list[list[int]] = []
+    image = split_blobs(record.image, blobs, paths, [0], [])
+    frame = encode(SessionImage(record.position, image, record.pending, paths))
+    return [_META_LENGTH.pack(len(frame)) + frame, *blobs]
+
+
+def decode_image(payload: memoryview) -> SessionImage:
+    """A STATE_WITH_BLOBS payload back to its SessionImage."""
+    if len(payload) < _META_LENGTH.size:
+        raise RecordError("an image record shorter than its length field")
+    (n,) = _META_LENGTH.unpack_from(payload)
+    frame, blobs = payload[_META_LENGTH.size : _META_LENGTH.size + n], payload[_META_LENGTH.size + n :]
+    record = decode_snapshot(frame)
+    if not isinstance(record, SessionImage):
+        raise RecordError(f"a {type(record).__name__} where a session image with blobs belongs")
+    return SessionImage(record.position, join_blobs(record.image, record.blob_paths, blobs), record.pending)
 
 
 def encode_episode(episode: protocol.DeliveredEpisode) -> bytes:

@@ -17,20 +17,24 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.durability import records
 from broker.durability.journal import close_record
-from broker.durability.records import STATE
-from broker.durability.wal import SegmentReader, append_record, fsync_directory
+from broker.durability.records import STATE, STATE_WITH_BLOBS
+from broker.durability.wal import IOV_BATCH, SegmentReader, fsync_directory, record_header
 from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox
 from broker.sessions.images import session_image
 from broker.sessions.registry import SessionRegistry
 
 SNAPSHOT_RE = re.compile(r"snap-([0-9a-f]{16})\.snap")
+# Images queued for the writer thread at most; past it the loop waits for it (a bound on a snapshot's memory).
+MAX_QUEUED_BYTES = 64 * 1024 * 1024
 
 
 def snapshot_path(directory: Path, seq: int) -> Path:
@@ -67,7 +71,11 @@ def read_snapshot(path: Path, seq: int) -> Snapshot:
     snap = Snapshot(seq, header, nbytes=reader.size)
     trailer = None
     for offset, kind, payload in it:
-        record = records.decode_snapshot(payload) if kind == STATE and trailer is None else None
+        record: records.SnapshotRecord | None = None
+        if trailer is None and kind == STATE:
+            record = records.decode_snapshot(payload)
+        elif trailer is None and kind == STATE_WITH_BLOBS:
+            record = records.decode_image(payload)
         if isinstance(record, records.SessionImage):
             snap.sessions.append(record)
         elif isinstance(record, records.EpisodeImage):
@@ -81,8 +89,89 @@ def read_snapshot(path: Path, seq: int) -> Snapshot:
     return snap
 
 
+class _FileWriter(threading.Thread):
+    """Checksums and writes a snapshot's records in its own thread, so the broker's loop only builds them.
+
+    `put` queues a record as a kind and payload parts (immutable buffers: `records.image_parts`); it
+    waits while more than MAX_QUEUED_BYTES are queued, which bounds the memory a snapshot holds. zlib's
+    CRC-32 and writev(2) release the GIL, so on a machine with a spare core this costs the loop nothing.
+    A failure is kept and raised by the next `put` or `drain`.
+    """
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(name="snapshot-writer", daemon=True)
+        self._fd = fd
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[int, list[bytes | memoryview]] | None] = deque()
+        self._queued = 0
+        self.error: OSError | None = None
+        self.nbytes = 0
+
+    def put(self, kind: int, parts: list[bytes | memoryview]) -> None:
+        size = sum(map(len, parts))
+        with self._cond:
+            while self._queued > MAX_QUEUED_BYTES and self.error is None:
+                self._cond.wait()
+            self._raise()
+            self._queue.append((kind, parts))
+            self._queued += size
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until everything queued is written; raise what failed."""
+        with self._cond:
+            while self._queue and self.error is None:
+                self._cond.wait()
+            self._raise()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify_all()
+        self.join()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise OSError(f"writing the snapshot failed: {self.error}") from self.error
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                item = self._queue[0]
+            if item is None:
+                return
+            kind, parts = item
+            try:
+                if self.error is None:
+                    self._write(kind, parts)
+            except OSError as e:
+                self.error = e
+            with self._cond:
+                self._queue.popleft()
+                self._queued -= sum(map(len, parts))
+                self._cond.notify_all()
+
+    def _write(self, kind: int, parts: list[bytes | memoryview]) -> None:
+        crc = zlib.crc32(bytes((kind,)))
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        out = [record_header(kind, sum(map(len, parts)), crc), *parts]
+        for i in range(0, len(out), IOV_BATCH):
+            chunk = out[i : i + IOV_BATCH]
+            done, want = os.writev(self._fd, chunk), sum(map(len, chunk))
+            if done < want:  # a regular file takes it all unless the disk is full
+                rest = memoryview(b"".join(chunk))
+                while done < want:
+                    done += os.write(self._fd, rest[done:])
+            self.nbytes += want
+
+
 class SnapshotWriter:
     """One snapshot being written: begun with segment `seq`, over the objects live at that segment's start.
+
+    The loop's thread takes each object's image (`step`); a writer thread checksums and writes it.
 
     Args:
         directory: the state directory.
@@ -112,21 +201,29 @@ class SnapshotWriter:
         self._sessions = deque(sessions)
         self._episodes = deque(outbox.delivery_ids())
         self._written = [0, 0]  # sessions, episodes
-        self.nbytes = 0
         self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        buf = bytearray()
-        append_record(buf, STATE, records.encode(header))
-        self._write(buf)
+        self._file = _FileWriter(self._fd)
+        self._file.start()
+        self._file.put(STATE, [records.encode(header)])
 
     @property
     def remaining(self) -> int:
         return len(self._sessions) + len(self._episodes)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes written so far (all of them once `finish` returned)."""
+        return self._file.nbytes
+
     def step(self, position: int, budget: int) -> bool:
-        """Write the next objects (at least one, about `budget` bytes) as of log `position`; True when all are."""
-        buf = bytearray()
+        """Image the next objects (at least one, about `budget` bytes) as of log `position`; True when all are.
+
+        Raises OSError if the writer thread failed on what earlier steps queued.
+        """
+        taken = 0
+        put = self._file.put
         registry, sessions = self._registry, self._sessions
-        while sessions and len(buf) < budget:
+        while sessions and taken < budget:
             sid, serial = sessions.popleft()
             session = registry.session(sid)
             if session is None or session.serial != serial:
@@ -134,10 +231,12 @@ class SnapshotWriter:
             pending = self._finishes.pending_request(sid)
             close = None if pending is None else records.encode(close_record(pending, session.finished_by or "trainer"))
             image = session_image(session, closing=pending is not None)
-            append_record(buf, STATE, records.encode(records.SessionImage(position, image, close)))
+            parts = records.image_parts(records.SessionImage(position, image, close))
+            put(STATE_WITH_BLOBS, parts)
+            taken += sum(map(len, parts))
             self._written[0] += 1
         outbox, episodes = self._outbox, self._episodes
-        while not sessions and episodes and len(buf) < budget:
+        while not sessions and episodes and taken < budget:
             delivery_id = episodes.popleft()
             held = outbox.entry(delivery_id)
             if held is None:
@@ -147,17 +246,18 @@ class SnapshotWriter:
                 position, delivery_id, episode.session_id, client_id, holder, lease, redelivered,
                 records.encode_episode(episode),
             )  # fmt: skip
-            append_record(buf, STATE, records.encode(episode_image))
+            payload = records.encode(episode_image)
+            put(STATE, [payload])
+            taken += len(payload)
             self._written[1] += 1
-        if buf:
-            self._write(buf)
         return not sessions and not episodes
 
     def finish(self) -> Path:
-        """Write the trailer, sync, rename into place (and sync the directory); the snapshot now counts."""
-        buf = bytearray()
-        append_record(buf, STATE, records.encode(records.SnapshotTrailer(*self._written)))
-        self._write(buf)
+        """Write the trailer, wait for the writer, sync, rename into place (and sync the directory): the snapshot
+        now counts."""
+        self._file.put(STATE, [records.encode(records.SnapshotTrailer(*self._written))])
+        self._file.drain()
+        self._file.stop()
         if self._sync:
             os.fsync(self._fd)
         os.close(self._fd)
@@ -168,15 +268,11 @@ class SnapshotWriter:
         return self._final
 
     def abort(self) -> None:
-        """Give up on this snapshot (a write failed): its file is removed, the log keeps everything."""
+        """Give up on this snapshot (a write failed, or the broker stops): its file is removed, the log keeps
+        everything."""
+        if self._file.is_alive():
+            self._file.stop()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         self._tmp.unlink(missing_ok=True)
-
-    def _write(self, buf: bytearray) -> None:
-        with memoryview(buf) as view:
-            done = 0
-            while done < len(view):
-                done += os.write(self._fd, view[done:])
-        self.nbytes += len(buf)

@@ -19,17 +19,18 @@ import gc
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from broker.config import BrokerConfig
-from broker.durability import records
+from broker.durability import records, wal
 from broker.durability.journal import Journal
 from broker.durability.recovery import Recovered, recover
 from broker.durability.snapshots import SnapshotWriter, list_snapshots, snapshot_path
 from broker.durability.wal import LogWriter, list_segments, position, segment_path
 from broker.episodes.finishes import Finishes
-from broker.episodes.outbox import Outbox, Reply
+from broker.episodes.outbox import Outbox
 from broker.sessions.registry import SessionRegistry
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,11 @@ SNAPSHOT_PACE = 2.0
 
 class StateDirError(Exception):
     """The state directory cannot be used: locked by another broker, unreadable, or not ours."""
+
+
+class LogFailure(RuntimeError):
+    """The write-ahead log could not be written: the broker stops (its loop ends with this error) rather than
+    acknowledge what it did not log; a restart recovers what the log holds."""
 
 
 class DurableState:
@@ -72,6 +78,7 @@ class DurableState:
         self._last_snapshot_bytes = 0
         self.snapshots_written = 0
         self.snapshot_failures = 0
+        self.failed = False  # the log could not be written: nothing more is acknowledged
 
     # --- start -------------------------------------------------------------------------------
 
@@ -121,15 +128,18 @@ class DurableState:
         self.journal = Journal(writer)
         self._outbox.journal = self._finishes.journal = self.journal
         self.recovered = recovered
+        # This process's counters count its own work, not the replayed history.
+        for counters in (self._registry.counters, self._outbox.counters, self._finishes.counters):
+            for key in counters:
+                counters[key] = 0
+        if recovered is not None:
+            # The RequestFinishes recovered with their sessions closing keep their promises (`Finishes.resume`);
+            # their episodes are logged like any other. No subscriber can be waiting yet: no replies.
+            now = time.monotonic()
+            for msg in recovered.pending.values():
+                replies = self._finishes.resume(msg, now)
+                assert not replies, "no subscriber can be waiting before the sockets are bound"
         return recovered
-
-    def resume(self, now: float) -> list[Reply]:
-        """Keep the promises of the RequestFinishes recovered with their sessions closing (see `Finishes.resume`)."""
-        out: list[Reply] = []
-        if self.recovered is not None:
-            for msg in self.recovered.pending.values():
-                out += self._finishes.resume(msg, now)
-        return out
 
     def _write_empty_snapshot(self, seq: int) -> None:
         header = self._header(seq)
@@ -147,9 +157,16 @@ class DurableState:
     # --- serving -------------------------------------------------------------------------------
 
     def commit(self) -> None:
-        """Write what was logged since the last commit (and sync it under `always`); before any reply."""
+        """Write what was logged since the last commit (and sync it under `always`); before any reply.
+
+        Raises LogFailure if the log cannot be written (and `failed` stays set).
+        """
         assert self.writer is not None
-        self.writer.commit()
+        try:
+            self.writer.commit()
+        except OSError as e:
+            self.failed = True
+            raise LogFailure(f"cannot write the write-ahead log in {self.directory}: {e}") from e
 
     @property
     def tail_bytes(self) -> int:
@@ -175,7 +192,7 @@ class DurableState:
         assert writer is not None
         # What the pass logged with no reply to send (a lease that ran out, a drain that ended into the
         # outbox) is written now too, not only with the next reply (a failure here stops the broker).
-        writer.commit()
+        self.commit()
         grew = writer.bytes_written - self._tick_written
         if self._snapshot is None:
             if self.tail_bytes >= self.threshold():
@@ -196,7 +213,8 @@ class DurableState:
         writer = self.writer
         assert writer is not None
         try:
-            seq = writer.rotate()
+            # A snapshot begins with a segment of its own (a commit may have just started an empty one).
+            seq = writer.seq if wal.offset_of(writer.position) == 0 else writer.rotate()
             self._snapshot = SnapshotWriter(
                 self.directory, seq, self._header(seq), self._registry, self._outbox, self._finishes
             )

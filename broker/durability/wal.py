@@ -34,13 +34,12 @@ FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
 # tells a torn write (the file ends inside a record whose header is intact) from a corrupt length.
 _HEADER = struct.Struct("<III")
 _LENGTH_CRC = struct.Struct("<II")
-_CRC = struct.Struct("<I")
 _CRC_KIND = struct.Struct("<IB")
 _KIND_BYTES = [bytes((k,)) for k in range(256)]
 _KIND_CRCS = [zlib.crc32(b) for b in _KIND_BYTES]  # a body's CRC-32 starts from its kind byte's
 # Buffers one writev(2) takes at most (Linux's IOV_MAX is 1024; a commit usually holds a batch's
 # 64 records, two buffers each).
-_IOV_BATCH = 512
+IOV_BATCH = 512
 HEADER_BYTES = _HEADER.size
 # A position in the log is one int: the segment's number above these bits, the offset in it below.
 # Segments rotate long before 1 TiB.
@@ -89,12 +88,14 @@ def list_segments(directory: Path) -> list[int]:
 
 def append_record(buf: bytearray, kind: int, payload: bytes | bytearray | memoryview) -> None:
     """Append one record as it lies on disk to `buf`: header, kind byte (0-255), payload."""
-    body_crc = zlib.crc32(payload, zlib.crc32(_KIND_BYTES[kind]))
-    head = _LENGTH_CRC.pack(len(payload) + 1, body_crc)
-    buf += head
-    buf += _CRC.pack(zlib.crc32(head))
-    buf.append(kind)
+    buf += record_header(kind, len(payload), zlib.crc32(payload, _KIND_CRCS[kind]))
     buf += payload
+
+
+def record_header(kind: int, payload_length: int, body_crc: int) -> bytes:
+    """A record's header and kind byte, for a payload written in parts (`body_crc`: over the kind byte and them)."""
+    head = _LENGTH_CRC.pack(payload_length + 1, body_crc)
+    return head + _CRC_KIND.pack(zlib.crc32(head), kind)
 
 
 def fsync_directory(directory: Path) -> None:
@@ -265,9 +266,8 @@ class LogWriter:
 
         The payload is kept by reference until then: it must not change meanwhile (frames never do).
         """
-        head = _LENGTH_CRC.pack(len(payload) + 1, zlib.crc32(payload, _KIND_CRCS[kind]))
         parts = self._parts
-        parts.append(head + _CRC_KIND.pack(zlib.crc32(head), kind))
+        parts.append(record_header(kind, len(payload), zlib.crc32(payload, _KIND_CRCS[kind])))
         parts.append(payload)
         self._buffered += HEADER_BYTES + 1 + len(payload)
 
@@ -289,8 +289,8 @@ class LogWriter:
             return
         fd = self._fd
         try:
-            for i in range(0, len(parts), _IOV_BATCH):
-                chunk = parts[i : i + _IOV_BATCH]
+            for i in range(0, len(parts), IOV_BATCH):
+                chunk = parts[i : i + IOV_BATCH]
                 done, want = os.writev(fd, chunk), sum(map(len, chunk))
                 if done < want:  # a regular file takes it all at once unless the disk is full
                     rest = memoryview(b"".join(chunk))

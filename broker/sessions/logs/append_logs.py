@@ -110,7 +110,9 @@ class MessageLog:
     def from_image(cls, image: list[Any]) -> MessageLog:
         hot, cold, cold_ends, raw_bytes = image
         log = cls()
-        log.hot = list(hot)
+        # A message may come as a read-only view of a snapshot's mapping (`ColdLog.from_image`): as bytes here,
+        # where stored messages are compared and joined as bytes.
+        log.hot = [m if type(m) is bytes else bytes(m) for m in hot]
         log.cold = ColdLog.from_image(cold)
         log.cold_ends.frombytes(cold_ends)
         log.raw_bytes = raw_bytes

@@ -82,7 +82,7 @@ class ColdLog:
     __slots__ = ("_chunks", "_starts", "size", "stored", "width")
 
     def __init__(self, width: int = 1) -> None:
-        self._chunks: list[bytes] = []
+        self._chunks: list[bytes | memoryview] = []
         self._starts = array("q")  # each chunk's first byte in the log
         self.size = 0  # raw bytes held
         self.stored = 0  # compressed bytes held
@@ -94,6 +94,8 @@ class ColdLog:
 
     @classmethod
     def from_image(cls, image: list[Any]) -> ColdLog:
+        """The log an image was taken of. Its chunks may be read-only views (of a durable broker's snapshot
+        file, mapped): a chunk is only ever decompressed, which reads any buffer."""
         chunks, starts, size, stored, width = image
         log = cls(width)
         log._chunks = list(chunks)
