@@ -8,8 +8,12 @@ state keeps changing meanwhile: an image taken at position p reflects every reco
 recovery replays the segments from `seq` on and skips, per session or episode, the records an image
 already holds. Once every object is written, the file is synced and renamed into place, and only then
 are the older segments and snapshots deleted. Sessions opened after the segment began are in the log
-already and are not imaged. Imports the stdlib, `broker.sessions`, `broker.episodes` and
-`broker.durability`; no sockets.
+already and are not imaged. The loop's thread only takes the images (a session's compressed chunks
+by reference, its raw tails copied once: `records.image_parts`); a writer thread checksums and
+writes them, since a snapshot rewrites the whole live state and the loop must keep serving. A
+restart maps the file and restores compressed chunks as views of the mapping (a snapshot file is
+only ever replaced by rename or removed, never truncated, so the mapping stays valid). Imports
+the stdlib, `broker.sessions`, `broker.episodes` and `broker.durability`; no sockets.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class DurableState:
             self._release_lock()
             raise StateDirError(f"cannot use {self.directory} as the state directory: {e}") from e
         # Recovery builds millions of objects that all live on: collections in the middle of it would
-        # scan them over and over for nothing (docs/performance.md, "Durability").
+        # scan them over and over for nothing (docs/performance.md, "Broker durability").
         collecting = gc.isenabled()
         gc.disable()
         try:
