@@ -1,0 +1,145 @@
+"""The durable broker's records and session images: round trips, garbage refused, blobs beside their frame.
+
+A large real session (its turn store with compressed chunks and a raw tail) is imaged, split into a
+frame and blobs as a snapshot writes it, read back as a restart reads it and rebuilt: it holds the
+same turns, and changing the live session after the image was taken changes nothing of what was
+written. Records of the wrong shape are a `RecordError`, never a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from array import array
+
+import msgpack
+import pytest
+
+from broker import protocol
+from broker.durability import records
+from broker.sessions.images import restore_session, session_image
+from broker.sessions.registry import SessionRegistry
+
+LOG_RECORDS = [
+    records.OpenRecord("sid-xxxxxxxxxxxxxxxxxxxxxx", {"temperature": 0.5}, 4096, None, {"m": [1, 2]}, "c", None),
+    records.CloseRecord("s", "agent", 1.0, "ep-1", {"k": "v"}, 5.0),
+    records.CloseRecord("s", "trainer", None, None, {}, 0.0),
+    records.FinishRecord("s", "trainer"),
+    records.DropRecord("s"),
+    records.EpisodeRecord(7, "s", "client", b"\x01\x02"),
+    records.LeaseRecord("sub", 30.0, [1, 2, 3]),
+    records.AckRecord([4]),
+    records.RequeueRecord([5, 6], True),
+]
+
+
+@pytest.mark.parametrize("record", LOG_RECORDS, ids=lambda r: type(r).__name__)
+def test_log_records_round_trip(record):
+    assert records.decode_log(memoryview(records.encode(record))) == record
+
+
+def test_snapshot_records_round_trip():
+    for record in (
+        records.SnapshotHeader(1 << 40, "little", "ab12", 9, ["a", "b"], ["trainer", "dropped"]),
+        records.EpisodeImage(5, 3, "s", "c", "sub", 30.0, True, b"episode"),
+        records.EpisodeImage(5, 3, "s", "c", None, 0.0, False, b"episode"),
+        records.SnapshotTrailer(2, 1),
+        records.SessionImage(5, [1, [b"x"], {"a": 1}], None),
+    ):
+        assert records.decode_snapshot(records.encode(record)) == record
+
+
+def test_garbage_and_wrong_shapes_are_record_errors():
+    with pytest.raises(records.RecordError):
+        records.decode_log(b"\xc1 not msgpack")
+    with pytest.raises(records.RecordError):
+        records.decode_log(records.encode(records.SnapshotTrailer(1, 1)))  # a snapshot record is no log record
+    with pytest.raises(records.FormatMismatch):
+        records.decode_log(protocol.encode(protocol.GetStats(1)).replace(b"\x01", b"\x09", 1))
+    bad = [records.WAL_FORMAT, "drop", 17]  # a session id that is no string
+    with pytest.raises(records.RecordError, match="drop"):
+        records.decode_log(msgpack.packb(bad))
+    with pytest.raises(records.RecordError):
+        records.decode_image(memoryview(b"\x00\x00"))
+
+
+def test_episodes_are_kept_as_their_wire_encoding():
+    row = protocol.TraceRow(
+        protocol.ids_array([1, 2, 3]), array("B", [0, 1]), protocol.logprobs_array([-0.5, -1.0]),
+        2, "hi", "ep", 1.0, "completed", {"turn_ids": ["t0"]},
+    )  # fmt: skip
+    episode = protocol.DeliveredEpisode(4, "s", [row], 1.0, "ep", {}, "complete", False, None, "agent", 1, 0)
+    assert records.decode_episode(records.encode_episode(episode)) == episode
+
+
+def big_session(reg: SessionRegistry, sid: str, turns: int = 12, seed: int = 0) -> None:
+    """A session whose logs exceed the blob size, part of them compressed by idle-time compaction."""
+    rng = random.Random(seed)
+    reg.open_session(sid, {"t": 1}, None, None, {"m": 1})
+    prompt: list[int] = []
+    messages: list[dict] = [{"role": "system", "content": "s"}]
+    for k in range(turns):
+        prompt += [rng.randrange(100_000) for _ in range(700)]
+        messages.append({"role": "user", "content": "".join(rng.choices("abcdef ", k=3000))})
+        reg.open_turn(sid, f"t{k}")
+        out = [rng.randrange(100_000) for _ in range(50)]
+        msg = protocol.CommitTurn(
+            0, sid, f"t{k}", protocol.ids_array(prompt), protocol.ids_array(out), protocol.logprobs_array([-0.25] * 50),
+            "stop", list(messages), {"role": "assistant", "content": f"r{k}"}, flags={"k": k},
+        )  # fmt: skip
+        assert reg.commit_turn(msg) == "stored"
+        prompt += out
+        if k == turns - 3:  # older bytes compressed, the last turns raw
+            while reg.compact_step():
+                pass
+    reg.open_turn(sid, "in-flight")
+
+
+def test_a_large_session_survives_its_image_split_into_blobs_and_back():
+    reg = SessionRegistry(max_sessions=4, compact_age_s=0.0, compact_min_bytes=0)
+    big_session(reg, "big-session-key-xxxxxxxxxx")
+    session = reg.session("big-session-key-xxxxxxxxxx")
+    assert session is not None and session.committed.ids.cold.size > 0 and len(session.committed.ids.hot) > 4096
+    before = [dataclasses.astuple(r) for r in session.committed.records()]
+    parts = records.image_parts(records.SessionImage(77, session_image(session, closing=False), None))
+    assert len(parts) > 2  # the frame, and blobs beside it
+    written = b"".join(bytes(p) for p in parts)
+    # the live session moves on: what was written must not (its raw tail was copied, chunks are immutable)
+    reg.open_turn("big-session-key-xxxxxxxxxx", "later")
+    more = protocol.CommitTurn(
+        0, "big-session-key-xxxxxxxxxx", "later", protocol.ids_array([1] * 9000), protocol.ids_array([2]),
+        protocol.logprobs_array([-1.0]), "stop", [{"role": "user", "content": "x"}],
+        {"role": "assistant", "content": "y"},
+    )  # fmt: skip
+    reg.commit_turn(more)
+    assert b"".join(bytes(p) for p in parts) == written
+    image = records.decode_image(memoryview(written))
+    assert image.position == 77 and image.pending is None
+    restored = restore_session(image.image)
+    assert [dataclasses.astuple(r) for r in restored.committed.records()] == before
+    assert restored.in_flight == {"in-flight": session.in_flight["in-flight"]} and restored.state == "open"
+    # compressed chunks come back as views of what was read (no copy); the raw tail is a bytearray of its own
+    assert any(type(c) is memoryview for c in restored.committed.ids.cold._chunks)
+    assert type(restored.committed.ids.hot) is bytearray
+    # ...and a restored session stores on: its next commit extends its logs
+    reg2 = SessionRegistry(max_sessions=4)
+    reg2.restore(restored)
+    assert reg2.commit_turn(dataclasses.replace(more, turn_id="in-flight")) == "stored"
+    assert len(restored.committed) == len(before) + 1
+
+
+def test_an_image_of_a_session_closing_by_request_stays_closing():
+    reg = SessionRegistry(max_sessions=2)
+    reg.open_session("closing-session-key-xxxxx", {}, None, None, {})
+    reg.open_turn("closing-session-key-xxxxx", "t0")
+    session = reg.close("closing-session-key-xxxxx", "agent")
+    assert restore_session(session_image(session, closing=True)).finished_by == "agent"
+    reopened = restore_session(session_image(session, closing=False))  # a FinishSession's close: open again
+    assert reopened.state == "open" and reopened.finished_by is None and reopened.in_flight == {"t0": 0}
+
+
+def test_a_blob_reference_out_of_its_record_is_refused():
+    parts = records.image_parts(records.SessionImage(1, [b"z" * 5000], None))
+    short = b"".join(bytes(p) for p in parts)[:-10]
+    with pytest.raises(records.RecordError, match="past the end"):
+        records.decode_image(memoryview(short))
