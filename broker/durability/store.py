@@ -20,8 +20,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from broker.config import BrokerConfig
 from broker.durability import records, wal
@@ -35,6 +36,7 @@ from broker.sessions.registry import SessionRegistry
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 LOCK_FILE = "LOCK"
 # A snapshot in progress writes at least this much per loop pass (idle passes included)...
 SNAPSHOT_STEP_BYTES = 256 * 1024
@@ -162,8 +164,12 @@ class DurableState:
         Raises LogFailure if the log cannot be written (and `failed` stays set).
         """
         assert self.writer is not None
+        self._log_call(self.writer.commit)
+
+    def _log_call(self, call: Callable[[], T]) -> T:
+        """`call` on the log; its OSError is the log's failure (LogFailure), never a snapshot's."""
         try:
-            self.writer.commit()
+            return call()
         except OSError as e:
             self.failed = True
             raise LogFailure(f"cannot write the write-ahead log in {self.directory}: {e}") from e
@@ -212,9 +218,9 @@ class DurableState:
     def _begin(self) -> None:
         writer = self.writer
         assert writer is not None
+        # A snapshot begins with a segment of its own (a commit may have just started an empty one).
+        seq = writer.seq if wal.offset_of(writer.position) == 0 else self._log_call(writer.rotate)
         try:
-            # A snapshot begins with a segment of its own (a commit may have just started an empty one).
-            seq = writer.seq if wal.offset_of(writer.position) == 0 else writer.rotate()
             self._snapshot = SnapshotWriter(
                 self.directory, seq, self._header(seq), self._registry, self._outbox, self._finishes
             )
@@ -230,7 +236,7 @@ class DurableState:
     def _finish(self, snap: SnapshotWriter) -> None:
         assert self.writer is not None
         if self._config.fsync != "never":
-            self.writer.sync()  # the log up to the snapshot's last image, before older segments go
+            self._log_call(self.writer.sync)  # the log up to the snapshot's last image, before older segments go
         snap.finish()
         self._snapshot = None
         self._last_snapshot_bytes = snap.nbytes
