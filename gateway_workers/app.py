@@ -125,8 +125,10 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
 def _error(adapter: Adapter[Any], error: ApiError, counters: Counter[str]) -> Response:
     # Not logged here: whoever raises a 5xx logs its cause once, with the turn and session tag it knows.
     counters[f"http_{error.status}"] += 1
+    headers = dict(error.headers)
     # After a 413/431 the rest of the request is unread: closing the connection keeps uvicorn from buffering it.
-    headers = {"connection": "close"} if error.status in (413, 431) else None
+    if error.status in (413, 431):
+        headers["connection"] = "close"
     return Response(orjson.dumps(adapter.error_body(error)), status_code=error.status, media_type="application/json",
                     headers=headers)
 

@@ -23,7 +23,7 @@ from broker.protocol import session_tag
 from gateway_workers.adapters import openai_chat
 from gateway_workers.capture.backplane import BrokerUnavailable, TurnRefused
 from gateway_workers.http.connection import session_key
-from gateway_workers.http.errors import ApiError
+from gateway_workers.http.errors import ApiError, broker_unavailable
 from gateway_workers.http.limits import read_body
 
 logger = logging.getLogger(__name__)
@@ -46,12 +46,12 @@ _REFUSALS = {
 }
 
 
-def _error(error: ApiError, counters: Counter[str], headers: dict[str, str] | None = None) -> Response:
+def _error(error: ApiError, counters: Counter[str]) -> Response:
     counters[f"finish_http_{error.status}"] += 1
     if error.status >= 500:
         logger.error("agent finish failed with %d: %s", error.status, error.message)
     body = orjson.dumps(openai_chat.error_body(error))
-    return Response(body, status_code=error.status, media_type="application/json", headers=headers)
+    return Response(body, status_code=error.status, media_type="application/json", headers=error.headers)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -117,9 +117,9 @@ async def finish_session(request: Request) -> Response:
         if status == 410:
             message = f"{e.message}; a session finishes once, and its episode went to that finish"
         headers = {"retry-after": str(BUSY_RETRY_AFTER_S)} if status == 503 else None
-        return _error(ApiError(status, kind, message, code), counters, headers)
+        return _error(ApiError(status, kind, message, code, headers=headers), counters)
     except BrokerUnavailable as e:
         logger.error("agent finish of session %s: %s", session_tag(sid), e)
-        return _error(ApiError(503, "unavailable", "the capture broker is unavailable; retry later"), counters)
+        return _error(broker_unavailable(), counters)
     counters["sessions_finished_by_agent"] += 1
     return JSONResponse({"object": "rollout.session.finish", "status": "accepted"})

@@ -26,7 +26,7 @@ from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, Turn
 from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
 from gateway_workers.formats import ParsedResponse, ResponseParser
 from gateway_workers.http.connection import AgentConnection
-from gateway_workers.http.errors import ApiError
+from gateway_workers.http.errors import ApiError, broker_unavailable
 from gateway_workers.rendering.budget import PromptOverBudget
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
 
@@ -203,7 +203,10 @@ class TurnPipeline:
                 raise refusal_error(e) from None
             if isinstance(e, BrokerUnavailable):
                 logger.error("OPEN of a turn for session %s failed: %s", session_tag(session_id), e)
-                raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
+                # The OPEN may still reach the broker (it waits in the socket for the broker's return): the
+                # ABORT follows it there, so no turn is left in flight for a finish to wait for.
+                self.backplane.abort_in_background(session_id, turn_id, "open_timeout")
+                raise broker_unavailable() from None
             raise
         try:
             try:
@@ -280,7 +283,7 @@ class TurnPipeline:
             raise refusal_error(e) from None
         except BrokerUnavailable as e:
             logger.error("GET of turn %s of session %s failed: %s", turn_id, session_tag(session_id), e)
-            raise ApiError(503, "unavailable", "the capture broker is unavailable; retry later") from None
+            raise broker_unavailable() from None
 
     async def check_session(self, session_id: str) -> None:
         """Raise ApiError unless the session is open (for requests that record nothing)."""
