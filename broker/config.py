@@ -70,6 +70,10 @@ WAL_SEGMENT_BYTES = 64 * 1024**2
 # docs/performance.md has the recovery times behind this).
 SNAPSHOT_MIN_BYTES = 64 * 1024**2
 SNAPSHOT_MAX_BYTES = 128 * 1024**2
+# A worker heartbeats every second (`gateway_workers.capture.backplane`); one unheard for this long is given
+# up for lost and its in-flight turns abandoned: three missed beats, so a stalled event loop or a burst of
+# load does not cost live turns, and a finish waits at most this (plus a check interval) for a dead worker.
+WORKER_SILENCE_S = 3.0
 FsyncPolicy = Literal["always", "interval", "never"]
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
 
@@ -119,6 +123,8 @@ class BrokerConfig:
             the last snapshot's size, kept within these bounds (the max bounds what a restart replays).
         wal_truncate_corrupt: at start, cut the log at a damaged record (losing what follows it) instead of
             refusing to start.
+        worker_silence_s: a worker unheard (no heartbeat, no OpenTurn) for this long is given up for lost: its
+            in-flight turns are abandoned (finishes stop waiting for them; a late commit still lands).
         restarted: this broker replaces one that ran before (`serve`'s supervisor sets it); without a
             state directory, refusals of unknown sessions then say the earlier sessions were lost.
     """
@@ -152,6 +158,7 @@ class BrokerConfig:
     snapshot_min_bytes: int = SNAPSHOT_MIN_BYTES
     snapshot_max_bytes: int = SNAPSHOT_MAX_BYTES
     wal_truncate_corrupt: bool = False
+    worker_silence_s: float = WORKER_SILENCE_S
     restarted: bool = False
 
     def __post_init__(self) -> None:
@@ -169,8 +176,9 @@ class BrokerConfig:
             "wal_segment_bytes",
             "snapshot_min_bytes",
             "snapshot_max_bytes",
+            "worker_silence_s",
         ):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:
                 raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_turns_cap is not None and self.max_turns_cap <= 0:
             raise ValueError(f"BrokerConfig.max_turns_cap must be > 0 or None, got {self.max_turns_cap!r}")
@@ -246,6 +254,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "snapshot_min_bytes": int,
     "snapshot_max_bytes": int,
     "wal_truncate_corrupt": _flag,
+    "worker_silence_s": float,
     "restarted": _flag,
 }
 

@@ -46,6 +46,7 @@ from broker.messages.worker import (
     AbortTurn,
     CommitTurn,
     GetTurn,
+    Heartbeat,
     OpenTurn,
     TurnAborted,
     TurnCommitted,
@@ -59,7 +60,8 @@ __all__ = [
     "ErrorCode", "ProtocolError", "VersionMismatch",
     "ids_array", "logprobs_array", "pack_message", "is_packed_map", "unpack_messages",
     "Message", "RequestFinish", "FinishAccepted", "Refused",
-    "OpenTurn", "CommitTurn", "AbortTurn", "GetTurn", "TurnOpened", "TurnCommitted", "TurnAborted", "TurnFound",
+    "OpenTurn", "CommitTurn", "AbortTurn", "GetTurn", "Heartbeat",
+    "TurnOpened", "TurnCommitted", "TurnAborted", "TurnFound",
     "OpenSession", "FinishSession", "DropSession", "GetStats", "FetchEpisodes",
     "TraceRow", "SessionOpened", "SessionFinished", "SessionDropped", "Stats", "DeliveredEpisode", "EpisodesDelivered",
     "WorkerToBroker", "BrokerToWorker", "TrainerToBroker", "BrokerToTrainer",
@@ -134,7 +136,7 @@ def logprobs_array(values: Iterable[float] = ()) -> array:
 
 # --- the messages, by direction (defined in `broker.messages`) ------------------------------------
 
-WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | RequestFinish
+WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | Heartbeat | RequestFinish
 BrokerToWorker = TurnOpened | TurnCommitted | TurnAborted | TurnFound | FinishAccepted | Refused
 TrainerToBroker = OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes
 BrokerToTrainer = (

@@ -4,9 +4,10 @@ Owns the ZeroMQ side of the broker: binds the worker and control endpoints (a `s
 each: port 0 works; the bound addresses are reported; with keys, CURVE servers behind `broker.zap`),
 decodes each frame with `broker.protocol`, dispatches it (one `match` on the message class, for both
 sockets) to `sessions.SessionRegistry`, `finishes.Finishes` and `outbox.Outbox`, and answers every
-request exactly once with the same request id (`Refused` on any error). With a state directory
-(`broker.durability`), every change a reply acknowledges is appended to the write-ahead log first:
-the log is committed before any reply of a pass is sent. The process around it (signals, READY
+request exactly once with the same request id (`Refused` on any error); a worker's heartbeat is
+never answered, and the turns of a worker unheard for a while are abandoned (`sessions.workers`).
+With a state directory (`broker.durability`), every change a reply acknowledges is appended to the
+write-ahead log first: the log is committed before any reply of a pass is sent. The process around it (signals, READY
 line) is `broker.__main__`. Finishes that wait for in-flight turns, and subscribers'
 long polls, are parked there, never blocking the loop; their deadlines set the poll timeout. Plain
 blocking pyzmq: no asyncio. Imports `broker.*` only; never `gateway_workers` or `trainer_client`.
@@ -35,6 +36,7 @@ from broker.episodes.rows import RowBuilder
 from broker.protocol import session_tag
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
 from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry, check_chosen_key
+from broker.sessions.workers import WorkerLiveness, abandon_turns_of
 from broker.sockets import MORE_NOBLOCK, NOBLOCK, POLLIN, RouterSocket, bind_routers, send_part, waiting
 from broker.zap import ZapHandler
 
@@ -112,6 +114,7 @@ class BrokerServer:
             max_credit=config.max_credit,
         )
         self.finishes = Finishes(self.registry, self._rows, self.outbox, config.max_wait_timeout)
+        self.workers = WorkerLiveness(config.worker_silence_s)
         self._refusals: Counter[str] = Counter()
         self._counters: Counter[str] = Counter()
         self._last_protocol_log = 0.0
@@ -130,6 +133,7 @@ class BrokerServer:
         durable = DurableState(self.config, self.registry, self.outbox, self.finishes)
         durable.open()
         self.durable, self._journal = durable, durable.journal
+        self.workers.expect(self.registry, time.monotonic())
         return durable
 
     # --- startup ---------------------------------------------------------------------
@@ -204,6 +208,8 @@ class BrokerServer:
                 if control_ready:
                     control_ready = self._drain(control, protocol.decode_trainer_to_broker, "trainer")
                 now = time.monotonic()
+                if now >= self.workers.next_check:
+                    self._abandon_silent_workers(now)
                 for parked in (self.finishes, self.outbox):
                     due = parked.next_deadline()
                     if due is not None and due <= now:
@@ -237,6 +243,17 @@ class BrokerServer:
                         control_ready = True
         finally:
             self._shutdown()
+
+    def _abandon_silent_workers(self, now: float) -> None:
+        """Give up the in-flight turns of workers unheard for `worker_silence_s` (logged as aborts), and release
+        the finishes that waited for them."""
+        for worker_id in self.workers.silent(now):
+            abandoned = abandon_turns_of(self.registry, worker_id, self.workers.silence_s)
+            if self._journal is not None:
+                for sid, turn_id in abandoned:
+                    self._journal.turn_abandoned(sid, turn_id)
+            for sid in {sid for sid, _ in abandoned}:
+                self._send_all(self.finishes.turn_ended(sid, now))
 
     def _poll_timeout_ms(self) -> int:
         due = [d for d in (self.finishes.next_deadline(), self.outbox.next_deadline()) if d is not None]
@@ -365,7 +382,9 @@ class BrokerServer:
                         self._send_all(parked)
                     return _encode_turn_committed(request_id=msg.request_id, turn_id=msg.turn_id, outcome=outcome)
                 case protocol.OpenTurn():
-                    session, seq = self.registry.open_turn(msg.session_id, msg.turn_id)
+                    if msg.worker_id:
+                        self.workers.heard[msg.worker_id] = time.monotonic()
+                    session, seq = self.registry.open_turn(msg.session_id, msg.turn_id, msg.worker_id)
                     if self._journal is not None:
                         self._journal.worker_frame(payload)
                     return _encode_turn_opened(
@@ -384,6 +403,9 @@ class BrokerServer:
                     return _encode_turn_aborted(request_id=msg.request_id, turn_id=msg.turn_id)
                 case protocol.GetTurn():
                     return self.handle_get_turn(msg)
+                case protocol.Heartbeat():
+                    self.workers.heard[msg.worker_id] = time.monotonic()
+                    return None
                 # either side: an agent's finish comes through its worker
                 case protocol.RequestFinish():
                     origin: FinishOrigin = "agent" if side == "worker" else "trainer"
@@ -441,6 +463,7 @@ class BrokerServer:
             **self.outbox.stats(),
             **self.finishes.stats(),
             **self.trimmer.stats(self.registry.counters["bytes_freed"]),
+            "workers_heard": len(self.workers.heard),
             **(self.durable.stats() if self.durable is not None else {"state_dir": None}),
             "refusals": dict(self._refusals),
             "protocol_errors": self._counters["protocol_errors"],

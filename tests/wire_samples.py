@@ -24,6 +24,7 @@ from broker.protocol import (
     FinishSession,
     GetStats,
     GetTurn,
+    Heartbeat,
     OpenSession,
     OpenTurn,
     Refused,
@@ -77,6 +78,8 @@ MESSAGES: dict[str, list] = {
         AbortTurn(4, "sess", "turn-2", "client_disconnect"),
         GetTurn(21, "sess", "turn-1"),
         GetTurn(22, "sess", ""),
+        Heartbeat(0, "host:123:beef"),
+        OpenTurn(23, "sess", "turn-2", "host:123:beef"),
         RequestFinish(24, "sess", 0.5, None, {"judge": "harness"}, 5.0),
     ],
     "broker_to_worker": [

@@ -15,6 +15,7 @@ from broker.durability import records
 from broker.durability.records import STATE, WORKER_FRAME
 from broker.durability.wal import LogWriter
 from broker.sessions.registry import Session
+from broker.sessions.workers import WORKER_LOST
 
 
 class Journal:
@@ -29,6 +30,10 @@ class Journal:
     def worker_frame(self, frame: bytes) -> None:
         """An OpenTurn, a stored CommitTurn or an AbortTurn, exactly as received."""
         self._append(WORKER_FRAME, frame)
+
+    def turn_abandoned(self, sid: str, turn_id: str) -> None:
+        """An in-flight turn given up with its silent worker: logged as an AbortTurn that says so (`WORKER_LOST`)."""
+        self._append(WORKER_FRAME, protocol.encode(protocol.AbortTurn(0, sid, turn_id, WORKER_LOST)))
 
     def session_opened(self, session: Session) -> None:
         self._state(

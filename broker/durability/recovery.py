@@ -31,6 +31,7 @@ from broker.episodes.outbox import Outbox
 from broker.protocol import session_tag
 from broker.sessions.images import restore_session
 from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry
+from broker.sessions.workers import WORKER_LOST
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class Replay:
         return kept
 
     def _worker_frame(self, pos: int, msg: protocol.WorkerToBroker) -> None:
+        if isinstance(msg, protocol.Heartbeat):
+            raise records.RecordError("a logged heartbeat (only turns' frames are logged)")
         sid = msg.session_id
         if self._skip_session(sid, pos):
             return
@@ -126,7 +129,9 @@ class Replay:
                 case protocol.CommitTurn():
                     registry.commit_turn(msg)
                 case protocol.OpenTurn():
-                    registry.open_turn(sid, msg.turn_id)
+                    registry.open_turn(sid, msg.turn_id, msg.worker_id)
+                case protocol.AbortTurn() if msg.reason == WORKER_LOST:
+                    registry.abandon_turn(sid, msg.turn_id)
                 case protocol.AbortTurn():
                     registry.abort_turn(sid, msg.turn_id)
                 case _:

@@ -1,6 +1,6 @@
 """The messages of the worker socket: a turn's open, commit, abort and lookup, and the broker's replies.
 
-Worker -> broker: `OpenTurn`, `CommitTurn`, `AbortTurn`, `GetTurn` (and `RequestFinish`, in `common`);
+Worker -> broker: `OpenTurn`, `CommitTurn`, `AbortTurn`, `GetTurn`, `Heartbeat` (and `RequestFinish`, in `common`);
 broker -> worker: `TurnOpened`, `TurnCommitted`, `TurnAborted`, `TurnFound` (and `FinishAccepted`,
 `Refused`). `broker.protocol` re-exports them and holds their unions; import them from there. The
 codecs read each class's fields, so the names used in annotations (`array`, `Any`) must be imported
@@ -24,11 +24,16 @@ from broker.messages.common import Message
 
 @dataclass(frozen=True, slots=True)
 class OpenTurn(Message):
-    """Ask to start a turn: the session must exist, be open and be under its turn cap."""
+    """Ask to start a turn: the session must exist, be open and be under its turn cap.
+
+    `worker_id` names the worker that will commit or abort it (its `Heartbeat`s carry the same id):
+    when that worker falls silent the broker abandons the turn, so no finish waits for it.
+    """
 
     TAG: ClassVar[str] = "open_turn"
     session_id: str
     turn_id: str
+    worker_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,14 @@ class GetTurn(Message):
     TAG: ClassVar[str] = "get_turn"
     session_id: str
     turn_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """A worker is alive (sent every second or so, never answered); its turns outlive it by a bounded silence."""
+
+    TAG: ClassVar[str] = "heartbeat"
+    worker_id: str
 
 
 # Broker -> worker

@@ -15,8 +15,10 @@ from typing import Any
 from broker.sessions.registry import Session
 from broker.sessions.turn_store import TurnStore
 
-# The layout of an image (a list): bumped with any change to it, checked on load.
-IMAGE_VERSION = 1
+# The layout of an image (a list): bumped with any change to it, checked on load. Layout 1 (before
+# in-flight turns named their workers) lacks the last two items and still loads.
+IMAGE_VERSION = 2
+_OWNERLESS_VERSION = 1
 
 
 def session_image(session: Session, *, closing: bool) -> list[Any]:
@@ -38,17 +40,21 @@ def session_image(session: Session, *, closing: bool) -> list[Any]:
         session.in_flight,
         sorted(session.aborted),
         session.committed.image(),
+        session.owners,
+        session.abandoned,
     ]
 
 
 def restore_session(image: list[Any]) -> Session:
     """The session an image was taken of (its compaction state starts afresh); ValueError if it is none."""
-    if not image or image[0] != IMAGE_VERSION:
+    if not image or image[0] not in (IMAGE_VERSION, _OWNERLESS_VERSION):
         raise ValueError(f"a session image of layout {image[0] if image else None!r}, not {IMAGE_VERSION}")
+    if image[0] == _OWNERLESS_VERSION:
+        image = [*image, {}, {}]
     try:
         (
             _, sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group, finished_by,
-            next_seq, in_flight, aborted, store,
+            next_seq, in_flight, aborted, store, owners, abandoned,
         ) = image  # fmt: skip
         session = Session(sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group)
         if finished_by is not None:
@@ -57,6 +63,8 @@ def restore_session(image: list[Any]) -> Session:
         session.next_seq = next_seq
         session.in_flight = dict(in_flight)
         session.aborted = set(aborted)
+        session.owners = dict(owners)
+        session.abandoned = dict(abandoned)
         session.committed = TurnStore.from_image(store)
     except (TypeError, ValueError) as e:
         raise ValueError(f"a malformed session image: {e}") from e

@@ -68,6 +68,9 @@ class Session:
     finished_by: FinishOrigin | None = None  # set when a finish closes it
     next_seq: int = 0
     in_flight: dict[str, int] = field(default_factory=dict)  # turn_id -> seq
+    owners: dict[str, str] = field(default_factory=dict)  # in-flight turn_id -> the worker that opened it, if named
+    # turn_id -> seq of in-flight turns whose worker fell silent: no finish waits for them, yet a late commit lands
+    abandoned: dict[str, int] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
     committed: TurnStore = field(default_factory=TurnStore)
     # Compaction's per-session state (`compaction.CompactionScheduler`):
@@ -155,6 +158,8 @@ class SessionRegistry:
                 "turns_opened",
                 "turns_aborted",
                 "turns_abandoned",
+                "turns_worker_lost",
+                "commits_late",
                 "commits_stored",
                 "commits_duplicate",
                 "commits_discarded",
@@ -244,7 +249,7 @@ class SessionRegistry:
         session = self._sessions.pop(sid)
         origin = session.finished_by or "trainer"
         self._remember_finished(sid, origin)
-        abandoned = len(session.in_flight)
+        abandoned = len(session.in_flight) + len(session.abandoned)
         self.counters["sessions_finished"] += 1
         self.counters["turns_abandoned"] += abandoned
         self.counters["bytes_freed"] += session.committed.bytes_held()
@@ -277,8 +282,10 @@ class SessionRegistry:
 
     # --- worker side -------------------------------------------------------------------
 
-    def open_turn(self, sid: str, turn_id: str) -> tuple[Session, int]:
-        """Admit a turn: session open, under its cap. Returns the session and the turn's seq."""
+    def open_turn(self, sid: str, turn_id: str, worker_id: str = "") -> tuple[Session, int]:
+        """Admit a turn: session open, under its cap. Returns the session and the turn's seq.
+
+        `worker_id` (when named) owns the turn until it is committed or aborted (`abandon_turn`)."""
         session = self.get(sid)
         seq = session.in_flight.get(turn_id)
         if seq is not None:  # a worker re-sent OPEN after losing our reply: same answer, even if closing
@@ -287,7 +294,7 @@ class SessionRegistry:
             raise Refusal("session_closed", f"session {session_tag(sid)} is finishing; no new turns")
         if not turn_id or len(turn_id) > _MAX_TURN_ID_LEN:
             raise Refusal("bad_request", f"turn_id must be 1-{_MAX_TURN_ID_LEN} characters")
-        if turn_id in session.committed or turn_id in session.aborted:
+        if turn_id in session.committed or turn_id in session.aborted or turn_id in session.abandoned:
             raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(sid)} is already over")
         cap = session.max_turns
         if cap is not None and len(session.in_flight) + len(session.committed) >= cap:
@@ -295,6 +302,8 @@ class SessionRegistry:
         seq = session.next_seq
         session.next_seq += 1
         session.in_flight[turn_id] = seq
+        if worker_id:
+            session.owners[turn_id] = worker_id
         self.counters["turns_opened"] += 1
         return session, seq
 
@@ -313,8 +322,7 @@ class SessionRegistry:
         in_flight = session.in_flight
         seq = in_flight.get(turn_id)
         if seq is None:
-            what = "was aborted" if turn_id in session.aborted else "was never opened"
-            raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(sid)} {what}")
+            seq = self._late_commit(session, turn_id)
         try:
             messages = packed_messages(msg.prompt_messages, msg.response_message)
         except ValueError as e:
@@ -344,17 +352,46 @@ class SessionRegistry:
         else:
             store.add_full(msg, seq, messages)
         del in_flight[turn_id]
+        if session.owners:
+            session.owners.pop(turn_id, None)
         counters["commits_stored"] += 1
         if self._compact and store.raw_bytes >= self._compact_min_bytes:
             self.compaction.note_commit(session)
         return "stored"
+
+    def _late_commit(self, session: Session, turn_id: str) -> int:
+        """The seq of an abandoned turn whose commit arrived after all (its worker was only slow), back in flight;
+        a Refusal for a turn that was aborted or never opened."""
+        seq = session.abandoned.pop(turn_id, None)
+        if seq is None:
+            what = "was aborted" if turn_id in session.aborted else "was never opened"
+            raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(session.sid)} {what}")
+        logger.warning("turn %s of session %s committed after its worker was given up for lost: stored",
+                       turn_id, session_tag(session.sid))
+        self.counters["commits_late"] += 1
+        session.in_flight[turn_id] = seq
+        return seq
+
+    def abandon_turn(self, sid: str, turn_id: str) -> bool:
+        """Stop waiting for an in-flight turn whose worker fell silent; False if it is not in flight."""
+        session = self._sessions.get(sid)
+        seq = None if session is None else session.in_flight.pop(turn_id, None)
+        if session is None or seq is None:
+            return False
+        session.owners.pop(turn_id, None)
+        session.abandoned[turn_id] = seq
+        self.counters["turns_worker_lost"] += 1
+        return True
 
     def abort_turn(self, sid: str, turn_id: str) -> Session | None:
         """Forget an in-flight turn. Unknown sessions and turns are fine: the turn is gone either way."""
         session = self._sessions.get(sid)
         if session is None:
             return None
-        if session.in_flight.pop(turn_id, None) is not None:
+        if session.abandoned.pop(turn_id, None) is not None:
+            session.aborted.add(turn_id)
+        elif session.in_flight.pop(turn_id, None) is not None:
+            session.owners.pop(turn_id, None)
             session.aborted.add(turn_id)
             self.counters["turns_aborted"] += 1
         elif turn_id in session.committed:
@@ -385,6 +422,9 @@ class SessionRegistry:
 
     def session_ids(self) -> list[str]:
         return list(self._sessions)
+
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
 
     def restore(self, session: Session) -> None:
         """Put back a session rebuilt from a snapshot (`images.restore_session`); its id must be free."""

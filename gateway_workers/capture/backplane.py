@@ -6,7 +6,9 @@ rendering), COMMIT (after the reply was sent; retried until ACKed, the broker
 de-duplicates by turn id; sent as a delta against the session's last ACKed turn when
 `commit_bases` has one, in full if the broker no longer holds that base), ABORT, GET
 (a committed turn's messages, for `previous_response_id`) and an agent's FINISH
-(`request_finish`). With a CURVE key directory the socket authenticates and encrypts
+(`request_finish`). Every OPEN names this worker (`worker_id`, fresh per process), and a heartbeat
+says it is alive every HEARTBEAT_INTERVAL_S: the broker abandons the open turns of a worker it stops
+hearing from. With a CURVE key directory the socket authenticates and encrypts
 (`broker.curve`), and a handshake the broker refuses is logged as an error. Imports
 `broker.protocol` and `broker.curve` and nothing else from `broker`; nothing here blocks
 the event loop.
@@ -18,6 +20,9 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -36,6 +41,8 @@ ATTEMPT_TIMEOUT_S = 2.0  # one COMMIT/ABORT attempt; then resend (the broker de-
 COMMIT_DEADLINE_S = 300.0  # give up (and log loudly) after retrying this long
 GET_TURN_PENDING_S = 3.0  # how long a turn whose COMMIT is still on its way is waited for
 GET_TURN_RETRY_S = 0.02
+# Well inside the broker's silence bound (`broker.config.WORKER_SILENCE_S`): a few beats may be late.
+HEARTBEAT_INTERVAL_S = 1.0
 LINGER_MS = 1000
 SEND_HWM = 100_000
 # While the broker keeps refusing this worker's CURVE key, the error is repeated this often (each
@@ -92,6 +99,10 @@ class Backplane:
         self._pending: dict[int, asyncio.Future[protocol.BrokerToWorker]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commits: set[asyncio.Task[Any]] = set()
+        self._heartbeat: asyncio.TimerHandle | None = None
+        # A restarted worker must be a new worker to the broker (its predecessor's turns are abandoned), so the
+        # pid alone (reused across restarts, and across hosts) does not name it.
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.endpoint = endpoint
         self.bases = bases if bases is not None else CommitBases()
         self.counters: dict[str, int] = dict.fromkeys(("commits_full", "commits_delta", "delta_refused"), 0)
@@ -99,9 +110,21 @@ class Backplane:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.FD, self._read_replies)
+        self._beat()
         if self._handshakes is not None:
             self._loop.add_reader(self._handshakes.monitor.FD, self._read_handshakes)
             self._read_handshakes()  # events from before the reader was added
+
+    def _beat(self) -> None:
+        """Send a heartbeat (never answered) and schedule the next."""
+        assert self._loop is not None
+        try:
+            _send_frame(self._sock, protocol.encode(protocol.Heartbeat(0, self.worker_id)), _NOBLOCK)
+        except zmq.Again:
+            pass  # the broker is not reading: it will not miss this beat
+        if _readable(self._sock):
+            self._loop.call_soon(self._read_replies)
+        self._heartbeat = self._loop.call_later(HEARTBEAT_INTERVAL_S, self._beat)
 
     def _read_handshakes(self) -> None:
         """Log a refused CURVE handshake as an error (again every REFUSAL_LOG_INTERVAL_S while it lasts)."""
@@ -188,7 +211,7 @@ class Backplane:
         """OPEN, sent before this returns: await the result for the TurnOpened (or TurnRefused: unknown
         session, closed, cap; or BrokerUnavailable). A caller that gives up must close() it."""
         sent = self._send(
-            lambda rid: protocol.OpenTurn(request_id=rid, session_id=session_id, turn_id=turn_id), OPEN_TIMEOUT_S
+            lambda rid: protocol.OpenTurn(rid, session_id, turn_id, self.worker_id), OPEN_TIMEOUT_S
         )
         return self._answer(sent, protocol.TurnOpened, OPEN_TIMEOUT_S)
 
@@ -325,6 +348,8 @@ class Backplane:
                 logger.error("%d commits/aborts still unacknowledged at shutdown", len(pending))
 
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._loop is not None:
             self._loop.remove_reader(self._sock.FD)
         if self._handshakes is not None:

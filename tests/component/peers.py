@@ -65,8 +65,11 @@ class WorkerPeer(Peer):
     def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
         super().__init__(ctx, endpoint, protocol.decode_broker_to_worker)
 
-    def open_turn(self, sid: str, turn_id: str) -> protocol.Message:
-        return self.request(protocol.OpenTurn(self.next_id(), sid, turn_id))
+    def open_turn(self, sid: str, turn_id: str, worker_id: str = "") -> protocol.Message:
+        return self.request(protocol.OpenTurn(self.next_id(), sid, turn_id, worker_id))
+
+    def heartbeat(self, worker_id: str) -> None:
+        self.send_raw(protocol.encode(protocol.Heartbeat(0, worker_id)))  # never answered
 
     def commit(self, sid: str, turn_id: str, turn: SyntheticTurn) -> protocol.Message:
         return self.request(self.commit_msg(sid, turn_id, turn))

@@ -34,12 +34,15 @@ def router():
 
 
 async def frames(sock: zmq.Socket, count: int) -> list[tuple[bytes, protocol.WorkerToBroker]]:
-    """The next `count` frames the backplane sent, with their senders (polled without blocking the loop)."""
+    """The next `count` frames the backplane sent but heartbeats, with their senders (polled without blocking the
+    loop)."""
     out = []
     while len(out) < count:
         if sock.poll(0):
             peer, frame = sock.recv_multipart()
-            out.append((peer, protocol.decode_worker_to_broker(frame)))
+            msg = protocol.decode_worker_to_broker(frame)
+            if not isinstance(msg, protocol.Heartbeat):
+                out.append((peer, msg))
         else:
             await asyncio.sleep(POLL_S)
     return out

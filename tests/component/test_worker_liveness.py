@@ -1,0 +1,178 @@
+"""Dead workers are noticed: the broker abandons the in-flight turns of a worker it stops hearing from.
+
+A real `BrokerServer` on port-0 sockets with a short silence bound; raw worker peers name themselves in
+their OPENs and heartbeat (or fall silent). A finish that waits for a silent worker's turn returns once
+the bound passes, without that turn, while a live worker's turn in the same session is waited for and
+trained. A worker that was only slow still lands its commit, and a durable broker remembers both who
+owns each in-flight turn (so the owner's silence after a restart still abandons it) and what it
+abandoned.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from component.peers import WorkerPeer, assert_linear_rows, conversation
+
+from broker import protocol
+from trainer_client import TrainerClient
+
+SILENCE_S = 0.6
+SID = "liveness-session-key-0123456789"
+
+
+def _beat(worker: WorkerPeer, worker_id: str, stop: threading.Event) -> None:
+    while not stop.wait(SILENCE_S / 4):
+        worker.heartbeat(worker_id)
+
+
+def test_a_finish_stops_waiting_for_a_silent_workers_turn_but_waits_for_a_live_ones(make_broker, zctx):
+    broker = make_broker(worker_silence_s=SILENCE_S)
+    turns = conversation(7, 2)
+    dead, live = WorkerPeer(zctx, broker.worker_endpoint), WorkerPeer(zctx, broker.worker_endpoint)
+    stop = threading.Event()
+    beating = threading.Thread(target=_beat, args=(live, "live-worker", stop), daemon=True)
+    try:
+        with TrainerClient(broker.control_endpoint, timeout=10) as client:
+            client.open_session(session_id=SID)
+            assert isinstance(live.open_turn(SID, "t0", "live-worker"), protocol.TurnOpened)
+            assert live.commit(SID, "t0", turns[0]).outcome == "stored"
+            assert isinstance(dead.open_turn(SID, "lost", "dead-worker"), protocol.TurnOpened)  # then silence
+            assert isinstance(live.open_turn(SID, "t1", "live-worker"), protocol.TurnOpened)
+            beating.start()
+            finished: list = []
+            t0 = time.monotonic()
+            finisher = threading.Thread(target=lambda: finished.append(client.finish_session(SID, wait_timeout=30)))
+            finisher.start()
+            time.sleep(2 * SILENCE_S)  # the dead worker's turn is abandoned by now; the live one's is still awaited
+            assert finisher.is_alive(), "the finish must keep waiting for the live worker's turn"
+            assert live.commit(SID, "t1", turns[1]).outcome == "stored"
+            finisher.join(10)
+            elapsed = time.monotonic() - t0
+            stats = client.stats()
+    finally:
+        stop.set()
+        dead.close()
+        live.close()
+    assert not finisher.is_alive()
+    assert elapsed < 10, elapsed
+    assert_linear_rows(finished[0], turns)  # both live turns, nothing of the lost one
+    assert stats["turns_worker_lost"] == 1
+    assert stats["turns_abandoned"] == 1  # counted at the finish too
+
+
+def test_a_silent_workers_finish_returns_within_the_bound(make_broker, zctx):
+    broker = make_broker(worker_silence_s=SILENCE_S)
+    worker = WorkerPeer(zctx, broker.worker_endpoint)
+    try:
+        with TrainerClient(broker.control_endpoint, timeout=10) as client:
+            client.open_session(session_id=SID)
+            assert isinstance(worker.open_turn(SID, "t0", "gone-worker"), protocol.TurnOpened)
+            t0 = time.monotonic()
+            records = client.finish_session(SID, wait_timeout=30)
+            elapsed = time.monotonic() - t0
+    finally:
+        worker.close()
+    assert records == []
+    assert SILENCE_S <= elapsed < SILENCE_S + 1.0, elapsed
+
+
+def test_an_unnamed_turn_is_never_abandoned(make_broker, zctx):
+    """A worker that names no id (an older worker) keeps today's rule: the finish waits for its wait_timeout."""
+    broker = make_broker(worker_silence_s=SILENCE_S)
+    worker = WorkerPeer(zctx, broker.worker_endpoint)
+    try:
+        with TrainerClient(broker.control_endpoint, timeout=10) as client:
+            client.open_session(session_id=SID)
+            assert isinstance(worker.open_turn(SID, "t0"), protocol.TurnOpened)
+            t0 = time.monotonic()
+            assert client.finish_session(SID, wait_timeout=3 * SILENCE_S) == []
+            elapsed = time.monotonic() - t0
+            stats = client.stats()
+    finally:
+        worker.close()
+    assert elapsed >= 3 * SILENCE_S - 0.05, elapsed
+    assert stats["turns_worker_lost"] == 0
+
+
+def test_a_slow_workers_commit_after_it_was_given_up_still_lands(make_broker, zctx):
+    broker = make_broker(worker_silence_s=SILENCE_S)
+    turns = conversation(8, 1)
+    worker = WorkerPeer(zctx, broker.worker_endpoint)
+    try:
+        with TrainerClient(broker.control_endpoint, timeout=10) as client:
+            client.open_session(session_id=SID)
+            assert isinstance(worker.open_turn(SID, "t0", "slow-worker"), protocol.TurnOpened)
+            _wait_for(lambda: client.stats()["turns_worker_lost"] == 1)
+            assert worker.commit(SID, "t0", turns[0]).outcome == "stored"
+            stats = client.stats()
+            records = client.finish_session(SID, wait_timeout=0)
+    finally:
+        worker.close()
+    assert stats["commits_late"] == 1
+    assert_linear_rows(records, turns)
+
+
+def test_a_durable_broker_remembers_owners_and_abandonments_across_a_restart(tmp_path, zctx):
+    from component.test_durable_loop import ServedBroker
+
+    first = ServedBroker(tmp_path, worker_silence_s=SILENCE_S)
+    worker = WorkerPeer(zctx, first.worker_endpoint)
+    try:
+        with TrainerClient(first.control_endpoint, timeout=10) as client:
+            client.open_session(session_id=SID)
+            assert isinstance(worker.open_turn(SID, "abandoned", "w-before"), protocol.TurnOpened)
+            _wait_for(lambda: client.stats()["turns_worker_lost"] == 1)
+            assert isinstance(worker.open_turn(SID, "owned", "w-after"), protocol.TurnOpened)
+    finally:
+        worker.close()
+        first.stop()
+    second = ServedBroker(tmp_path, worker_silence_s=SILENCE_S)
+    try:
+        with TrainerClient(second.control_endpoint, timeout=10) as client:
+            restored = client.stats()
+            t0 = time.monotonic()
+            records = client.finish_session(SID, wait_timeout=30)  # "owned"'s worker never shows up again
+            elapsed = time.monotonic() - t0
+            stats = client.stats()
+    finally:
+        second.stop()
+    assert restored["turns_in_flight"] == 1  # "owned"; "abandoned" stayed abandoned
+    assert records == []
+    assert elapsed < SILENCE_S + 1.0, elapsed
+    assert stats["turns_worker_lost"] == 1  # counted afresh by this broker: "owned"
+
+
+def _wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_a_backplane_names_itself_in_its_opens_and_heartbeats_while_idle(make_broker, monkeypatch):
+    import asyncio
+
+    from gateway_workers.capture import backplane as backplane_module
+    from gateway_workers.capture.backplane import Backplane
+
+    monkeypatch.setattr(backplane_module, "HEARTBEAT_INTERVAL_S", SILENCE_S / 4)
+    broker = make_broker(worker_silence_s=SILENCE_S)
+
+    async def main(client: TrainerClient) -> tuple[str, str]:
+        backplane = Backplane(broker.worker_endpoint)
+        backplane.start()
+        try:
+            await backplane.open_turn(SID, "t0")
+            await asyncio.sleep(3 * SILENCE_S)  # idle, yet heard: the turn stays in flight
+            return backplane.worker_id, broker.server.registry.session(SID).owners["t0"]
+        finally:
+            await backplane.close()
+
+    with TrainerClient(broker.control_endpoint, timeout=10) as client:
+        client.open_session(session_id=SID)
+        worker_id, owner = asyncio.run(main(client))
+        assert client.stats()["turns_in_flight"] == 1
+        _wait_for(lambda: client.stats()["turns_worker_lost"] == 1)  # closed: silent from now on
+    assert owner == worker_id
