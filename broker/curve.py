@@ -5,7 +5,8 @@ server code): `create_keys` writes the layout `rollout-gateway keys DIR` documen
 only the files it needs (`load_server_keys`: the broker's secret and the two authorized directories;
 `load_client_keys`: the broker's public key and a worker's or trainer's secret); `require_keys_off_loopback`
 is the rule that a non-loopback endpoint needs keys; `HandshakeWatch` reads a client socket's monitor
-events, so a refused key is reported instead of waiting silently. The ZAP handler that authorizes keys
+events, so a refused key is reported instead of waiting silently (and, when asked, a lost connection
+is noticed at once: the trainer client's retry seam). The ZAP handler that authorizes keys
 runs in the broker only (`broker.zap`). Imports the stdlib, zmq and zmq's certificate files only (not
 `zmq.auth.thread` nor `zmq.utils.monitor`: both load zmq.asyncio).
 """
@@ -231,19 +232,25 @@ def load_server_keys(directory: str | os.PathLike[str]) -> ServerKeys:
 
 
 class HandshakeWatch:
-    """The handshake events of one CURVE client socket (a ZMQ monitor): why the broker refuses it, if it does.
+    """The handshake events of one client socket (a ZMQ monitor): why the broker refuses it, if it does.
 
     Create it before the socket connects; `read()` whenever `monitor` is readable; `close()` before the
-    socket closes. Events arrive only per connection attempt, never per message.
+    socket closes. Events arrive only per connection attempt, never per message. With `disconnects`, it
+    also counts the connections that ended (`disconnects`) and says whether one is up (`connected`): a
+    request in flight when its connection ends will get no reply (the broker's ROUTER drops a reply to
+    a connection that is gone), so its caller can stop waiting at once.
     """
 
-    def __init__(self, sock: zmq.Socket, endpoint: str, role: Role) -> None:
-        self.monitor: zmq.Socket = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+    def __init__(self, sock: zmq.Socket, endpoint: str, role: Role, *, disconnects: bool = False) -> None:
+        events = HANDSHAKE_EVENTS | (zmq.EVENT_DISCONNECTED if disconnects else 0)
+        self.monitor: zmq.Socket = sock.get_monitor_socket(events)
         self._sock = sock
         self._endpoint = endpoint
         self._role = role
         self._no_detail = 0
         self.refusal: str | None = None  # the latest final failure, until a handshake succeeds
+        self.disconnects = 0  # connections that ended so far (with `disconnects`)
+        self.connected = False  # a handshake succeeded since the last disconnect
 
     def read(self) -> str | None:
         """Take every queued event; returns `refusal` after them (None: no final failure since the last success)."""
@@ -256,7 +263,10 @@ class HandshakeWatch:
                 continue
             event, value = struct.unpack("=HI", frames[0])
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._no_detail, self.refusal = 0, None
+                self._no_detail, self.refusal, self.connected = 0, None, True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.disconnects += 1
+                self.connected = False
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.refusal = (
                     f"the broker at {self._endpoint} refused this {self._role}'s CURVE key (ZAP status {value}): "

@@ -11,6 +11,7 @@ from trainer_client.client import TrainerClient
 from trainer_client.errors import (
     AuthenticationFailed,
     BrokerBusy,
+    BrokerDisconnected,
     BrokerError,
     BrokerTimeout,
     DuplicateSession,
@@ -28,6 +29,7 @@ from trainer_client.subscriber import EpisodeStream
 __all__ = [
     "AuthenticationFailed",
     "BrokerBusy",
+    "BrokerDisconnected",
     "BrokerError",
     "BrokerTimeout",
     "DuplicateSession",

@@ -1,12 +1,12 @@
-"""`TrainerClient`: the synchronous trainer-side API over a blocking ZeroMQ DEALER.
+"""`TrainerClient`: the synchronous trainer-side API over blocking ZeroMQ DEALERs.
 
-Owns the control-plane socket wrapper: request ids, poll deadlines that raise named
-errors, socket reset after a timeout, and a socket pool so many trainer threads can
-call at once (a pyzmq socket is not thread-safe, so each call borrows one for its
-whole send..reply). `episodes()` hands out an `EpisodeStream` (subscriber.py) that
-keeps its own socket. With CURVE keys every socket authenticates and encrypts, and a
-refused handshake raises `AuthenticationFailed` at once (its monitor is polled with the
-reply). Imports plain `zmq`, `broker.protocol` and `broker.curve` only: never
+Owns the public calls, their request ids, which of them may be resent through a broker
+restart, socket reset after a timeout, and a socket pool so many trainer threads can
+call at once (a pyzmq socket is not thread-safe, so each call borrows one for its whole
+send..reply). One socket's request and reply, and its connection watch, are
+`control_socket.ControlSocket`'s. `episodes()` hands out an `EpisodeStream`
+(subscriber.py) that keeps its own socket. With CURVE keys every socket authenticates and
+encrypts. Imports plain `zmq`, `broker.protocol` and `broker.curve` only: never
 zmq.asyncio, asyncio, uvloop, starlette, transformers or `gateway_workers`.
 """
 
@@ -18,7 +18,6 @@ import math
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -26,9 +25,8 @@ from typing import Any, TypeVar
 import zmq
 
 from broker import curve, protocol
+from trainer_client.control_socket import ControlSocket
 from trainer_client.errors import (
-    AuthenticationFailed,
-    BrokerTimeout,
     GatewayError,
     InvalidRequest,
     ProtocolMismatch,
@@ -41,17 +39,21 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_WAIT_TIMEOUT_S = 5.0
-# While the broker is away, the DEALER retries the connection this often (ms), so a
-# restarted broker is found again without any action from the caller.
-RECONNECT_IVL_MS = 100
-RECONNECT_IVL_MAX_MS = 1_000
 _MAX_ID_LEN = 256
+# Request ids start at a random point: the broker recognises a resent FinishSession by its session and
+# request id, which must not meet another client's (or an earlier run's) request by chance.
+_FIRST_ID_RANGE = 1 << 48
 
 _Reply = TypeVar("_Reply", bound=protocol.Message)
 
 
 class TrainerClient:
     """Blocking client of the broker's control endpoint; safe to call from many threads.
+
+    Through a broker restart (or a dropped connection) the sockets reconnect by themselves. A call whose
+    connection ends while it waits is noticed at once: the calls the broker recognises when repeated are
+    sent again once it answers (`stats`, `drop_session`, `finish_session`, `open_session` with your own
+    `session_id`, the episode stream's steps), the others raise `BrokerDisconnected` (see it for what to do).
 
     Args:
         endpoint: the broker's control endpoint, e.g. "tcp://127.0.0.1:5557".
@@ -79,15 +81,13 @@ class TrainerClient:
         keys_dir = curve.keys_from_env(curve_keys)
         curve.require_keys_off_loopback(endpoint, keys_dir, "the control endpoint")
         self._keys = curve.load_client_keys(keys_dir, "trainer") if keys_dir is not None else None
-        # Per CURVE socket, its handshake monitor (none without keys: nothing is added to a call).
-        self._watches: dict[zmq.Socket, curve.HandshakeWatch] = {}
         self.endpoint = endpoint
         self.timeout = float(timeout)
         self.client_id = client_id or f"tc-{secrets.token_hex(8)}"
         self._lock = threading.Lock()
-        self._idle: list[zmq.Socket] = []
-        self._sockets: set[zmq.Socket] = set()
-        self._ids = itertools.count(1)
+        self._idle: list[ControlSocket] = []
+        self._sockets: set[ControlSocket] = set()
+        self._ids = itertools.count(1 + secrets.randbelow(_FIRST_ID_RANGE))
         self._closed = False
         self._pid = os.getpid()
         self._ctx = zmq.Context()
@@ -106,7 +106,9 @@ class TrainerClient:
         """Open a session and return its key (the agent's API key); minted by the broker unless given.
 
         `group` names a batch of sessions (e.g. one training step's): `episodes(group=...)` yields
-        only the episodes of that group.
+        only the episodes of that group. With your own `session_id` the call is resent through a broker
+        restart (the key open already then means the first attempt opened it: the key is returned);
+        without one it raises `BrokerDisconnected` instead, since a repeat would open a second session.
         """
         reply = self._call(
             lambda rid: protocol.OpenSession(
@@ -121,6 +123,7 @@ class TrainerClient:
             ),
             protocol.SessionOpened,
             self.timeout,
+            resend=session_id is not None,
         )
         return reply.session_id
 
@@ -136,12 +139,18 @@ class TrainerClient:
 
         The session is freed afterwards. `rollout_id` is stored as a string (ints are converted).
         A session finishes once: `SessionClosed` if `request_finish` or its agent finished it first.
+
+        Through a broker restart the finish is resent (same request id) and the broker answers it as the
+        same finish: with the rows its first attempt built if it got that far (kept, and logged by a
+        `--state-dir` broker), else by finishing the session now (a durable broker recovered it open).
+        A broker without a state directory lost the session: `UnknownSession` (rerun the episode).
         """
         args = _finish_args(sid, reward, rollout_id, metadata, wait_timeout)
         reply = self._call(
             lambda rid: protocol.FinishSession(rid, *args),
             protocol.SessionFinished,
             self.timeout + wait_timeout,
+            resend=True,
         )
         if reply.turns_abandoned:
             logger.warning(
@@ -166,7 +175,8 @@ class TrainerClient:
         to `wait_timeout` s to land) arrives on `episodes()`. Raises `SessionClosed` if the session
         already finished (by any path), `UnknownSession`, or `BrokerBusy` when the episode outbox is
         full (the session stays open: consume episodes, then retry). The outbox is in the broker's
-        memory: episodes not yet acknowledged when the broker restarts are lost with it.
+        memory: episodes not yet acknowledged when the broker restarts are lost with it, unless it runs
+        with `--state-dir`. Not resent by itself: `BrokerDisconnected` if the connection ends first.
         """
         args = _finish_args(sid, reward, rollout_id, metadata, wait_timeout)
         self._call(
@@ -200,13 +210,20 @@ class TrainerClient:
         )
 
     def drop_session(self, sid: str) -> bool:
-        """Free a session without building rows; False if the broker had no such session."""
-        reply = self._call(lambda rid: protocol.DropSession(rid, sid), protocol.SessionDropped, self.timeout)
+        """Free a session without building rows; False if the broker had no such session.
+
+        Resent through a broker restart (dropping twice frees it once): then False may also mean that the
+        first attempt dropped it.
+        """
+        reply = self._call(
+            lambda rid: protocol.DropSession(rid, sid), protocol.SessionDropped, self.timeout, resend=True
+        )
         return reply.existed
 
     def stats(self) -> dict[str, Any]:
-        """The broker's counters and gauges (sessions, turns in flight, commits, refusals, ...)."""
-        return self._call(lambda rid: protocol.GetStats(rid), protocol.Stats, self.timeout).stats
+        """The broker's counters and gauges (sessions, turns in flight, commits, refusals, ...); resent through a
+        broker restart."""
+        return self._call(lambda rid: protocol.GetStats(rid), protocol.Stats, self.timeout, resend=True).stats
 
     def close(self) -> None:
         """Close every socket and the context. Call it once no other thread is inside a call."""
@@ -215,12 +232,8 @@ class TrainerClient:
                 return
             self._closed = True
             sockets, self._sockets, self._idle = self._sockets, set(), []
-            watches, self._watches = self._watches, {}
         for sock in sockets:
-            watch = watches.get(sock)
-            if watch is not None:
-                watch.close()
-            sock.close(linger=0)
+            sock.close()
         if self._pid == os.getpid():
             self._ctx.term()
 
@@ -234,64 +247,55 @@ class TrainerClient:
 
     # --- socket pool -------------------------------------------------------------------
 
-    def _borrow(self) -> zmq.Socket:
+    def _borrow(self) -> ControlSocket:
         with self._lock:
             if self._idle and self._pid == os.getpid() and not self._closed:
                 return self._idle.pop()
         return self._new_socket()
 
-    def _new_socket(self) -> zmq.Socket:
-        """A fresh DEALER to the broker, closed by `close()` (a pooled one, or an episode stream's)."""
+    def _new_socket(self) -> ControlSocket:
+        """A fresh socket to the broker, closed by `close()` (a pooled one, or an episode stream's)."""
         with self._lock:
             if self._closed:
                 raise GatewayError("the TrainerClient is closed")
             if self._pid != os.getpid():
                 # A forked child must not touch the parent's context or sockets: start afresh.
                 self._pid, self._ctx, self._idle, self._sockets = os.getpid(), zmq.Context(), [], set()
-                self._watches = {}
-            sock = self._ctx.socket(zmq.DEALER)
+            sock = ControlSocket(self._ctx, self.endpoint, self._keys)
             self._sockets.add(sock)
-            if self._keys is not None:
-                self._keys.apply(sock)
-                self._watches[sock] = curve.HandshakeWatch(sock, self.endpoint, "trainer")  # before connect
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-        sock.connect(self.endpoint)
         return sock
 
-    def _give_back(self, sock: zmq.Socket) -> None:
+    def _give_back(self, sock: ControlSocket) -> None:
         with self._lock:
             if not self._closed and sock in self._sockets:
                 self._idle.append(sock)
                 return
-        self._close_socket(sock)
+        sock.close()
 
-    def _discard(self, sock: zmq.Socket) -> None:
+    def _discard(self, sock: ControlSocket) -> None:
         """Close a socket in an unknown state (timed out, garbage received): no late reply may reach a later call."""
         with self._lock:
             self._sockets.discard(sock)
-        self._close_socket(sock)
-
-    def _close_socket(self, sock: zmq.Socket) -> None:
-        with self._lock:
-            watch = self._watches.pop(sock, None)
-        if watch is not None:
-            watch.close()
-        sock.close(linger=0)
+        sock.close()
 
     # --- one request / reply -------------------------------------------------------------
 
-    def _call(self, build: Callable[[int], protocol.Message], expect: type[_Reply], timeout: float) -> _Reply:
+    def _call(
+        self, build: Callable[[int], protocol.Message], expect: type[_Reply], timeout: float, *, resend: bool = False
+    ) -> _Reply:
+        """One request and its reply. `resend`: the broker recognises a repeat of this request (by its request id,
+        or by what it asks), so it is sent again if its connection ends before the reply (`ControlSocket`)."""
         msg = build(self._next_id())
         frame = self._encode(msg)
         sock = self._borrow()
         try:
-            reply = self._roundtrip(sock, frame, msg, timeout)
+            reply, resent = sock.roundtrip(frame, msg, timeout, resend=resend)
         except BaseException:
             self._discard(sock)
             raise
         self._give_back(sock)
+        if resent:
+            reply = _first_attempt_reply(msg, reply)
         return self._expect(msg, reply, expect)
 
     def _next_id(self) -> int:
@@ -303,16 +307,6 @@ class TrainerClient:
         except Exception as e:  # msgpack rejects e.g. objects in metadata: the caller's argument
             raise InvalidRequest(f"cannot encode {msg.TAG}: {e}") from e
 
-    def _roundtrip(self, sock: zmq.Socket, frame: bytes, msg: protocol.Message, timeout: float) -> protocol.Message:
-        """Send one request and wait for its reply; BrokerTimeout past `timeout` (the caller resets the socket)."""
-        deadline = time.monotonic() + timeout
-        if not self._send(sock, frame, deadline, msg):
-            raise self._timeout(msg, timeout)
-        reply = self._receive(sock, msg.request_id, deadline, msg)
-        if reply is None:
-            raise self._timeout(msg, timeout)
-        return reply
-
     def _expect(self, msg: protocol.Message, reply: protocol.Message, expect: type[_Reply]) -> _Reply:
         """The reply as `expect`, or the named error for a refusal or a reply of the wrong kind."""
         if isinstance(reply, protocol.Refused):
@@ -321,62 +315,14 @@ class TrainerClient:
             raise ProtocolMismatch(f"broker answered {msg.TAG} with {reply.TAG}")
         return reply
 
-    def _send(self, sock: zmq.Socket, frame: bytes, deadline: float, msg: protocol.Message) -> bool:
-        """Queue the frame for the broker; False if the deadline passed first."""
-        while True:
-            try:
-                sock.send(frame, zmq.NOBLOCK)
-                return True
-            except zmq.Again:
-                pass
-            except zmq.ZMQError as e:
-                raise GatewayError(f"cannot send {msg.TAG} to {self.endpoint}: {e}") from e
-            if not sock.poll(_remaining_ms(deadline), zmq.POLLOUT):
-                return False
 
-    def _receive(self, sock: zmq.Socket, rid: int, deadline: float, msg: protocol.Message) -> protocol.Message | None:
-        """The reply to request `rid`; None if the deadline passed first. `AuthenticationFailed` if the broker
-        refuses this client's CURVE handshake meanwhile."""
-        watch = self._watches.get(sock)
-        while True:
-            try:
-                if watch is None:
-                    ready = sock.poll(_remaining_ms(deadline), zmq.POLLIN)
-                else:
-                    ready = self._poll_watched(sock, watch, deadline)
-                frame = sock.recv(zmq.NOBLOCK) if ready else None
-            except zmq.ZMQError as e:
-                raise GatewayError(f"cannot receive from {self.endpoint}: {e}") from e
-            if frame is None:
-                return None
-            try:
-                reply: protocol.Message = protocol.decode_broker_to_trainer(frame)
-            except protocol.ProtocolError as e:
-                raise ProtocolMismatch(f"undecodable reply from {self.endpoint}: {e}") from e
-            # -1: the broker could not read our request id; one request is in flight per socket.
-            if reply.request_id == rid or (reply.request_id == -1 and isinstance(reply, protocol.Refused)):
-                return reply
-            logger.debug("dropping stale reply %s to request %s", reply.TAG, reply.request_id)
-
-    def _poll_watched(self, sock: zmq.Socket, watch: curve.HandshakeWatch, deadline: float) -> bool:
-        """Wait for a reply on `sock` (True) or the deadline (False), raising at a refused handshake."""
-        while True:
-            ready = dict(zmq.zmq_poll([(sock, zmq.POLLIN), (watch.monitor, zmq.POLLIN)], _remaining_ms(deadline)))
-            if watch.monitor in ready:
-                refusal = watch.read()
-                if refusal is not None:
-                    raise AuthenticationFailed(refusal)
-            if sock in ready:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-
-    def _timeout(self, msg: protocol.Message, timeout: float) -> BrokerTimeout:
-        return BrokerTimeout(f"no reply to {msg.TAG} from the broker at {self.endpoint} within {timeout:.1f}s")
-
-
-def _remaining_ms(deadline: float) -> int:
-    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
+def _first_attempt_reply(msg: protocol.Message, reply: protocol.Message) -> protocol.Message:
+    """What a resent request's first attempt got, where the resend is refused for what that attempt did: an
+    OpenSession of a chosen key that is open now was opened by it (a key is a secret: nobody else chose it)."""
+    if isinstance(msg, protocol.OpenSession) and isinstance(reply, protocol.Refused):
+        if reply.code == "duplicate_session" and msg.session_id is not None:
+            return protocol.SessionOpened(msg.request_id, msg.session_id)
+    return reply
 
 
 def _finish_args(

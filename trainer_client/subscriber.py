@@ -8,8 +8,10 @@ until acknowledged, and goes to another subscriber (marked redelivered) if this 
 polling for longer than its lease. A broker started with `--state-dir` keeps its outbox across
 restarts (same epoch and delivery ids: acks and held episodes carry on); an in-memory broker's
 restart loses the episodes it held unacknowledged (a new epoch: the stream reconnects by itself
-and logs how many it held). Plain blocking pyzmq in the caller's thread; imports zmq,
-the stdlib, `broker.protocol` and `trainer_client` only.
+and logs how many it held). A step whose connection ends (the broker crashed) is sent again as it
+was once the broker answers: a repeat acknowledges nothing twice, and the episodes the lost reply
+leased come again (marked redelivered), so iteration goes on through the restart. Plain blocking
+pyzmq in the caller's thread; imports zmq, the stdlib, `broker.protocol` and `trainer_client` only.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ from collections import deque
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-import zmq
-
 from broker import protocol
 from trainer_client.errors import EpisodeTimeout, GatewayError, InvalidRequest
 from trainer_client.records import Episode
 
 if TYPE_CHECKING:
     from trainer_client.client import TrainerClient
+    from trainer_client.control_socket import ControlSocket
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class EpisodeStream:
         self._lease = float(lease)
         self._auto_ack = auto_ack
         self._lock = threading.Lock()  # the socket and the bookkeeping below
-        self._sock: zmq.Socket | None = None
+        self._sock: ControlSocket | None = None
         self._epoch = ""  # the broker incarnation our delivery ids belong to
         self._buffer: deque[Episode] = deque()  # delivered, not yet yielded
         self._unacked: dict[int, Episode] = {}  # yielded, not yet acknowledged
@@ -218,7 +219,11 @@ class EpisodeStream:
         if self._sock is None:
             self._sock = client._new_socket()
         try:
-            reply = client._roundtrip(self._sock, frame, msg, wait + (client.timeout if timeout is None else timeout))
+            # A repeat is harmless: acks of episodes acknowledged already change nothing, and what the lost reply
+            # leased is neither held nor acknowledged, so the broker hands it out again (redelivered).
+            reply, _ = self._sock.roundtrip(
+                frame, msg, wait + (client.timeout if timeout is None else timeout), resend=True
+            )
         except BaseException:
             self._drop_socket()  # a late reply must not reach a later request
             raise

@@ -56,8 +56,8 @@ class Journal:
     def finish_requested(self, msg: protocol.RequestFinish, origin: str) -> None:
         self._state(close_record(msg, origin))
 
-    def session_finished(self, session_id: str, origin: str) -> None:
-        self._state(records.FinishRecord(session_id, origin))
+    def session_finished(self, session_id: str, origin: str, request_id: int = 0, answer: bytes | None = None) -> None:
+        self._state(records.FinishRecord(session_id, origin, request_id, answer))
 
     def episode_added(self, episode: protocol.DeliveredEpisode, client_id: str) -> None:
         self._state(

@@ -94,11 +94,17 @@ class CloseRecord(Record):
 
 @dataclass(frozen=True, slots=True)
 class FinishRecord(Record):
-    """A FinishSession's rows were built: the session is over (logged before its rows are sent)."""
+    """A FinishSession's rows were built: the session is over (logged before its rows are sent).
+
+    `answer`: the reply frame the rows went in, to request `request_id`, so that a repeat of that request
+    after a restart gets the same rows (`episodes.answers`); None when the rows failed to build.
+    """
 
     TAG: ClassVar[str] = "finish"
     session_id: str
     origin: str
+    request_id: int = 0
+    answer: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +157,8 @@ class RequeueRecord(Record):
 
 @dataclass(frozen=True, slots=True)
 class SnapshotHeader(Record):
-    """A snapshot's first record: the outbox's epoch and next delivery id, and the finished-session memory,
-    as of `position` (the start of the segment it was begun with). `byteorder`: the machine's, since
+    """A snapshot's first record: the outbox's epoch and next delivery id, the finished-session memory and the
+    finish answers, as of `position` (the start of the segment it was begun with). `byteorder`: the machine's, since
     session images hold native arrays."""
 
     TAG: ClassVar[str] = "snapshot"
@@ -162,6 +168,10 @@ class SnapshotHeader(Record):
     next_delivery_id: int
     finished_ids: list[str]
     finished_origins: list[str]
+    # The finish answers kept for repeats (`episodes.answers`), oldest first: session id, request id, reply frame.
+    answer_ids: list[str] = field(default_factory=list)
+    answer_request_ids: list[int] = field(default_factory=list)
+    answer_frames: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,9 @@ position). Records of a session that ended before its image was taken find no se
 nothing. A torn last record is dropped (the segment is truncated there, with a log line); damage
 anywhere else raises `CorruptLog`, unless `truncate_corrupt` drops the log from that record on.
 Sessions a RequestFinish was closing come back closing; `pending` holds their requests for the
-server to resume. Imports the stdlib, `broker.protocol`, `broker.sessions`, `broker.episodes` and
-`broker.durability`; no sockets.
+server to resume, and `answers` the finishes' replies a repeated FinishSession may still ask for.
+Imports the stdlib, `broker.protocol`, `broker.sessions`, `broker.episodes` and `broker.durability`;
+no sockets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from broker.durability.journal import request_of
 from broker.durability.records import STATE, WORKER_FRAME
 from broker.durability.snapshots import Snapshot, list_snapshots, read_snapshot, snapshot_path
 from broker.durability.wal import CorruptLog, SegmentReader, list_segments, position, segment_path
+from broker.episodes.answers import AnswerItem
 from broker.episodes.outbox import Outbox
 from broker.protocol import session_tag
 from broker.sessions.images import restore_session
@@ -43,6 +45,7 @@ class Recovered:
     snapshot_seq: int
     next_seq: int  # the segment the log continues with
     pending: dict[str, protocol.RequestFinish] = field(default_factory=dict)
+    answers: list[AnswerItem] = field(default_factory=list)  # oldest first (`episodes.answers`)
     snapshot_bytes: int = 0
     log_bytes: int = 0
     records: int = 0
@@ -61,6 +64,7 @@ class Replay:
         self.outbox = outbox
         self.now = now
         self.pending: dict[str, protocol.RequestFinish] = {}
+        self.answers: list[AnswerItem] = []
         # Per object, the log position its image reflects: its records before it are skipped.
         self._session_at: dict[str, int] = {}
         self._episode_at: dict[int, int] = {}
@@ -73,6 +77,7 @@ class Replay:
         self.outbox.restore_ids(header.epoch, header.next_delivery_id)
         origins: list[FinishOrigin] = header.finished_origins  # type: ignore[assignment]
         self.registry.restore_finished(list(zip(header.finished_ids, origins, strict=True)))
+        self.answers = list(zip(header.answer_ids, header.answer_request_ids, header.answer_frames, strict=True))
         for image in snap.sessions:
             try:
                 session = restore_session(image.image)
@@ -170,6 +175,8 @@ class Replay:
                     return
                 origin = record.origin if isinstance(record, records.FinishRecord) else "dropped"
                 self._end(sid, origin)
+                if isinstance(record, records.FinishRecord) and record.answer is not None:
+                    self.answers.append((sid, record.request_id, record.answer))
             case records.EpisodeRecord():
                 sid = record.session_id
                 episode = records.decode_episode(record.episode)
@@ -250,7 +257,7 @@ def recover(
         snapshot_path(directory, old).unlink()
     for unfinished in directory.glob("snap-*.tmp"):  # a snapshot the crash interrupted
         unfinished.unlink()
-    result.pending = replay.pending
+    result.pending, result.answers = replay.pending, replay.answers
     result.skipped, result.absent, result.refused = replay.skipped, replay.absent, replay.refused
     result.seconds = time.monotonic() - t0
     return result

@@ -135,6 +135,7 @@ class DurableState:
             for key in counters:
                 counters[key] = 0
         if recovered is not None:
+            self._finishes.answers.restore(recovered.answers, time.monotonic())
             # The RequestFinishes recovered with their sessions closing keep their promises (`Finishes.resume`);
             # their episodes are logged like any other. No subscriber can be waiting yet: no replies.
             now = time.monotonic()
@@ -151,9 +152,11 @@ class DurableState:
 
     def _header(self, seq: int) -> records.SnapshotHeader:
         finished = self._registry.finished_items()
+        answers = self._finishes.answers.items()
         return records.SnapshotHeader(
             position(seq, 0), sys.byteorder, self._outbox.epoch, self._outbox.next_delivery_id,
             [sid for sid, _ in finished], [origin for _, origin in finished],
+            [sid for sid, _, _ in answers], [rid for _, rid, _ in answers], [frame for _, _, frame in answers],
         )  # fmt: skip
 
     # --- serving -------------------------------------------------------------------------------

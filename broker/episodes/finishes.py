@@ -3,10 +3,13 @@
 Owns what happens between "finish this session" and its rows: `finish_session` (the trainer
 waits for a `SessionFinished`), `RequestFinish` from a trainer or an agent (answered at once;
 the episode goes to `outbox.Outbox`), parking while in-flight turns drain (up to each finish's
-`wait_timeout`), and building rows exactly once whichever way came first. A durable broker logs
-closes by request and finishes through `journal`, and resumes the requests a restart found
-draining (`resume`). No sockets: it returns the replies to send (all to trainer peers) with their
-envelopes, and takes `now` from the caller. Imports the stdlib and `broker.*` only.
+`wait_timeout`), and building rows exactly once whichever way came first. A FinishSession repeated
+with the same request id (a trainer resends it after its connection dropped) is the same finish:
+it takes over the parked one, or gets the reply the first one got (`answers`). A durable broker
+logs closes by request and finishes (with their replies) through `journal`, and resumes the
+requests a restart found draining (`resume`). No sockets: it returns the replies to send (all to
+trainer peers) with their envelopes, and takes `now` from the caller. Imports the stdlib and
+`broker.*` only.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import protocol
+from broker.episodes.answers import FinishAnswers
 from broker.episodes.journal import EpisodeJournal
 from broker.episodes.outbox import Envelope, Outbox, Reply
 from broker.episodes.rows import RowBuilder
@@ -58,15 +62,28 @@ class Finishes:
         self._tokens = itertools.count()
         self.counters: dict[str, int] = {"drain_timeouts": 0, "finish_failures": 0}
         self.journal: EpisodeJournal | None = None  # a durable broker's log (`broker.durability`)
+        self.answers = FinishAnswers()
 
     # --- the ways in ---------------------------------------------------------------------
 
-    def finish(self, envelope: Envelope, msg: protocol.FinishSession, now: float) -> protocol.Message | None:
-        """The trainer's blocking finish: its rows now if nothing is in flight, else None (parked)."""
+    def finish(self, envelope: Envelope, msg: protocol.FinishSession, now: float) -> protocol.Message | bytes | None:
+        """The trainer's blocking finish: its rows now if nothing is in flight, else None (parked).
+
+        A repeat of a finish (same session, same request id) is that finish: parked, it now answers
+        `envelope` (the first one's connection is gone); done, its reply is sent again.
+        """
         _check_wait(msg.wait_timeout)
+        parked = self._parked.get(msg.session_id)
+        if parked is not None and parked.envelope is not None and parked.msg.request_id == msg.request_id:
+            parked.envelope = envelope
+            return None
+        if msg.session_id not in self._registry:
+            answer = self.answers.replay(msg.session_id, msg.request_id, now)
+            if answer is not None:
+                return answer
         session = self._registry.close(msg.session_id, "trainer")
         if not session.in_flight or msg.wait_timeout == 0:
-            return self._complete(msg)
+            return self._complete(msg, now)
         self._park(envelope, msg, now)
         return None
 
@@ -151,7 +168,7 @@ class Finishes:
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {"finishes_parked": len(self._parked), **self.counters}
+        return {"finishes_parked": len(self._parked), **self.counters, **self.answers.stats()}
 
     # --- internals -----------------------------------------------------------------------
 
@@ -166,28 +183,34 @@ class Finishes:
             return self._complete_into_outbox(parked.msg, now)
         assert parked.envelope is not None
         try:
-            reply = self._complete(parked.msg)
+            reply = self._complete(parked.msg, now)
         except Exception:  # _complete answers its own failures; this is a last guard
             logger.exception("finish of session %s failed", session_tag(parked.msg.session_id))
             reply = protocol.Refused(parked.msg.request_id, "internal", "finish failed; see the broker log")
         return [(parked.envelope, reply)]
 
-    def _complete(self, msg: protocol.FinishSession) -> protocol.Message:
+    def _complete(self, msg: protocol.FinishSession, now: float) -> protocol.Message:
+        """Free the session and build its rows: the reply (its frame kept for a repeat, and logged), or a Refused."""
         finished = self._registry.finish(msg.session_id)
-        if self.journal is not None:
-            self.journal.session_finished(finished.sid, finished.finished_by)
+        tag = session_tag(finished.sid)
         try:
             trace_rows, status = self._rows.build(finished, msg)
+            reply = protocol.SessionFinished(
+                msg.request_id, finished.sid, trace_rows, status, len(finished.turns), finished.turns_abandoned
+            )
+            frame = protocol.encode(reply)
         except Exception:
             self.counters["finish_failures"] += 1
-            tag = session_tag(finished.sid)
             logger.exception("building rows of session %s failed (%d turns)", tag, len(finished.turns))
+            if self.journal is not None:
+                self.journal.session_finished(finished.sid, finished.finished_by)
             return protocol.Refused(msg.request_id, "internal", f"building rows of session {tag} failed; see the log")
         if finished.turns_abandoned:
             self.counters["drain_timeouts"] += 1
-        return protocol.SessionFinished(
-            msg.request_id, finished.sid, trace_rows, status, len(finished.turns), finished.turns_abandoned
-        )
+        self.answers.remember(finished.sid, msg.request_id, frame, now)
+        if self.journal is not None:
+            self.journal.session_finished(finished.sid, finished.finished_by, msg.request_id, frame)
+        return reply
 
     def _complete_into_outbox(self, msg: protocol.RequestFinish, now: float) -> list[Reply]:
         """Build the rows of a session finished by request (once) and put the episode in the outbox."""

@@ -20,8 +20,9 @@ class EpisodeJournal(Protocol):
     def finish_requested(self, msg: protocol.RequestFinish, origin: str) -> None:
         """A RequestFinish closed its session: its episode is promised (it reaches the outbox later)."""
 
-    def session_finished(self, session_id: str, origin: str) -> None:
-        """A FinishSession built its session's rows and freed it (before the rows are sent)."""
+    def session_finished(self, session_id: str, origin: str, request_id: int = 0, answer: bytes | None = None) -> None:
+        """A FinishSession built its session's rows and freed it (before the rows are sent); `answer`: the reply
+        frame they go in, for request `request_id` (None: the rows failed to build)."""
 
     def episode_added(self, episode: protocol.DeliveredEpisode, client_id: str) -> None:
         """An episode (its `delivery_id` set) entered the outbox; its session is over."""

@@ -1,0 +1,177 @@
+"""`ControlSocket`: one DEALER to the broker's control endpoint, one request and its reply at a time.
+
+Owns what a call does on the wire: the send and the wait for the reply with the same request id
+(stale replies are dropped), both behind a deadline, and the connection under them, watched by a
+monitor (`curve.HandshakeWatch`) polled with the reply. With CURVE keys a refused handshake raises
+`AuthenticationFailed` at once. A connection that ends while a call waits means its reply will not
+come (the broker's ROUTER drops a reply to a connection that is gone): a call that the broker
+recognises when repeated (the caller says so: `resend`) is sent again, the same frame with the same
+request id, once a connection is back; any other raises `BrokerDisconnected` at once, instead of
+waiting for its timeout. The DEALER reconnects by itself. The socket pool and the public calls are
+`client.py`'s. Plain blocking pyzmq; imports zmq, `broker.protocol`, `broker.curve` and
+`trainer_client.errors` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import zmq
+
+from broker import curve, protocol
+from trainer_client.errors import (
+    AuthenticationFailed,
+    BrokerDisconnected,
+    BrokerTimeout,
+    GatewayError,
+    ProtocolMismatch,
+)
+
+logger = logging.getLogger(__name__)
+
+# While the broker is away, the DEALER retries the connection this often (ms), so a
+# restarted broker is found again without any action from the caller.
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 1_000
+
+
+class _ConnectionLost(Exception):
+    """The connection a request went out on ended before its reply came."""
+
+
+class ControlSocket:
+    """A DEALER to the broker's control endpoint and the monitor of its connection; close it after any error.
+
+    Args:
+        ctx: the context (the client's).
+        endpoint: the broker's control endpoint.
+        keys: CURVE keys to authenticate with, or None.
+    """
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, keys: curve.ClientKeys | None) -> None:
+        self.endpoint = endpoint
+        self._authenticated = keys is not None
+        self.sock = ctx.socket(zmq.DEALER)
+        try:
+            if keys is not None:
+                keys.apply(self.sock)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            self._watch = curve.HandshakeWatch(self.sock, endpoint, "trainer", disconnects=True)  # before connect
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
+        self.sock.connect(endpoint)
+
+    def roundtrip(
+        self, frame: bytes, msg: protocol.Message, timeout: float, *, resend: bool
+    ) -> tuple[protocol.Message, bool]:
+        """Send `frame` (`msg` encoded) and wait up to `timeout` s for its reply: (the reply, whether it was resent).
+
+        `BrokerTimeout` past the deadline. `BrokerDisconnected` when the connection ends meanwhile and
+        `resend` is False, or when no connection is back before the deadline.
+        """
+        deadline = time.monotonic() + timeout
+        self._read_watch()  # what happened while the socket was idle (a restart in between) is not this call's
+        resent = False
+        while True:
+            lost_at = self._watch.disconnects
+            if not self._send(frame, deadline, msg):
+                raise self._timeout(msg, timeout)
+            try:
+                reply = self._receive(msg.request_id, deadline, lost_at)
+            except _ConnectionLost:
+                if not resend:
+                    raise BrokerDisconnected(
+                        f"the connection to the broker at {self.endpoint} ended while {msg.TAG} waited for its "
+                        "reply: it may or may not have taken effect"
+                    ) from None
+                self._await_connection(deadline, msg, timeout)
+                logger.info("resending %s (request %d): its connection to %s ended", msg.TAG, msg.request_id,
+                            self.endpoint)
+                resent = True
+                continue
+            if reply is None:
+                raise self._timeout(msg, timeout)
+            return reply, resent
+
+    def close(self) -> None:
+        self._watch.close()
+        self.sock.close(linger=0)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _send(self, frame: bytes, deadline: float, msg: protocol.Message) -> bool:
+        """Queue the frame for the broker (while it is away, the DEALER keeps it for the next connection); False if
+        the deadline passed first."""
+        sock = self.sock
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                raise GatewayError(f"cannot send {msg.TAG} to {self.endpoint}: {e}") from e
+            if not sock.poll(_remaining_ms(deadline), zmq.POLLOUT):
+                return False
+
+    def _receive(self, rid: int, deadline: float, lost_at: int) -> protocol.Message | None:
+        """The reply to request `rid`; None if the deadline passed first; `_ConnectionLost` if the connection the
+        request went out on (the `lost_at`-th) ended first."""
+        while True:
+            if not self._poll(deadline, lost_at):
+                return None
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as e:
+                raise GatewayError(f"cannot receive from {self.endpoint}: {e}") from e
+            try:
+                reply: protocol.Message = protocol.decode_broker_to_trainer(frame)
+            except protocol.ProtocolError as e:
+                raise ProtocolMismatch(f"undecodable reply from {self.endpoint}: {e}") from e
+            # -1: the broker could not read our request id; one request is in flight per socket.
+            if reply.request_id == rid or (reply.request_id == -1 and isinstance(reply, protocol.Refused)):
+                return reply
+            logger.debug("dropping stale reply %s to request %s", reply.TAG, reply.request_id)
+
+    def _poll(self, deadline: float, lost_at: int) -> bool:
+        """Wait for a frame (True) or the deadline (False); the monitor is read meanwhile."""
+        watch = self._watch
+        while True:
+            # Checked before the socket: a reply that came in before the connection ended is still read.
+            if watch.disconnects != lost_at:
+                raise _ConnectionLost
+            ready = dict(zmq.zmq_poll([(self.sock, zmq.POLLIN), (watch.monitor, zmq.POLLIN)], _remaining_ms(deadline)))
+            if self.sock in ready:
+                return True
+            if watch.monitor in ready:
+                self._read_watch()
+            elif time.monotonic() >= deadline:
+                return False
+
+    def _await_connection(self, deadline: float, msg: protocol.Message, timeout: float) -> None:
+        while not self._watch.connected:
+            if not self._watch.monitor.poll(_remaining_ms(deadline), zmq.POLLIN):
+                raise BrokerDisconnected(
+                    f"the connection to the broker at {self.endpoint} ended while {msg.TAG} waited for its reply, "
+                    f"and no broker answered there again within {timeout:.1f}s"
+                )
+            self._read_watch()
+
+    def _read_watch(self) -> None:
+        refusal = self._watch.read()
+        if refusal is not None and self._authenticated:
+            raise AuthenticationFailed(refusal)
+
+    def _timeout(self, msg: protocol.Message, timeout: float) -> BrokerTimeout:
+        return BrokerTimeout(f"no reply to {msg.TAG} from the broker at {self.endpoint} within {timeout:.1f}s")
+
+
+def _remaining_ms(deadline: float) -> int:
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
