@@ -43,6 +43,9 @@ _MAX_ID_LEN = 256
 # Request ids start at a random point: the broker recognises a resent FinishSession by its session and
 # request id, which must not meet another client's (or an earlier run's) request by chance.
 _FIRST_ID_RANGE = 1 << 48
+# Each pooled socket takes three of its context's sockets (the DEALER, its monitor and the monitor's peer):
+# room for as many calls at once as a default context (1023 sockets) had before the monitors.
+_MAX_SOCKETS = 3 * 1024
 
 _Reply = TypeVar("_Reply", bound=protocol.Message)
 
@@ -90,7 +93,7 @@ class TrainerClient:
         self._ids = itertools.count(1 + secrets.randbelow(_FIRST_ID_RANGE))
         self._closed = False
         self._pid = os.getpid()
-        self._ctx = zmq.Context()
+        self._ctx = _context()
 
     # --- public API ------------------------------------------------------------------
 
@@ -260,7 +263,7 @@ class TrainerClient:
                 raise GatewayError("the TrainerClient is closed")
             if self._pid != os.getpid():
                 # A forked child must not touch the parent's context or sockets: start afresh.
-                self._pid, self._ctx, self._idle, self._sockets = os.getpid(), zmq.Context(), [], set()
+                self._pid, self._ctx, self._idle, self._sockets = os.getpid(), _context(), [], set()
             sock = ControlSocket(self._ctx, self.endpoint, self._keys)
             self._sockets.add(sock)
         return sock
@@ -314,6 +317,12 @@ class TrainerClient:
         if not isinstance(reply, expect):
             raise ProtocolMismatch(f"broker answered {msg.TAG} with {reply.TAG}")
         return reply
+
+
+def _context() -> zmq.Context:
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, _MAX_SOCKETS)
+    return ctx
 
 
 def _first_attempt_reply(msg: protocol.Message, reply: protocol.Message) -> protocol.Message:

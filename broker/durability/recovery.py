@@ -28,7 +28,7 @@ from broker.durability.journal import request_of
 from broker.durability.records import STATE, WORKER_FRAME
 from broker.durability.snapshots import Snapshot, list_snapshots, read_snapshot, snapshot_path
 from broker.durability.wal import CorruptLog, SegmentReader, list_segments, position, segment_path
-from broker.episodes.answers import AnswerItem
+from broker.episodes.answers import AnswerItem, FinishAnswers
 from broker.episodes.outbox import Outbox
 from broker.protocol import session_tag
 from broker.sessions.images import restore_session
@@ -64,7 +64,7 @@ class Replay:
         self.outbox = outbox
         self.now = now
         self.pending: dict[str, protocol.RequestFinish] = {}
-        self.answers: list[AnswerItem] = []
+        self.answers = FinishAnswers()  # bounded as the log replays: only the recent ones are kept
         # Per object, the log position its image reflects: its records before it are skipped.
         self._session_at: dict[str, int] = {}
         self._episode_at: dict[int, int] = {}
@@ -77,7 +77,8 @@ class Replay:
         self.outbox.restore_ids(header.epoch, header.next_delivery_id)
         origins: list[FinishOrigin] = header.finished_origins  # type: ignore[assignment]
         self.registry.restore_finished(list(zip(header.finished_ids, origins, strict=True)))
-        self.answers = list(zip(header.answer_ids, header.answer_request_ids, header.answer_frames, strict=True))
+        answers = zip(header.answer_ids, header.answer_request_ids, header.answer_frames, strict=True)
+        self.answers.restore(list(answers), self.now)
         for image in snap.sessions:
             try:
                 session = restore_session(image.image)
@@ -176,7 +177,7 @@ class Replay:
                 origin = record.origin if isinstance(record, records.FinishRecord) else "dropped"
                 self._end(sid, origin)
                 if isinstance(record, records.FinishRecord) and record.answer is not None:
-                    self.answers.append((sid, record.request_id, record.answer))
+                    self.answers.remember(sid, record.request_id, record.answer, self.now)
             case records.EpisodeRecord():
                 sid = record.session_id
                 episode = records.decode_episode(record.episode)
@@ -257,7 +258,7 @@ def recover(
         snapshot_path(directory, old).unlink()
     for unfinished in directory.glob("snap-*.tmp"):  # a snapshot the crash interrupted
         unfinished.unlink()
-    result.pending, result.answers = replay.pending, replay.answers
+    result.pending, result.answers = replay.pending, replay.answers.items()
     result.skipped, result.absent, result.refused = replay.skipped, replay.absent, replay.refused
     result.seconds = time.monotonic() - t0
     return result
