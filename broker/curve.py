@@ -236,9 +236,9 @@ class HandshakeWatch:
 
     Create it before the socket connects; `read()` whenever `monitor` is readable; `close()` before the
     socket closes. Events arrive only per connection attempt, never per message. With `disconnects`, it
-    also counts the connections that ended (`disconnects`) and says whether one is up (`connected`): a
-    request in flight when its connection ends will get no reply (the broker's ROUTER drops a reply to
-    a connection that is gone), so its caller can stop waiting at once.
+    also counts the connections that ended after their handshake (`disconnects`) and says whether one is
+    up (`connected`): a request in flight when its connection ends will get no reply (the broker's ROUTER
+    drops a reply to a connection that is gone), so its caller can stop waiting at once.
     """
 
     def __init__(self, sock: zmq.Socket, endpoint: str, role: Role, *, disconnects: bool = False) -> None:
@@ -249,7 +249,7 @@ class HandshakeWatch:
         self._role = role
         self._no_detail = 0
         self.refusal: str | None = None  # the latest final failure, until a handshake succeeds
-        self.disconnects = 0  # connections that ended so far (with `disconnects`)
+        self.disconnects = 0  # connections that ended after their handshake (with `disconnects`)
         self.connected = False  # a handshake succeeded since the last disconnect
 
     def read(self) -> str | None:
@@ -265,7 +265,9 @@ class HandshakeWatch:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._no_detail, self.refusal, self.connected = 0, None, True
             elif event == zmq.EVENT_DISCONNECTED:
-                self.disconnects += 1
+                # A connection refused in its handshake carried no message: nothing was lost with it.
+                if self.connected:
+                    self.disconnects += 1
                 self.connected = False
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.refusal = (
