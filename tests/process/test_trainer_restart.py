@@ -22,7 +22,6 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from assets import wait_until
@@ -187,13 +186,13 @@ def test_an_agent_request_during_a_broker_outage_completes_on_its_sdk_retry(dura
     sid = gw.client.open_session()
     answers: list[tuple[int, str | None]] = []
 
-    def seen(response: httpx.Response) -> None:
+    def seen(response: Any) -> None:
         answers.append((response.status_code, response.headers.get("retry-after")))
 
     outcome: list[Any] = []
 
     def agent() -> None:
-        http = httpx.Client(event_hooks={"response": [seen]}, timeout=60)
+        http = openai.DefaultHttpxClient(event_hooks={"response": [seen]}, timeout=60)  # the SDK's own client
         with openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, http_client=http) as client:
             try:
                 outcome.append(client.chat.completions.create(model="qwen3", messages=USER))
@@ -216,7 +215,10 @@ def test_an_agent_request_during_a_broker_outage_completes_on_its_sdk_retry(dura
     thread.join(60)
     assert not thread.is_alive()
     assert _backs(gw) > backs
-    assert answers == [(503, "1"), (200, None)], answers
+    # 503s with Retry-After while the broker was away (one, or two if its restart outlasted the first retry's
+    # OPEN bound), then the reply: within the SDK's default two retries
+    *unavailable, done = answers
+    assert 1 <= len(unavailable) <= 2 and set(unavailable) == {(503, "1")} and done == (200, None), answers
     (reply,) = outcome
     assert isinstance(reply, openai.types.chat.ChatCompletion) and reply.choices[0].message.content
     # nothing left in flight, one turn: the timed-out OPEN that reached the broker late was aborted
