@@ -52,6 +52,7 @@ from broker.messages.worker import (
     TurnCommitted,
     TurnFound,
     TurnOpened,
+    TurnReplayed,
 )
 
 # The contract's public names: everything workers and trainer clients may use of `broker`.
@@ -61,7 +62,7 @@ __all__ = [
     "ids_array", "logprobs_array", "pack_message", "is_packed_map", "unpack_messages",
     "Message", "RequestFinish", "FinishAccepted", "Refused",
     "OpenTurn", "CommitTurn", "AbortTurn", "GetTurn", "Heartbeat",
-    "TurnOpened", "TurnCommitted", "TurnAborted", "TurnFound",
+    "TurnOpened", "TurnReplayed", "TurnCommitted", "TurnAborted", "TurnFound",
     "OpenSession", "FinishSession", "DropSession", "GetStats", "FetchEpisodes",
     "TraceRow", "SessionOpened", "SessionFinished", "SessionDropped", "Stats", "DeliveredEpisode", "EpisodesDelivered",
     "WorkerToBroker", "BrokerToWorker", "TrainerToBroker", "BrokerToTrainer",
@@ -92,7 +93,7 @@ ErrorCode = Literal[
     "busy",  # a bounded resource is full; retry later
     "internal",  # a failure of the broker's own; logged there
     "unknown_turn",  # GetTurn: no committed turn with that id in that session
-    "turn_pending",  # GetTurn: the turn is still in flight (its commit may be on its way); retry shortly
+    "turn_pending",  # GetTurn, a retry's OpenTurn: the turn is still in flight (its commit may be on its way)
     "unknown_base",  # CommitTurn: a delta against a turn the broker does not hold; resend the turn in full
 ]
 
@@ -137,7 +138,7 @@ def logprobs_array(values: Iterable[float] = ()) -> array:
 # --- the messages, by direction (defined in `broker.messages`) ------------------------------------
 
 WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | Heartbeat | RequestFinish
-BrokerToWorker = TurnOpened | TurnCommitted | TurnAborted | TurnFound | FinishAccepted | Refused
+BrokerToWorker = TurnOpened | TurnReplayed | TurnCommitted | TurnAborted | TurnFound | FinishAccepted | Refused
 TrainerToBroker = OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes
 BrokerToTrainer = (
     SessionOpened | SessionFinished | SessionDropped | Stats | FinishAccepted | EpisodesDelivered | Refused

@@ -384,7 +384,16 @@ class BrokerServer:
                 case protocol.OpenTurn():
                     if msg.worker_id:
                         self.workers.heard[msg.worker_id] = time.monotonic()
-                    session, seq = self.registry.open_turn(msg.session_id, msg.turn_id, msg.worker_id)
+                    if msg.retry:
+                        replayed = self.registry.repeated_turn(msg.session_id, msg.request_digest)
+                        if replayed is not None:
+                            return protocol.TurnReplayed(
+                                msg.request_id, replayed.turn_id, replayed.prompt_ids, replayed.output_ids,
+                                replayed.finish_reason, replayed.response_message, replayed.flags,
+                            )  # fmt: skip
+                    session, seq = self.registry.open_turn(
+                        msg.session_id, msg.turn_id, msg.worker_id, msg.request_digest
+                    )
                     if self._journal is not None:
                         self._journal.worker_frame(payload)
                     return _encode_turn_opened(

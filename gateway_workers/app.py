@@ -46,6 +46,7 @@ from gateway_workers.rendering.tokenizer import load_tokenizer
 from gateway_workers.rendering.twins.checks import twin_stats
 from gateway_workers.turns.live import start_live_turn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline
+from gateway_workers.turns.replay import IDEMPOTENCY_HEADER, RETRY_COUNT_HEADER, Replayed, ReplayedLive, retry_key
 
 logger = logging.getLogger(__name__)
 
@@ -185,15 +186,26 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapte
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
         return await _error(adapter, e, counters)(scope, receive, send)
+    key = retry_key(scope["path"], request_headers.get(IDEMPOTENCY_HEADER), request_headers.get(RETRY_COUNT_HEADER),
+                    body)
     connection = AgentConnection(receive)
     model = state["config"].model_name
     turn: CapturedTurn | None = None
     try:
-        if parsed.stream:
-            live = await start_live_turn(pipeline, sid, parsed.turn, connection)
-            events = adapter.stream_events(live, parsed, model)
-            return await send_reply(live, events, _SSE_HEADERS, send, connection, counters)
-        turn = await pipeline.run(sid, parsed.turn, connection)
+        try:
+            if parsed.stream:
+                live = await start_live_turn(pipeline, sid, parsed.turn, connection, key)
+                events = adapter.stream_events(live, parsed, model)
+                return await send_reply(live, events, _SSE_HEADERS, send, connection, counters)
+            turn = await pipeline.run(sid, parsed.turn, connection, key)
+        except Replayed as r:
+            counters["turns_replayed"] += 1
+            turn = pipeline.replayed_turn(sid, parsed.turn, r.recorded)
+            if parsed.stream:
+                replay = ReplayedLive(turn)
+                # ReplayedLive has what the adapters read of a LiveTurn (ids, created, prompt_ids, deltas, turn)
+                events = adapter.stream_events(replay, parsed, model)  # type: ignore[arg-type]
+                return await send_reply(replay, events, _SSE_HEADERS, send, connection, counters)
         body = adapter.response_body(turn, parsed, model)
     except ApiError as e:
         connection.stop()

@@ -38,6 +38,7 @@ from broker.protocol import (
     TurnCommitted,
     TurnFound,
     TurnOpened,
+    TurnReplayed,
 )
 
 IDS = protocol.ids_array([1, 151_643, 0, 2**31 - 1, -1])
@@ -80,6 +81,7 @@ MESSAGES: dict[str, list] = {
         GetTurn(22, "sess", ""),
         Heartbeat(0, "host:123:beef"),
         OpenTurn(23, "sess", "turn-2", "host:123:beef"),
+        OpenTurn(24, "sess", "turn-3", "host:123:beef", "0f" * 16, True),
         RequestFinish(24, "sess", 0.5, None, {"judge": "harness"}, 5.0),
     ],
     "broker_to_worker": [
@@ -95,6 +97,7 @@ MESSAGES: dict[str, list] = {
             {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]},
         ),
         FinishAccepted(25, "sess"),
+        TurnReplayed(26, "turn-1", IDS, IDS[:2], "stop", {"role": "assistant", "content": "again"}, {"x": False}),
     ],
     "trainer_to_broker": [
         OpenSession(10, None, {"temperature": 0.5}, None, 8, {"task": "gsm8k"}),

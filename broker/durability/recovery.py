@@ -135,7 +135,7 @@ class Replay:
                 case protocol.CommitTurn():
                     registry.commit_turn(msg)
                 case protocol.OpenTurn():
-                    registry.open_turn(sid, msg.turn_id, msg.worker_id)
+                    registry.open_turn(sid, msg.turn_id, msg.worker_id, msg.request_digest)
                 case protocol.AbortTurn() if msg.reason == WORKER_LOST:
                     registry.abandon_turn(sid, msg.turn_id)
                 case protocol.AbortTurn():

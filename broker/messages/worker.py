@@ -28,12 +28,19 @@ class OpenTurn(Message):
 
     `worker_id` names the worker that will commit or abort it (its `Heartbeat`s carry the same id):
     when that worker falls silent the broker abandons the turn, so no finish waits for it.
+
+    `request_digest` (a digest of the agent's HTTP request, when it carried a retry signal) is kept with
+    the turn. With `retry` set, an earlier turn of the session with the same digest answers instead:
+    committed, it is replayed (`TurnReplayed`, no new turn); in flight, the OPEN is refused with
+    turn_pending (ask again: the retry waits for it); aborted, or none, this turn opens as usual.
     """
 
     TAG: ClassVar[str] = "open_turn"
     session_id: str
     turn_id: str
     worker_id: str = ""
+    request_digest: str = ""
+    retry: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,23 @@ class TurnOpened(Message):
     seq: int
     sampling_defaults: dict[str, Any]
     max_context_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnReplayed(Message):
+    """A retried request's earlier turn, already committed: its reply is sent again; no turn opens.
+
+    The turn as stored: its prompt and output ids, engine finish reason, canonical response message
+    (see `CommitTurn`) and flags.
+    """
+
+    TAG: ClassVar[str] = "turn_replayed"
+    turn_id: str
+    prompt_ids: array = field(metadata=IDS)
+    output_ids: array = field(metadata=IDS)
+    finish_reason: str
+    response_message: dict[str, Any]
+    flags: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

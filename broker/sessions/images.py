@@ -16,7 +16,7 @@ from broker.sessions.registry import Session
 from broker.sessions.turn_store import TurnStore
 
 # The layout of an image (a list): bumped with any change to it, checked on load. Layout 1 (before
-# in-flight turns named their workers) lacks the last two items and still loads.
+# in-flight turns named their workers and requests their digests) lacks the last three items and still loads.
 IMAGE_VERSION = 2
 _OWNERLESS_VERSION = 1
 
@@ -42,6 +42,7 @@ def session_image(session: Session, *, closing: bool) -> list[Any]:
         session.committed.image(),
         session.owners,
         session.abandoned,
+        session.digests,
     ]
 
 
@@ -50,11 +51,11 @@ def restore_session(image: list[Any]) -> Session:
     if not image or image[0] not in (IMAGE_VERSION, _OWNERLESS_VERSION):
         raise ValueError(f"a session image of layout {image[0] if image else None!r}, not {IMAGE_VERSION}")
     if image[0] == _OWNERLESS_VERSION:
-        image = [*image, {}, {}]
+        image = [*image, {}, {}, {}]
     try:
         (
             _, sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group, finished_by,
-            next_seq, in_flight, aborted, store, owners, abandoned,
+            next_seq, in_flight, aborted, store, owners, abandoned, digests,
         ) = image  # fmt: skip
         session = Session(sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group)
         if finished_by is not None:
@@ -65,6 +66,7 @@ def restore_session(image: list[Any]) -> Session:
         session.aborted = set(aborted)
         session.owners = dict(owners)
         session.abandoned = dict(abandoned)
+        session.digests = dict(digests)
         session.committed = TurnStore.from_image(store)
     except (TypeError, ValueError) as e:
         raise ValueError(f"a malformed session image: {e}") from e

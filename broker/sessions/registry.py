@@ -38,6 +38,9 @@ MIN_CHOSEN_KEY_CHARS = 22
 _MAX_TURN_ID_LEN = 256
 _MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
 _MINTED_KEY_PREFIX = "rg-"
+# Request digests kept per session for retries to find (`Session.digests`): a retry follows its request
+# within seconds, so the latest ones suffice, and a session's memory for them stays bounded.
+MAX_DIGESTS = 64
 
 State = Literal["open", "closing"]
 # Who finished a session: named in the refusal the later finishers get.
@@ -72,6 +75,7 @@ class Session:
     # turn_id -> seq of in-flight turns whose worker fell silent: no finish waits for them, yet a late commit lands
     abandoned: dict[str, int] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
+    digests: dict[str, str] = field(default_factory=dict)  # request digest -> its latest turn (`OpenTurn`)
     committed: TurnStore = field(default_factory=TurnStore)
     # Compaction's per-session state (`compaction.CompactionScheduler`):
     serial: int = 0  # which opening of `sid` (ids may be reused): aging entries name it
@@ -160,6 +164,7 @@ class SessionRegistry:
                 "turns_abandoned",
                 "turns_worker_lost",
                 "commits_late",
+                "turns_replayed",
                 "commits_stored",
                 "commits_duplicate",
                 "commits_discarded",
@@ -282,10 +287,11 @@ class SessionRegistry:
 
     # --- worker side -------------------------------------------------------------------
 
-    def open_turn(self, sid: str, turn_id: str, worker_id: str = "") -> tuple[Session, int]:
+    def open_turn(self, sid: str, turn_id: str, worker_id: str = "", digest: str = "") -> tuple[Session, int]:
         """Admit a turn: session open, under its cap. Returns the session and the turn's seq.
 
-        `worker_id` (when named) owns the turn until it is committed or aborted (`abandon_turn`)."""
+        `worker_id` (when named) owns the turn until it is committed or aborted (`abandon_turn`); a retry of
+        the request `digest` names finds it (`repeated_turn`)."""
         session = self.get(sid)
         seq = session.in_flight.get(turn_id)
         if seq is not None:  # a worker re-sent OPEN after losing our reply: same answer, even if closing
@@ -304,8 +310,28 @@ class SessionRegistry:
         session.in_flight[turn_id] = seq
         if worker_id:
             session.owners[turn_id] = worker_id
+        if digest:
+            digests = session.digests
+            digests.pop(digest, None)  # re-inserted last: the oldest goes first
+            digests[digest] = turn_id
+            if len(digests) > MAX_DIGESTS:
+                del digests[next(iter(digests))]
         self.counters["turns_opened"] += 1
         return session, seq
+
+    def repeated_turn(self, sid: str, digest: str) -> TurnRecord | None:
+        """The committed turn a retry of request `digest` gets again; None when it must be sampled (no such
+        request, or its turn was aborted); a turn_pending Refusal while that turn is still in flight."""
+        session = self.get(sid)
+        turn_id = session.digests.get(digest)
+        if turn_id is None:
+            return None
+        if turn_id in session.in_flight:
+            raise Refusal("turn_pending", f"turn {turn_id!r} of this request is still in flight; ask again")
+        record = session.committed.record(turn_id)
+        if record is not None:
+            self.counters["turns_replayed"] += 1
+        return record
 
     def commit_turn(self, msg: protocol.CommitTurn) -> str:
         """Store a committed turn; returns the outcome: stored, duplicate or discarded."""

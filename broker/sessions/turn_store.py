@@ -335,6 +335,25 @@ class TurnStore:
         npm = rec[_NPM]
         return msgs[:npm], msgs[npm]
 
+    def record(self, turn_id: str) -> TurnRecord | None:
+        """One stored turn, materialized (a retried request's reply); None if it is not stored."""
+        row = self._index.get(turn_id)
+        if row is None:
+            return None
+        rec = self._row(row)
+        ctx = protocol.ids_array()
+        ranges = self._tok_ranges(rec)
+        for i in range(0, len(ranges), 2):
+            ctx.frombytes(self._read_ids(ranges[i], ranges[i + 1]))
+        lp_at = sum(self._row(r)[_NOUT] for r in range(row))  # logprobs are logged in row order
+        lp = protocol.logprobs_array()
+        lp.frombytes(self.lps.read(lp_at * _LP_BYTES, (lp_at + rec[_NOUT]) * _LP_BYTES))
+        msgs = self._messages(self._msg_ranges(rec))
+        plen, npm = rec[_PLEN], rec[_NPM]
+        seq = self._seqs[self._order.index(row)]
+        return TurnRecord(turn_id, seq, ctx[:plen], ctx[plen:], lp, self._reasons[rec[_FINISH]], msgs[:npm], msgs[npm],
+                          self._flags.get(row, {}))
+
     def records(self) -> list[TurnRecord]:
         """Every stored turn, materialized, in OPEN sequence order. Message dicts are shared: read-only."""
         tokens = self.ids.read_all()

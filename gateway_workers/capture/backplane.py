@@ -41,6 +41,12 @@ ATTEMPT_TIMEOUT_S = 2.0  # one COMMIT/ABORT attempt; then resend (the broker de-
 COMMIT_DEADLINE_S = 300.0  # give up (and log loudly) after retrying this long
 GET_TURN_PENDING_S = 3.0  # how long a turn whose COMMIT is still on its way is waited for
 GET_TURN_RETRY_S = 0.02
+# A retried request whose earlier attempt is still in flight asks the broker again at growing intervals
+# until that turn commits (its reply is replayed) or aborts (sampled afresh). The turn's engine timeout
+# ends it long before this bound, which only guards against a turn no one settles.
+RETRY_WAIT_S = 900.0
+RETRY_ASK_FIRST_S = 0.05
+RETRY_ASK_MAX_S = 1.0
 # Well inside the broker's silence bound (`broker.config.WORKER_SILENCE_S`): a few beats may be late.
 HEARTBEAT_INTERVAL_S = 1.0
 LINGER_MS = 1000
@@ -188,7 +194,9 @@ class Backplane:
             loop.call_soon(self._read_replies)
         return future
 
-    async def _answer(self, sent: asyncio.Future[Any], expect: type[_Reply], timeout: float) -> _Reply:
+    async def _answer(
+        self, sent: asyncio.Future[Any], expect: type[_Reply] | tuple[type[_Reply], ...], timeout: float
+    ) -> _Reply:
         """The reply to a request, if it is `expect`: raises TurnRefused on a refusal, BrokerUnavailable otherwise."""
         try:
             reply = await sent
@@ -200,20 +208,47 @@ class Backplane:
             return reply
         if isinstance(reply, protocol.Refused):
             raise TurnRefused(reply.code, reply.message)
-        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to {expect.__name__}'s request")
+        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to {expect}'s request")
 
     async def _call(
         self, build: Callable[[int], protocol.WorkerToBroker], expect: type[_Reply], timeout: float = OPEN_TIMEOUT_S
     ) -> _Reply:
         return await self._answer(self._send(build, timeout), expect, timeout)
 
-    def open_turn(self, session_id: str, turn_id: str) -> Coroutine[Any, Any, protocol.TurnOpened]:
+    def open_turn(
+        self, session_id: str, turn_id: str, digest: str = "", retry: bool = False
+    ) -> Coroutine[Any, Any, protocol.TurnOpened | protocol.TurnReplayed]:
         """OPEN, sent before this returns: await the result for the TurnOpened (or TurnRefused: unknown
-        session, closed, cap; or BrokerUnavailable). A caller that gives up must close() it."""
-        sent = self._send(
-            lambda rid: protocol.OpenTurn(rid, session_id, turn_id, self.worker_id), OPEN_TIMEOUT_S
-        )
+        session, closed, cap; or BrokerUnavailable). A caller that gives up must close() it.
+
+        `digest` names the agent's request for its retries; a `retry` of it may get the earlier turn
+        instead (`TurnReplayed`), after waiting for it while it is in flight."""
+
+        def build(rid: int) -> protocol.OpenTurn:
+            return protocol.OpenTurn(rid, session_id, turn_id, self.worker_id, digest, retry)
+
+        sent = self._send(build, OPEN_TIMEOUT_S)
+        if retry:
+            return self._open_retried(sent, build)
         return self._answer(sent, protocol.TurnOpened, OPEN_TIMEOUT_S)
+
+    async def _open_retried(
+        self, sent: asyncio.Future[Any], build: Callable[[int], protocol.OpenTurn]
+    ) -> protocol.TurnOpened | protocol.TurnReplayed:
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + RETRY_WAIT_S, RETRY_ASK_FIRST_S
+        while True:
+            try:
+                reply: protocol.TurnOpened | protocol.TurnReplayed = await self._answer(
+                    sent, (protocol.TurnOpened, protocol.TurnReplayed), OPEN_TIMEOUT_S
+                )
+                return reply
+            except TurnRefused as e:
+                if e.code != "turn_pending" or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, RETRY_ASK_MAX_S)
+            sent = self._send(build, OPEN_TIMEOUT_S)
 
     async def get_turn(self, session_id: str, turn_id: str) -> protocol.TurnFound:
         """A committed turn's canonical messages (`previous_response_id`); raises TurnRefused or BrokerUnavailable.

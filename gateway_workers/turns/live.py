@@ -24,6 +24,7 @@ from gateway_workers.http.connection import AgentConnection
 from gateway_workers.http.errors import ApiError
 from gateway_workers.rendering.twins.bpe import token_decoder
 from gateway_workers.turns.pipeline import CapturedTurn, PreparedTurn, TurnPipeline, engine_error
+from gateway_workers.turns.replay import RetryKey
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,11 @@ CLOSE_TIMEOUT_S = 5.0  # bound on closing an engine stream (an SGLang abort call
 
 
 async def start_live_turn(
-    pipeline: TurnPipeline, session_id: str, request: Any, connection: AgentConnection
+    pipeline: TurnPipeline, session_id: str, request: Any, connection: AgentConnection, key: RetryKey | None = None
 ) -> LiveTurn:
-    """OPEN, render and start generating; raises ApiError. The caller must commit() or abort(), then close()."""
-    prepared = await pipeline.prepare(session_id, request)
+    """OPEN, render and start generating; raises ApiError or `Replayed` (`TurnPipeline.prepare`). The caller
+    must commit() or abort(), then close()."""
+    prepared = await pipeline.prepare(session_id, request, key)
     live = LiveTurn(pipeline, prepared)
     try:
         await live.start(connection)

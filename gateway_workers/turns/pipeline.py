@@ -23,12 +23,20 @@ from typing import Any
 from broker import protocol
 from broker.protocol import session_tag
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, TurnRefused
-from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
+from gateway_workers.engines.base import (
+    Engine,
+    EngineError,
+    EngineResult,
+    EngineTimeout,
+    FinishReason,
+    SamplingParams,
+)
 from gateway_workers.formats import ParsedResponse, ResponseParser
 from gateway_workers.http.connection import AgentConnection
 from gateway_workers.http.errors import ApiError, broker_unavailable
 from gateway_workers.rendering.budget import PromptOverBudget
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
+from gateway_workers.turns.replay import Replayed, RetryKey
 
 logger = logging.getLogger(__name__)
 
@@ -180,15 +188,16 @@ class TurnPipeline:
         self.default_max_tokens = default_max_tokens
         self.max_context_tokens = max_context_tokens  # the model's context window, for sessions without less
 
-    async def prepare(self, session_id: str, request: TurnRequest) -> PreparedTurn:
-        """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened)."""
+    async def prepare(self, session_id: str, request: TurnRequest, key: RetryKey | None = None) -> PreparedTurn:
+        """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened), or
+        `Replayed` when `key` names a retry of a request whose turn is already recorded."""
         turn_id = uuid.uuid4().hex
         t0 = time.perf_counter()
         # The OPEN is on its way before the render starts, and awaited after its cheap part; the broker's
         # verdict still comes first, so a refused session gets its refusal, not a template error. The rest of
         # a long render waits for the OPEN's context budget, which spares tokenizing a prompt proven over it;
         # a huge request waits for it before its render starts, all of it on the render thread.
-        opening = self.backplane.open_turn(session_id, turn_id)
+        opening = self.backplane.open_turn(session_id, turn_id, *((key.digest, key.retry) if key else ()))
         begun: RenderedPrompt | Callable[[int | None], RenderedPrompt] | RenderError | None = None
         try:
             if _message_chars(request.messages) <= HUGE_REQUEST_CHARS:
@@ -208,6 +217,8 @@ class TurnPipeline:
                 self.backplane.abort_in_background(session_id, turn_id, "open_timeout")
                 raise broker_unavailable() from None
             raise
+        if isinstance(opened, protocol.TurnReplayed):
+            raise Replayed(opened)
         try:
             try:
                 if isinstance(begun, RenderError):
@@ -237,9 +248,12 @@ class TurnPipeline:
             session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0, time.perf_counter()
         )
 
-    async def run(self, session_id: str, request: TurnRequest, connection: AgentConnection) -> CapturedTurn:
-        """Generate one whole turn; raises ApiError. The caller must commit() or abort() the result."""
-        prepared = await self.prepare(session_id, request)
+    async def run(
+        self, session_id: str, request: TurnRequest, connection: AgentConnection, key: RetryKey | None = None
+    ) -> CapturedTurn:
+        """Generate one whole turn; raises ApiError or `Replayed` (see `prepare`). The caller must commit() or
+        abort() the result."""
+        prepared = await self.prepare(session_id, request, key)
         try:
             if prepared.over_budget:
                 # DESIGN: a prompt already over the context budget yields an empty `length` turn.
@@ -273,6 +287,22 @@ class TurnPipeline:
             },
             flags=dict(prepared.flags),
             _backplane=self.backplane,
+        )
+
+    def replayed_turn(self, session_id: str, request: TurnRequest, recorded: protocol.TurnReplayed) -> CapturedTurn:
+        """A recorded turn (`Replayed`) as a reply to send again; it commits nothing: it is recorded already."""
+        message, flags = recorded.response_message, recorded.flags
+        parsed = ParsedResponse(
+            content=message.get("content") or "",
+            reasoning=message.get("reasoning"),
+            tool_calls=[dict(call) for call in message.get("tool_calls") or ()],
+            ill_formed=bool(flags.get("ill_formed", False)),
+            error=flags.get("parse_error"),
+        )
+        finish: FinishReason = "length" if recorded.finish_reason == "length" else "stop"
+        result = EngineResult(output_ids=recorded.output_ids.tolist(), logprobs=[], finish_reason=finish)
+        return CapturedTurn(
+            session_id, recorded.turn_id, request, recorded.prompt_ids, result, parsed, int(time.time())
         )
 
     async def get_turn(self, session_id: str, turn_id: str) -> protocol.TurnFound:

@@ -146,7 +146,7 @@ def test_garbage_raises_protocol_error_without_a_request_id(direction, frame):
         ([protocol.PROTOCOL_VERSION, "turn_opened", 5, "t", 1, {}, None], "unknown message"),  # other direction
         ([protocol.PROTOCOL_VERSION, "open_turn", 5, 123, "t"], "OpenTurn.session_id: expected str"),
         ([protocol.PROTOCOL_VERSION, "open_turn", 5, "s"], "OpenTurn"),  # missing a field
-        ([protocol.PROTOCOL_VERSION, "open_turn", 5, "s", "t", "w", "extra"], "OpenTurn has 4"),
+        ([protocol.PROTOCOL_VERSION, "open_turn", 5, "s", "t", "w", "d", True, "extra"], "OpenTurn has 6"),
         ([protocol.PROTOCOL_VERSION, "abort_turn", 5, "s", "t", None], "AbortTurn.reason"),
         ([protocol.PROTOCOL_VERSION, "commit_turn", 5, "s", "t", b"\x00" * 5, b"", b"", "stop", [], {}], "packed"),
         ([protocol.PROTOCOL_VERSION, "commit_turn", 5, "s", "t", [1, 2], b"", b"", "stop", [], {}], "packed"),

@@ -145,11 +145,11 @@ def test_a_blob_reference_out_of_its_record_is_refused():
         records.decode_image(memoryview(short))
 
 
-def test_an_image_keeps_who_owns_each_in_flight_turn_and_what_was_abandoned():
+def test_an_image_keeps_who_owns_each_in_flight_turn_what_was_abandoned_and_request_digests():
     reg = SessionRegistry(max_sessions=2)
     sid = "owned-session-key-xxxxxxxx"
     reg.open_session(sid, {}, None, None, {})
-    reg.open_turn(sid, "owned", "worker-a")
+    reg.open_turn(sid, "owned", "worker-a", "digest-of-its-request")
     reg.open_turn(sid, "lost", "worker-b")
     assert reg.abandon_turn(sid, "lost")
     session = reg.session(sid)
@@ -158,7 +158,7 @@ def test_an_image_keeps_who_owns_each_in_flight_turn_and_what_was_abandoned():
     )))  # fmt: skip
     restored = restore_session(image.image)
     assert restored.in_flight == {"owned": 0} and restored.abandoned == {"lost": 1}
-    assert restored.owners == {"owned": "worker-a"}
+    assert restored.owners == {"owned": "worker-a"} and restored.digests == {"digest-of-its-request": "owned"}
     # an image written before turns named their workers (layout 1: no owners, nothing abandoned) still loads
-    old = [1, *session_image(session, closing=False)[1:-2]]
+    old = [1, *session_image(session, closing=False)[1:-3]]
     assert restore_session(old).in_flight == {"owned": 0} and restore_session(old).owners == {}

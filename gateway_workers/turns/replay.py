@@ -1,0 +1,85 @@
+"""Retry-safe turns: a retried agent request gets the reply its earlier attempt already recorded.
+
+The official SDKs resend a request that failed or timed out with `x-stainless-retry-count: N` (N >= 1);
+any client may send an `Idempotency-Key`. A request with either header is named by a digest of its
+route, key and body (`retry_key`), which its OPEN carries to the broker; the broker keeps each
+session's recent digests, so a retry finds its earlier turn whichever worker took either attempt. A
+committed earlier turn comes back as `TurnReplayed` (the pipeline raises `Replayed`) and is answered
+again as it was (`TurnPipeline.replayed_turn`: same turn id, so the same reply and tool-call ids, same
+content; streamed if this attempt asks for a stream, `ReplayedLive`), and nothing new is recorded. An
+earlier turn still in flight is waited for (`Backplane.open_turn`); an aborted one is sampled afresh.
+Retry count 0 (a first attempt) and no header at all are always new samples: an agent may resample
+on purpose. Must not import the app or the adapters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from broker import protocol
+from gateway_workers.formats.live_split import LiveDelta
+
+if TYPE_CHECKING:
+    from gateway_workers.turns.pipeline import CapturedTurn
+
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+
+@dataclass(frozen=True, slots=True)
+class RetryKey:
+    """A request's name for its retries (`digest`), and whether this attempt is one (`retry`)."""
+
+    digest: str
+    retry: bool
+
+
+def retry_key(path: str, idempotency_key: str | None, retry_count: str | None, body: bytes) -> RetryKey | None:
+    """The key of a request that carries a retry signal; None for one that carries neither header."""
+    if idempotency_key is None and retry_count is None:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (path.encode(), (idempotency_key or "").encode("utf-8", "surrogateescape"), body):
+        digest.update(len(part).to_bytes(8, "little"))  # lengths first: no two requests spell the same bytes
+        digest.update(part)
+    again = idempotency_key is not None or (retry_count or "0").strip() not in ("", "0")
+    return RetryKey(digest.hexdigest(), again)
+
+
+class Replayed(Exception):  # noqa: N818 (not an error: the request was answered before)
+    """The OPEN found this request's committed turn (`recorded`): answer it again instead of sampling."""
+
+    def __init__(self, recorded: protocol.TurnReplayed) -> None:
+        super().__init__(recorded.turn_id)
+        self.recorded = recorded
+
+
+class ReplayedLive:
+    """A replayed turn streamed: its whole reply as the deltas a live turn would have yielded."""
+
+    def __init__(self, turn: CapturedTurn) -> None:
+        self.turn: CapturedTurn | None = turn
+        self.session_id, self.turn_id = turn.session_id, turn.turn_id
+        self.prompt_ids, self.created = turn.prompt_ids, turn.created
+
+    async def deltas(self) -> AsyncIterator[LiveDelta]:
+        assert self.turn is not None
+        parsed = self.turn.parsed
+        if parsed.reasoning:
+            yield LiveDelta("reasoning", parsed.reasoning)
+        if parsed.content:
+            yield LiveDelta("content", parsed.content)
+        for call in parsed.tool_calls:
+            yield LiveDelta("tool_call", call=call)
+
+    def commit(self) -> None:
+        """Already recorded."""
+
+    def abort(self, reason: str) -> None:
+        """Nothing to forget: the earlier attempt's turn stays recorded (its reply reached this agent before)."""
+
+    async def close(self) -> None:
+        """Nothing runs."""
