@@ -123,7 +123,7 @@ class BrokerConfig:
             the last snapshot's size, kept within these bounds (the max bounds what a restart replays).
         wal_truncate_corrupt: at start, cut the log at a damaged record (losing what follows it) instead of
             refusing to start.
-        worker_silence_s: a worker unheard (no heartbeat, no OpenTurn) for this long is given up for lost: its
+        worker_silence_s: a worker whose heartbeats stop for this long is given up for lost: its
             in-flight turns are abandoned (finishes stop waiting for them; a late commit still lands).
         restarted: this broker replaces one that ran before (`serve`'s supervisor sets it); without a
             state directory, refusals of unknown sessions then say the earlier sessions were lost.

@@ -382,8 +382,7 @@ class BrokerServer:
                         self._send_all(parked)
                     return _encode_turn_committed(request_id=msg.request_id, turn_id=msg.turn_id, outcome=outcome)
                 case protocol.OpenTurn():
-                    if msg.worker_id:
-                        self.workers.heard[msg.worker_id] = time.monotonic()
+                    # Its worker is heard by its heartbeats (the first goes out before any OPEN on the same socket).
                     if msg.retry:
                         replayed = self.registry.repeated_turn(msg.session_id, msg.request_digest)
                         if replayed is not None:

@@ -312,9 +312,8 @@ class SessionRegistry:
             session.owners[turn_id] = worker_id
         if digest:
             digests = session.digests
-            digests.pop(digest, None)  # re-inserted last: the oldest goes first
             digests[digest] = turn_id
-            if len(digests) > MAX_DIGESTS:
+            if len(digests) > MAX_DIGESTS:  # the oldest request goes (a repeated body keeps its first place)
                 del digests[next(iter(digests))]
         self.counters["turns_opened"] += 1
         return session, seq

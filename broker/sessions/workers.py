@@ -1,11 +1,12 @@
 """Worker liveness: which workers were heard from lately, and giving up the turns of one that fell silent.
 
-A worker names itself in every OpenTurn and sends a Heartbeat every second or so (`worker_id`: fresh per
-worker process, so a restarted worker is a new worker). A worker unheard for `silence_s` is given up for
-lost: each turn it opened and has not committed or aborted is abandoned (`SessionRegistry.abandon_turn`),
-so a finish stops waiting for turns that cannot arrive. A worker that was only slow and commits later
-still lands its turn while the session lives (`SessionRegistry._late_commit`). Pure bookkeeping on the
-server's clock: no sockets; imports only the stdlib, `broker.protocol` and `broker.sessions`.
+A worker names itself in every OpenTurn and sends a Heartbeat every second or so, the first before any
+OPEN (`worker_id`: fresh per worker process, so a restarted worker is a new worker). A worker unheard
+for `silence_s` is given up for lost: each turn it opened and has not committed or aborted is
+abandoned (`SessionRegistry.abandon_turn`), so a finish stops waiting for turns that cannot arrive.
+A worker that was only slow and commits later still lands its turn while the session lives
+(`SessionRegistry._late_commit`). Pure bookkeeping on the server's clock: no sockets; imports only
+the stdlib, `broker.protocol` and `broker.sessions`.
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ def retry_key(path: str, idempotency_key: str | None, retry_count: str | None, b
     """The key of a request that carries a retry signal; None for one that carries neither header."""
     if idempotency_key is None and retry_count is None:
         return None
-    digest = hashlib.blake2b(digest_size=16)
+    # SHA-1 where most CPUs hash it in hardware: every SDK request pays this over its whole body, and a
+    # collision could only replay another request of the agent's own session to that same agent.
+    digest = hashlib.sha1(usedforsecurity=False)
     for part in (path.encode(), (idempotency_key or "").encode("utf-8", "surrogateescape"), body):
         digest.update(len(part).to_bytes(8, "little"))  # lengths first: no two requests spell the same bytes
         digest.update(part)

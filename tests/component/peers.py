@@ -66,6 +66,8 @@ class WorkerPeer(Peer):
         super().__init__(ctx, endpoint, protocol.decode_broker_to_worker)
 
     def open_turn(self, sid: str, turn_id: str, worker_id: str = "") -> protocol.Message:
+        if worker_id:  # as a real worker's backplane, which heartbeats before its first OPEN
+            self.heartbeat(worker_id)
         return self.request(protocol.OpenTurn(self.next_id(), sid, turn_id, worker_id))
 
     def heartbeat(self, worker_id: str) -> None:
