@@ -125,8 +125,10 @@ def test_an_open_with_a_chosen_key_is_resent_and_a_key_open_by_then_is_returned(
     # the resend finds the key open (as when the first attempt got there before the crash): it is ours
     with zmq.Context() as ctx:
         peer = TrainerPeer(ctx, restarting.control)
-        peer.request(protocol.OpenSession(peer.next_id(), KEY + "-2", {}, None, None))
-        peer.close()
+        try:
+            peer.request(protocol.OpenSession(peer.next_id(), KEY + "-2", {}, None, None))
+        finally:
+            peer.close()
     again = restarting.through_a_crash(lambda: trainer.open_session(session_id=KEY + "-2"))
     assert again.get("value") == KEY + "-2", again
     assert resent(caplog) == ["open_session", "open_session"]
