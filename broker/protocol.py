@@ -71,6 +71,8 @@ __all__ = [
 ]  # fmt: skip
 
 
+# Kept while changes only add defaulted fields and messages: a durable broker's log holds frames as received,
+# and a newer broker reads an older one's. A newer worker needs a broker at least as new (upgrade it first).
 PROTOCOL_VERSION = 1
 
 DEFAULT_CONTROL_ENDPOINT = "tcp://127.0.0.1:5557"  # trainer clients connect here

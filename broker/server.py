@@ -133,7 +133,6 @@ class BrokerServer:
         durable = DurableState(self.config, self.registry, self.outbox, self.finishes)
         durable.open()
         self.durable, self._journal = durable, durable.journal
-        self.workers.expect(self.registry, time.monotonic())
         return durable
 
     # --- startup ---------------------------------------------------------------------
@@ -202,13 +201,16 @@ class BrokerServer:
             counters = self.registry.counters
             durable = self.durable
             workers_ready = control_ready = True  # whatever arrived before the loop: look once
+            # Recovered turns' workers get the silence bound from now, after the start-up's slow parts.
+            self.workers.expect(self.registry, time.monotonic())
             while not self.should_exit:
                 if workers_ready:
                     workers_ready = self._drain(workers, protocol.decode_worker_to_broker, "worker")
                 if control_ready:
                     control_ready = self._drain(control, protocol.decode_trainer_to_broker, "trainer")
                 now = time.monotonic()
-                if now >= self.workers.next_check:
+                if not workers_ready and now >= self.workers.next_check:
+                    # Only with the worker socket drained: a heartbeat waiting behind a backlog is not silence.
                     self._abandon_silent_workers(now)
                 for parked in (self.finishes, self.outbox):
                     due = parked.next_deadline()
@@ -412,7 +414,7 @@ class BrokerServer:
                 case protocol.GetTurn():
                     return self.handle_get_turn(msg)
                 case protocol.Heartbeat():
-                    self.workers.heard[msg.worker_id] = time.monotonic()
+                    self.workers.hear(msg.worker_id, time.monotonic())
                     return None
                 # either side: an agent's finish comes through its worker
                 case protocol.RequestFinish():

@@ -303,7 +303,7 @@ class SessionRegistry:
         if turn_id in session.committed or turn_id in session.aborted or turn_id in session.abandoned:
             raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(sid)} is already over")
         cap = session.max_turns
-        if cap is not None and len(session.in_flight) + len(session.committed) >= cap:
+        if cap is not None and len(session.in_flight) + len(session.committed) + len(session.abandoned) >= cap:
             raise Refusal("turn_cap", f"session {session_tag(sid)} reached its cap of {cap} turns")
         seq = session.next_seq
         session.next_seq += 1
@@ -312,6 +312,11 @@ class SessionRegistry:
             session.owners[turn_id] = worker_id
         if digest:
             digests = session.digests
+            earlier = digests.get(digest)
+            if earlier is not None and earlier in session.abandoned:
+                # Sampled afresh for a retry: the abandoned attempt must not land late beside it.
+                del session.abandoned[earlier]
+                session.aborted.add(earlier)
             digests[digest] = turn_id
             if len(digests) > MAX_DIGESTS:  # the oldest request goes (a repeated body keeps its first place)
                 del digests[next(iter(digests))]
@@ -347,7 +352,7 @@ class SessionRegistry:
         in_flight = session.in_flight
         seq = in_flight.get(turn_id)
         if seq is None:
-            seq = self._late_commit(session, turn_id)
+            seq = self._abandoned_seq(session, turn_id)
         try:
             messages = packed_messages(msg.prompt_messages, msg.response_message)
         except ValueError as e:
@@ -376,7 +381,8 @@ class SessionRegistry:
             )
         else:
             store.add_full(msg, seq, messages)
-        del in_flight[turn_id]
+        if in_flight.pop(turn_id, None) is None:
+            self._landed_late(session, turn_id)
         if session.owners:
             session.owners.pop(turn_id, None)
         counters["commits_stored"] += 1
@@ -384,18 +390,20 @@ class SessionRegistry:
             self.compaction.note_commit(session)
         return "stored"
 
-    def _late_commit(self, session: Session, turn_id: str) -> int:
-        """The seq of an abandoned turn whose commit arrived after all (its worker was only slow), back in flight;
-        a Refusal for a turn that was aborted or never opened."""
-        seq = session.abandoned.pop(turn_id, None)
+    def _abandoned_seq(self, session: Session, turn_id: str) -> int:
+        """The seq of an abandoned turn whose commit arrived after all (its worker was only slow); a Refusal for
+        a turn that was aborted or never opened."""
+        seq = session.abandoned.get(turn_id)
         if seq is None:
             what = "was aborted" if turn_id in session.aborted else "was never opened"
             raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(session.sid)} {what}")
+        return seq
+
+    def _landed_late(self, session: Session, turn_id: str) -> None:
+        del session.abandoned[turn_id]
         logger.warning("turn %s of session %s committed after its worker was given up for lost: stored",
                        turn_id, session_tag(session.sid))
         self.counters["commits_late"] += 1
-        session.in_flight[turn_id] = seq
-        return seq
 
     def abandon_turn(self, sid: str, turn_id: str) -> bool:
         """Stop waiting for an in-flight turn whose worker fell silent; False if it is not in flight."""

@@ -4,9 +4,10 @@ A worker names itself in every OpenTurn and sends a Heartbeat every second or so
 OPEN (`worker_id`: fresh per worker process, so a restarted worker is a new worker). A worker unheard
 for `silence_s` is given up for lost: each turn it opened and has not committed or aborted is
 abandoned (`SessionRegistry.abandon_turn`), so a finish stops waiting for turns that cannot arrive.
-A worker that was only slow and commits later still lands its turn while the session lives
-(`SessionRegistry._late_commit`). Pure bookkeeping on the server's clock: no sockets; imports only
-the stdlib, `broker.protocol` and `broker.sessions`.
+A worker that was only slow and commits later still lands its turn while the session lives, unless a
+retry of its request was sampled afresh meanwhile (`SessionRegistry.commit_turn`, `open_turn`). Pure
+bookkeeping on the server's clock: no sockets; imports only the stdlib, `broker.protocol` and
+`broker.sessions`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class WorkerLiveness:
         self.silence_s = silence_s
         self.heard: dict[str, float] = {}  # worker id -> when last heard (server clock)
         self.next_check = 0.0
+
+    def hear(self, worker_id: str, now: float) -> None:
+        self.heard[worker_id] = now
 
     def expect(self, registry: SessionRegistry, now: float) -> None:
         """Hear from every owner of a recovered in-flight turn now: a restarted broker gives them `silence_s` to

@@ -122,15 +122,19 @@ class Backplane:
             self._read_handshakes()  # events from before the reader was added
 
     def _beat(self) -> None:
-        """Send a heartbeat (never answered) and schedule the next."""
+        """Send a heartbeat (never answered) and schedule the next, whatever this one met: a worker whose beats
+        stop has its turns abandoned."""
         assert self._loop is not None
         try:
             _send_frame(self._sock, protocol.encode(protocol.Heartbeat(0, self.worker_id)), _NOBLOCK)
+            if _readable(self._sock):
+                self._loop.call_soon(self._read_replies)
         except zmq.Again:
             pass  # the broker is not reading: it will not miss this beat
-        if _readable(self._sock):
-            self._loop.call_soon(self._read_replies)
-        self._heartbeat = self._loop.call_later(HEARTBEAT_INTERVAL_S, self._beat)
+        except Exception:
+            logger.exception("heartbeat to the broker at %s failed", self.endpoint)
+        finally:
+            self._heartbeat = self._loop.call_later(HEARTBEAT_INTERVAL_S, self._beat)
 
     def _read_handshakes(self) -> None:
         """Log a refused CURVE handshake as an error (again every REFUSAL_LOG_INTERVAL_S while it lasts)."""
@@ -208,7 +212,7 @@ class Backplane:
             return reply
         if isinstance(reply, protocol.Refused):
             raise TurnRefused(reply.code, reply.message)
-        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to {expect}'s request")
+        raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to a request for {expect!r}")
 
     async def _call(
         self, build: Callable[[int], protocol.WorkerToBroker], expect: type[_Reply], timeout: float = OPEN_TIMEOUT_S

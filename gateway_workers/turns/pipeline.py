@@ -197,7 +197,8 @@ class TurnPipeline:
         # verdict still comes first, so a refused session gets its refusal, not a template error. The rest of
         # a long render waits for the OPEN's context budget, which spares tokenizing a prompt proven over it;
         # a huge request waits for it before its render starts, all of it on the render thread.
-        opening = self.backplane.open_turn(session_id, turn_id, *((key.digest, key.retry) if key else ()))
+        digest, retry = (key.digest, key.retry) if key is not None else ("", False)
+        opening = self.backplane.open_turn(session_id, turn_id, digest, retry)
         begun: RenderedPrompt | Callable[[int | None], RenderedPrompt] | RenderError | None = None
         try:
             if _message_chars(request.messages) <= HUGE_REQUEST_CHARS:

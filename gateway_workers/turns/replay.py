@@ -14,7 +14,7 @@ on purpose. Must not import the app or the adapters.
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,14 +41,15 @@ def retry_key(path: str, idempotency_key: str | None, retry_count: str | None, b
     """The key of a request that carries a retry signal; None for one that carries neither header."""
     if idempotency_key is None and retry_count is None:
         return None
-    # SHA-1 where most CPUs hash it in hardware: every SDK request pays this over its whole body, and a
-    # collision could only replay another request of the agent's own session to that same agent.
-    digest = hashlib.sha1(usedforsecurity=False)
-    for part in (path.encode(), (idempotency_key or "").encode("utf-8", "surrogateescape"), body):
-        digest.update(len(part).to_bytes(8, "little"))  # lengths first: no two requests spell the same bytes
-        digest.update(part)
+    # CRC-32 and the lengths, not a cryptographic hash: every SDK request pays this over its whole body, and
+    # CRC-32 costs a third of SHA-1's instructions (docs/performance.md). Two requests are confused only if
+    # both are among the recent requests the broker keeps for one session, their parts have exactly the
+    # same lengths and they share the CRC; then one is replayed to the very agent that sent both.
+    key = (idempotency_key or "").encode("utf-8", "surrogateescape")
+    crc = zlib.crc32(body, zlib.crc32(key, zlib.crc32(path.encode())))
+    digest = f"{len(path)}.{len(key)}.{len(body)}.{crc:08x}"
     again = idempotency_key is not None or (retry_count or "0").strip() not in ("", "0")
-    return RetryKey(digest.hexdigest(), again)
+    return RetryKey(digest, again)
 
 
 class Replayed(Exception):  # noqa: N818 (not an error: the request was answered before)

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from assets import wait_until
+from assets import TOOLS, wait_until
 
 from gateway_workers.engines.routing import routing_key
 
@@ -76,6 +76,17 @@ def test_a_retry_of_a_recorded_request_gets_the_same_reply_and_samples_nothing(d
     assert _engine_requests(dialect_engine, key) == 1
     (turn_id,) = _trained_turns(gw, key)
     assert turn_id.encode() in first
+
+
+def test_a_streamed_retry_replays_tool_calls_with_their_ids(dialect_gateway, dialect_engine):
+    gw = dialect_gateway
+    key = gw.client.open_session()
+    body = {**BODIES[CHAT], "tools": TOOLS, "stream": True}
+    first = _post(gw, key, CHAT, body, {"x-stainless-retry-count": "0"})
+    again = _post(gw, key, CHAT, body, {"x-stainless-retry-count": "1"})
+    assert b'"tool_calls"' in first  # the fake engine calls a tool when tools are offered
+    assert _ids(again) == _ids(first) and _text(again) == _text(first)  # call ids derive from the turn id
+    assert _engine_requests(dialect_engine, key) == 1
 
 
 def test_first_attempts_and_requests_without_a_signal_are_new_samples(dialect_gateway, dialect_engine):
