@@ -7,9 +7,10 @@ de-duplicates by turn id; sent as a delta against the session's last ACKed turn 
 `commit_bases` has one, in full if the broker no longer holds that base), ABORT, GET
 (a committed turn's messages, for `previous_response_id`) and an agent's FINISH
 (`request_finish`). Every OPEN names this worker (`worker_id`, fresh per process), and a heartbeat
-says it is alive every HEARTBEAT_INTERVAL_S: the broker abandons the open turns of a worker it stops
-hearing from. With a CURVE key directory the socket authenticates and encrypts
-(`broker.curve`), and a handshake the broker refuses is logged as an error. Imports
+says it is alive every HEARTBEAT_INTERVAL_S (the first on this socket, before any OPEN; the rest from
+`heartbeat.HeartbeatThread`): the broker abandons the open turns of a worker it stops hearing from.
+With a CURVE key directory the socket authenticates and encrypts (`broker.curve`), and a handshake
+the broker refuses is logged as an error. Imports
 `broker.protocol` and `broker.curve` and nothing else from `broker`; nothing here blocks
 the event loop.
 """
@@ -32,6 +33,7 @@ import zmq
 from broker import curve, protocol
 from broker.protocol import session_tag
 from gateway_workers.capture.commit_bases import CommitBases
+from gateway_workers.capture.heartbeat import HeartbeatThread
 
 logger = logging.getLogger(__name__)
 _Reply = TypeVar("_Reply", bound=protocol.BrokerToWorker)
@@ -105,7 +107,8 @@ class Backplane:
         self._pending: dict[int, asyncio.Future[protocol.BrokerToWorker]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commits: set[asyncio.Task[Any]] = set()
-        self._heartbeat: asyncio.TimerHandle | None = None
+        self._keys = keys
+        self._heartbeats: HeartbeatThread | None = None
         # A restarted worker must be a new worker to the broker (its predecessor's turns are abandoned), so the
         # pid alone (reused across restarts, and across hosts) does not name it.
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -116,25 +119,15 @@ class Backplane:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.FD, self._read_replies)
-        self._beat()
+        try:  # on this socket, so the broker hears it before this worker's first OPEN
+            _send_frame(self._sock, protocol.encode(protocol.Heartbeat(0, self.worker_id)), _NOBLOCK)
+        except zmq.Again:
+            pass
+        self._heartbeats = HeartbeatThread(self._ctx, self.endpoint, self._keys, self.worker_id, HEARTBEAT_INTERVAL_S)
+        self._heartbeats.start()
         if self._handshakes is not None:
             self._loop.add_reader(self._handshakes.monitor.FD, self._read_handshakes)
             self._read_handshakes()  # events from before the reader was added
-
-    def _beat(self) -> None:
-        """Send a heartbeat (never answered) and schedule the next, whatever this one met: a worker whose beats
-        stop has its turns abandoned."""
-        assert self._loop is not None
-        try:
-            _send_frame(self._sock, protocol.encode(protocol.Heartbeat(0, self.worker_id)), _NOBLOCK)
-            if _readable(self._sock):
-                self._loop.call_soon(self._read_replies)
-        except zmq.Again:
-            pass  # the broker is not reading: it will not miss this beat
-        except Exception:
-            logger.exception("heartbeat to the broker at %s failed", self.endpoint)
-        finally:
-            self._heartbeat = self._loop.call_later(HEARTBEAT_INTERVAL_S, self._beat)
 
     def _read_handshakes(self) -> None:
         """Log a refused CURVE handshake as an error (again every REFUSAL_LOG_INTERVAL_S while it lasts)."""
@@ -387,8 +380,8 @@ class Backplane:
                 logger.error("%d commits/aborts still unacknowledged at shutdown", len(pending))
 
     async def close(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        if self._heartbeats is not None:
+            self._heartbeats.stop()
         if self._loop is not None:
             self._loop.remove_reader(self._sock.FD)
         if self._handshakes is not None:

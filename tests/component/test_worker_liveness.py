@@ -176,3 +176,29 @@ def test_a_backplane_names_itself_in_its_opens_and_heartbeats_while_idle(make_br
         assert client.stats()["turns_in_flight"] == 1
         _wait_for(lambda: client.stats()["turns_worker_lost"] == 1)  # closed: silent from now on
     assert owner == worker_id
+
+
+def test_a_worker_whose_event_loop_stalls_is_slow_not_dead(make_broker, monkeypatch):
+    """A saturated worker's event loop may run seconds late; its heartbeats do not wait for it."""
+    import asyncio
+
+    from gateway_workers.capture import backplane as backplane_module
+    from gateway_workers.capture.backplane import Backplane
+
+    monkeypatch.setattr(backplane_module, "HEARTBEAT_INTERVAL_S", SILENCE_S / 4)
+    broker = make_broker(worker_silence_s=SILENCE_S)
+
+    async def main() -> int:
+        backplane = Backplane(broker.worker_endpoint)
+        backplane.start()
+        try:
+            await backplane.open_turn(SID, "t0")
+            time.sleep(5 * SILENCE_S)  # the loop runs nothing meanwhile
+            return broker.server.registry.counters["turns_worker_lost"]
+        finally:
+            await backplane.close()
+
+    with TrainerClient(broker.control_endpoint, timeout=10) as client:
+        client.open_session(session_id=SID)
+        assert asyncio.run(main()) == 0
+        assert client.stats()["turns_in_flight"] == 1
