@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 BROKER_START_TIMEOUT_S = 30.0
 BROKER_STOP_TIMEOUT_S = 10.0
 RESTART_BACKOFF_S = 0.5
+CLEAN_EXIT_GRACE_S = 1.0
 RESTART_BACKOFF_MAX_S = 10.0
 RESTART_RESET_S = 60.0
 RESTARTED_ENV = "ROLLOUT_BROKER_RESTARTED"
@@ -106,7 +107,9 @@ class BrokerSupervisor:
             proc = self._proc
             assert proc is not None
             code = proc.wait()
-            if self._stopping.is_set():
+            # A clean exit is a broker told to stop, most often by the signal that is stopping serve too (a
+            # process group's SIGTERM reaches both): give serve's own handler a moment before calling it a crash.
+            if self._stopping.wait(CLEAN_EXIT_GRACE_S if code == 0 else 0):
                 return
             if time.monotonic() - started > RESTART_RESET_S:
                 backoff = RESTART_BACKOFF_S

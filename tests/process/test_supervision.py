@@ -99,3 +99,11 @@ def test_nothing_outlives_a_killed_serve() -> None:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind((host, port))
 
+
+
+def test_a_process_group_sigterm_stops_serve_without_a_restart() -> None:
+    with launch_gateway(workers=1, engine_kind="mock", extra_args=["--log-level", "warning"]) as gw:
+        os.killpg(gw.process.pid, signal.SIGTERM)  # serve and its broker get it at once
+        gw.process.wait(GONE_WITHIN_S)
+        log = "".join(gw.output)
+    assert "restarting it" not in log, log  # the broker's clean exit is part of the stop, not a crash
