@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -55,6 +54,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from agent_text import filler  # noqa: E402
 from bench_dialects import Chat, Reply  # noqa: E402
 from bench_procs import Sampler, Service  # noqa: E402
+from bench_report import write_results  # noqa: E402
 from loadgen import SYSTEM, _summary, percentile  # noqa: E402
 
 GATEWAY_READY = r"GATEWAY READY base_url=(\S+) control=(\S+)"
@@ -755,13 +755,7 @@ def main() -> None:
             hostile.close()
         if gateway is not None:
             gateway.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    out.with_suffix(".md").write_text(table)
-    print(table)
-    print(f"wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
+    write_results(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 Run = dict[str, Any]
+
+
+def write_results(path: str, result: dict[str, Any], table: str) -> None:
+    """A benchmark's results as JSON at `path` and its table beside it (`.md`), and the table on stdout."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
 
 
 def _median(runs: list[Run], key: Callable[[Run], float | None]) -> float:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import json
 import os
 import signal
 import statistics
@@ -47,6 +46,7 @@ from agent_text import filler  # noqa: E402
 from bench_dialects import Chat  # noqa: E402
 from bench_hostile import GATEWAY_READY, _commit  # noqa: E402
 from bench_procs import Service, children  # noqa: E402
+from bench_report import write_results  # noqa: E402
 from loadgen import SYSTEM, _summary  # noqa: E402
 
 from trainer_client import BrokerBusy, Episode, EpisodeTimeout, TrainerClient  # noqa: E402
@@ -592,13 +592,7 @@ def main() -> None:
             result = soak(args, tmp if args.durable else None)
     except KeyboardInterrupt:
         sys.exit("interrupted: the gateway is stopped and its state directory removed; no results written")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    out.with_suffix(".md").write_text(table)
-    print(table)
-    print(f"wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
+    write_results(args.out, result, markdown(result))
     if not result["capture"]["ok"]:
         sys.exit(1)
 
