@@ -30,9 +30,9 @@ from gateway_workers.adapters.common import (
     flag,
     integer,
     number,
-    reply_deltas,
     sse,
 )
+from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import (
     DEFAULT_LIMITS,

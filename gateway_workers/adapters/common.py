@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import DeltaKind, LiveDelta
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import RequestLimits, check_depth
@@ -158,17 +157,6 @@ def sse(data: Any, event: str | None = None) -> bytes:
     """One server-sent event; `event:` is named for the dialects that name their events."""
     head = b"event: " + event.encode() + b"\n" if event else b""
     return head + b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-def reply_deltas(parsed: ParsedResponse) -> list[LiveDelta]:
-    """A whole reply as blocks in reply order: reasoning, text, then each tool call (empty fields left out)."""
-    deltas = []
-    if parsed.reasoning:
-        deltas.append(LiveDelta("reasoning", parsed.reasoning))
-    if parsed.content:
-        deltas.append(LiveDelta("content", parsed.content))
-    deltas.extend(LiveDelta("tool_call", call=call) for call in parsed.tool_calls)
-    return deltas
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,12 +32,12 @@ from gateway_workers.adapters.common import (
     flag,
     integer,
     number,
-    reply_deltas,
     sse,
 )
 from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the Responses API shares its error shape
 from gateway_workers.adapters.responses_items import canonical_messages
 from gateway_workers.formats import ParsedResponse
+from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
 from gateway_workers.turns.live import LiveTurn

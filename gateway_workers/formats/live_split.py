@@ -35,6 +35,17 @@ class LiveDelta:
     call: dict[str, Any] | None = None
 
 
+def reply_deltas(parsed: ParsedResponse) -> list[LiveDelta]:
+    """A whole reply as blocks in reply order: reasoning, text, then each tool call (empty fields left out)."""
+    deltas = []
+    if parsed.reasoning:
+        deltas.append(LiveDelta("reasoning", parsed.reasoning))
+    if parsed.content:
+        deltas.append(LiveDelta("content", parsed.content))
+    deltas.extend(LiveDelta("tool_call", call=call) for call in parsed.tool_calls)
+    return deltas
+
+
 class IncrementalDecoder:
     """Ids -> new text as they arrive; an id that ends mid-character waits for the next one.
 

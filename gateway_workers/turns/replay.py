@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker import protocol
-from gateway_workers.formats.live_split import LiveDelta
+from gateway_workers.formats.live_split import LiveDelta, reply_deltas
 
 if TYPE_CHECKING:
     from gateway_workers.turns.pipeline import CapturedTurn
@@ -70,13 +70,8 @@ class ReplayedLive:
 
     async def deltas(self) -> AsyncIterator[LiveDelta]:
         assert self.turn is not None
-        parsed = self.turn.parsed
-        if parsed.reasoning:
-            yield LiveDelta("reasoning", parsed.reasoning)
-        if parsed.content:
-            yield LiveDelta("content", parsed.content)
-        for call in parsed.tool_calls:
-            yield LiveDelta("tool_call", call=call)
+        for delta in reply_deltas(self.turn.parsed):
+            yield delta
 
     def commit(self) -> None:
         """Already recorded."""
