@@ -155,13 +155,12 @@ class TrainerClient:
             self.timeout + wait_timeout,
             resend=True,
         )
-        if reply.turns_abandoned:
-            logger.warning(
-                "session %s finished with %d in-flight turn(s) cut off after %.1fs",
-                protocol.session_tag(sid),
-                reply.turns_abandoned,
-                wait_timeout,
-            )
+        if reply.status == "drain_timeout":
+            logger.warning("session %s finished with in-flight turns cut off after %.1fs (%d abandoned in all)",
+                           protocol.session_tag(sid), wait_timeout, reply.turns_abandoned)
+        elif reply.status == "worker_lost":
+            logger.warning("session %s finished without %d turn(s) given up with dead workers",
+                           protocol.session_tag(sid), reply.turns_abandoned)
         return [TraceRecord.from_wire(row) for row in reply.rows]
 
     def request_finish(

@@ -74,7 +74,9 @@ class TraceRecord:
 class Episode:
     """One finished session from `TrainerClient.episodes()`: its rows, reward and how it finished.
 
-    `status`: complete, drain_timeout (in-flight turns were cut off) or failed (the broker could
+    `status`: complete, drain_timeout (in-flight turns were cut off), worker_lost (the only turns missing
+    were in flight on workers that died: their agents most likely never got those replies, so the
+    episode is whole unless a worker died between sending a reply and committing it) or failed (the broker could
     not build rows; its log has the cause). `redelivered`: it was handed to a subscriber before
     that did not acknowledge it, so it may have been (partly) processed already. `finished_by`:
     trainer (`request_finish`) or agent (`POST /rollout/v1/sessions/finish`). `metadata` is the

@@ -205,7 +205,7 @@ class Finishes:
             if self.journal is not None:
                 self.journal.session_finished(finished.sid, finished.finished_by)
             return protocol.Refused(msg.request_id, "internal", f"building rows of session {tag} failed; see the log")
-        if finished.turns_abandoned:
+        if finished.status == "drain_timeout":
             self.counters["drain_timeouts"] += 1
         self.answers.remember(finished.sid, msg.request_id, frame, now)
         if self.journal is not None:
@@ -232,7 +232,7 @@ class Finishes:
             logger.exception("building rows of session %s failed (%d turns)", tag, len(finished.turns))
             trace_rows, status = [], "failed"
             metadata["error"] = "building rows failed; see the broker log"
-        if finished.turns_abandoned:
+        if finished.status == "drain_timeout":
             self.counters["drain_timeouts"] += 1
         return protocol.DeliveredEpisode(
             0,

@@ -38,9 +38,9 @@ class RowBuilder:
         self._token_bytes: _ByteTable | None = None  # id -> bytes, for byte-level BPE tokenizers
 
     def build(self, finished: FinishedSession, msg: protocol.FinishSession) -> tuple[list[protocol.TraceRow], str]:
-        """The session's rows and its finish status: complete, or drain_timeout if turns were cut off."""
+        """The session's rows and its finish status (`FinishedSession.status`)."""
         rows = build_rows(finished.turns, max_context_tokens=finished.max_context_tokens)
-        status = "drain_timeout" if finished.turns_abandoned else "complete"
+        status = finished.status
         return [self._trace_row(row, msg, finished, status) for row in rows], status
 
     def _trace_row(
@@ -52,6 +52,8 @@ class RowBuilder:
         if status != "complete":
             metadata["drain_status"] = status
             metadata["turns_abandoned"] = finished.turns_abandoned
+            if finished.turns_worker_lost:
+                metadata["turns_worker_lost"] = finished.turns_worker_lost
         return protocol.TraceRow(
             token_ids=row.token_ids,
             loss_mask=row.loss_mask,

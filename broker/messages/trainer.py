@@ -124,7 +124,8 @@ class SessionOpened(Message):
 
 @dataclass(frozen=True, slots=True)
 class SessionFinished(Message):
-    """The session's rows. `status`: complete, or drain_timeout if in-flight turns were cut off."""
+    """The session's rows. `status`: complete, drain_timeout if in-flight turns were cut off, or worker_lost
+    if the only turns missing were given up with dead workers."""
 
     TAG: ClassVar[str] = "session_finished"
     session_id: str
@@ -151,7 +152,8 @@ class Stats(Message):
 class DeliveredEpisode:
     """One finished episode handed to a subscriber; `trainer_client.Episode` is its public face.
 
-    `status`: complete, drain_timeout (in-flight turns were cut off) or failed (rows could not be
+    `status`: complete, drain_timeout (in-flight turns were cut off), worker_lost (the only turns missing
+    were given up with dead workers) or failed (rows could not be
     built; the broker log has the cause). `redelivered`: it was handed out before and not
     acknowledged, so it may have been (partly) processed. `finished_by`: trainer or agent.
     """

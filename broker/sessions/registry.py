@@ -110,10 +110,19 @@ class FinishedSession:
     turns: list[TurnRecord]
     max_context_tokens: int | None
     metadata: dict[str, Any]
-    turns_abandoned: int
+    turns_abandoned: int  # in flight at the finish, or given up with their silent workers
     client_id: str = ""
     group: str | None = None
     finished_by: FinishOrigin = "trainer"
+    turns_worker_lost: int = 0  # of turns_abandoned, those given up with their workers (`abandon_turn`)
+
+    @property
+    def status(self) -> str:
+        """complete; drain_timeout when the finish cut off turns in flight; worker_lost when the only turns
+        missing were given up with dead workers (their agents most likely never got those replies)."""
+        if self.turns_abandoned > self.turns_worker_lost:
+            return "drain_timeout"
+        return "worker_lost" if self.turns_worker_lost else "complete"
 
 
 def check_chosen_key(session_id: str | None) -> None:
@@ -268,6 +277,7 @@ class SessionRegistry:
             session.client_id,
             session.group,
             origin,
+            len(session.abandoned),
         )
 
     def drop(self, sid: str) -> bool:

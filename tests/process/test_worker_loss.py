@@ -78,3 +78,5 @@ def test_an_agent_retrying_through_a_killed_worker_is_trained_on_the_reply_it_go
     assert row.metadata["turn_ids"] == [reply.id.removeprefix("chatcmpl-")]
     assert reply.choices[0].message.content in row.response
     assert stats["turns_worker_lost"] == 1 and stats["commits_stored"] == 1
+    # the SDK's retry of the request that died with its worker superseded that turn: the episode is complete
+    assert "drain_status" not in row.metadata
