@@ -29,7 +29,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "/messages": {"model": "qwen3", "max_tokens": 64, "messages": [{"role": "user", "content": "tell me a story"}]},
     "/responses": {"model": "qwen3", "input": "tell me a story"},
 }
-_TIMES = re.compile(rb'"created(_at)?":\s*\d+')  # the reply's own clock: a replay is answered now
+_TIMES = re.compile(rb'"(?:created|created_at|completed_at)":\s*\d+')  # the reply's own clock: a replay is answered now
 
 
 def _post(gw, key: str, path: str, body: dict[str, Any], headers: dict[str, str], timeout: float = 30.0) -> bytes:
@@ -170,16 +170,23 @@ class ReplyDroppingProxy:
         with agent, socket.create_connection(self.target) as gateway:
             agent.settimeout(30)
             gateway.settimeout(30)
-            request = agent.recv(1 << 20)
-            gateway.sendall(request)
+            threading.Thread(target=_pump, args=(agent, gateway), daemon=True).start()  # the request, however split
+            # The agent asks to close after the reply (Connection: close), so the gateway's EOF ends it; a dropped
+            # reply was sent whole (the gateway commits its turn), and the agent gets nothing of it.
             while chunk := gateway.recv(1 << 16):
                 if not drop:
                     agent.sendall(chunk)
-                elif b"\r\n\r\n" in chunk and b'"usage"' in chunk:
-                    return  # the gateway sent its whole reply (it commits the turn); the agent gets nothing
 
     def close(self) -> None:
         self.listener.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while chunk := source.recv(1 << 16):
+            sink.sendall(chunk)
+    except OSError:
+        pass  # either side closed: the exchange is over
 
 
 def test_the_openai_sdk_rides_through_a_lost_reply_and_is_trained_once(dialect_gateway, dialect_engine):
