@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+from assets import wait_until
 from component.peers import WorkerPeer, assert_linear_rows, conversation
 
 from broker import protocol
@@ -105,7 +106,7 @@ def test_a_slow_workers_commit_after_it_was_given_up_still_lands(make_broker, zc
         with TrainerClient(broker.control_endpoint, timeout=10) as client:
             client.open_session(session_id=SID)
             assert isinstance(worker.open_turn(SID, "t0", "slow-worker"), protocol.TurnOpened)
-            _wait_for(lambda: client.stats()["turns_worker_lost"] == 1)
+            assert wait_until(lambda: client.stats()["turns_worker_lost"] == 1, timeout=5)
             assert worker.commit(SID, "t0", turns[0]).outcome == "stored"
             stats = client.stats()
             records = client.finish_session(SID, wait_timeout=0)
@@ -124,7 +125,7 @@ def test_a_durable_broker_remembers_owners_and_abandonments_across_a_restart(tmp
         with TrainerClient(first.control_endpoint, timeout=10) as client:
             client.open_session(session_id=SID)
             assert isinstance(worker.open_turn(SID, "abandoned", "w-before"), protocol.TurnOpened)
-            _wait_for(lambda: client.stats()["turns_worker_lost"] == 1)
+            assert wait_until(lambda: client.stats()["turns_worker_lost"] == 1, timeout=5)
             assert isinstance(worker.open_turn(SID, "owned", "w-after"), protocol.TurnOpened)
     finally:
         worker.close()
@@ -143,13 +144,6 @@ def test_a_durable_broker_remembers_owners_and_abandonments_across_a_restart(tmp
     assert records == []
     assert elapsed < SILENCE_S + 1.0, elapsed
     assert stats["turns_worker_lost"] == 1  # counted afresh by this broker: "owned"
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_a_backplane_names_itself_in_its_opens_and_heartbeats_while_idle(make_broker, monkeypatch):
@@ -175,7 +169,7 @@ def test_a_backplane_names_itself_in_its_opens_and_heartbeats_while_idle(make_br
         client.open_session(session_id=SID)
         worker_id, owner = asyncio.run(main(client))
         assert client.stats()["turns_in_flight"] == 1
-        _wait_for(lambda: client.stats()["turns_worker_lost"] == 1)  # closed: silent from now on
+        assert wait_until(lambda: client.stats()["turns_worker_lost"] == 1, timeout=5)  # closed: silent from now on
     assert owner == worker_id
 
 
