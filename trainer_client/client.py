@@ -178,13 +178,16 @@ class TrainerClient:
         already finished (by any path), `UnknownSession`, or `BrokerBusy` when the episode outbox is
         full (the session stays open: consume episodes, then retry). The outbox is in the broker's
         memory: episodes not yet acknowledged when the broker restarts are lost with it, unless it runs
-        with `--state-dir`. Not resent by itself: `BrokerDisconnected` if the connection ends first.
+        with `--state-dir`. Through a broker restart the request is resent (same request id), and a
+        repeat of an accepted finish is accepted again, not refused; a broker without a state directory
+        lost the session: `UnknownSession`.
         """
         args = _finish_args(sid, reward, rollout_id, metadata, wait_timeout)
         self._call(
             lambda rid: protocol.RequestFinish(rid, *args),
             protocol.FinishAccepted,
             self.timeout,
+            resend=True,
         )
 
     def episodes(

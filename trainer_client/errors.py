@@ -33,14 +33,11 @@ class BrokerDisconnected(BrokerTimeout):
     or the network dropped): the call may or may not have taken effect. Raised at once, not after the timeout.
 
     Retry it. The calls the broker recognises when repeated are resent by the client itself once it is
-    connected again (`stats`, `drop_session`, `finish_session`, `open_session` with your own `session_id`,
-    the episode stream's steps); they raise this only when no broker answers again within their timeout.
-    The others raise it at once:
-    - `open_session()` without `session_id`: a session may have been opened that nobody will use (it holds
-      nothing until dropped). Pass your own `session_id` to let the client resend the call itself.
-    - `request_finish()`: call it again. `SessionClosed` (finished by the trainer) then means the first attempt
-      was accepted: its episode comes on `episodes()`; `UnknownSession`: the broker restarted without a state
-      directory and the session is lost with it.
+    connected again (`stats`, `drop_session`, `finish_session`, `request_finish`, `open_session` with your
+    own `session_id`, the episode stream's steps); they raise this only when no broker answers again within
+    their timeout. `open_session()` without `session_id` raises it at once: a session may have been opened
+    that nobody will use (it holds nothing until dropped). Pass your own `session_id` to let the client
+    resend the call itself.
     """
 
 

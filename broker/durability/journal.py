@@ -78,11 +78,13 @@ class Journal:
 
 
 def close_record(msg: protocol.RequestFinish, origin: str) -> records.CloseRecord:
-    return records.CloseRecord(msg.session_id, origin, msg.reward, msg.rollout_id, msg.metadata, msg.wait_timeout)
+    return records.CloseRecord(
+        msg.session_id, origin, msg.reward, msg.rollout_id, msg.metadata, msg.wait_timeout, msg.request_id
+    )
 
 
 def request_of(close: records.CloseRecord) -> protocol.RequestFinish:
-    """The RequestFinish a CloseRecord logged (its request id is gone with its reply: 0)."""
+    """The RequestFinish a CloseRecord logged."""
     return protocol.RequestFinish(
-        0, close.session_id, close.reward, close.rollout_id, close.metadata, close.wait_timeout
+        close.request_id, close.session_id, close.reward, close.rollout_id, close.metadata, close.wait_timeout
     )

@@ -81,6 +81,7 @@ class CloseRecord(Record):
 
     A FinishSession's close is not logged: its trainer waits for the rows, and a broker that restarts
     before they were sent finds the session open, so the trainer's retried finish gets them.
+    `request_id`: the RequestFinish's, so that its repeat after a restart is accepted again (0: not known).
     """
 
     TAG: ClassVar[str] = "close"
@@ -90,6 +91,7 @@ class CloseRecord(Record):
     rollout_id: str | None
     metadata: dict[str, Any]
     wait_timeout: float
+    request_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)

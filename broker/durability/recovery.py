@@ -169,7 +169,9 @@ class Replay:
                     self.absent += 1
                     return
                 registry.close(sid, record.origin)  # type: ignore[arg-type]
-                self.pending[sid] = request_of(record)
+                self.pending[sid] = request = request_of(record)
+                if request.request_id:  # 0: logged by a broker that did not keep it
+                    self.answers.accept(request, self.now)
             case records.FinishRecord() | records.DropRecord():
                 sid = record.session_id
                 if self._skip_session(sid, pos):

@@ -5,16 +5,20 @@ request, with the same request id, once it is connected again (`trainer_client`)
 attempt may have finished the session: its rows were built once and sent to a connection that is gone.
 `Finishes` keeps each trainer finish's encoded reply here, by session id, and answers a repeat (same
 session, same request id) with it, so the rows reach the trainer once: neither lost nor built twice. A
-different request id is another finish, refused as already finished. A durable broker logs the reply
-with its finish (`FinishRecord.answer`) and carries this memory in its snapshots, so a repeat that
-arrives after a restart is answered too. Bounded by age and bytes. No sockets and no clock of its own
-(callers pass `now`); imports the stdlib only.
+different request id is another finish, refused as already finished. A RequestFinish's acceptance is
+kept the same way (`accept`), so its resend is accepted again rather than refused. A durable broker logs
+the reply with its finish (`FinishRecord.answer`; a RequestFinish's request id with its close) and
+carries this memory in its snapshots, so a repeat that arrives after a restart is answered too. Bounded
+by age and bytes. No sockets and no clock of its own (callers pass `now`); imports the stdlib and
+`broker.protocol` only.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from broker import protocol
 
 # A repeat comes once the trainer's connection is back: after a broker restart (recovery, the supervisor's
 # backoff) and within the trainer's own call timeout. Kept well past both.
@@ -56,6 +60,12 @@ class FinishAnswers:
         self._answers[sid] = _Answer(request_id, frame, now)
         self._bytes += len(frame)
         self._trim(now)
+
+    def accept(self, msg: protocol.RequestFinish, now: float) -> bytes:
+        """The reply that accepts `msg`, kept for its repeat."""
+        frame = protocol.encode(protocol.FinishAccepted(msg.request_id, msg.session_id))
+        self.remember(msg.session_id, msg.request_id, frame, now)
+        return frame
 
     def replay(self, sid: str, request_id: int, now: float) -> bytes | None:
         """The reply to repeat for request `request_id` on the finished session `sid`; None if it is no repeat."""

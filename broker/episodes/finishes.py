@@ -5,7 +5,8 @@ waits for a `SessionFinished`), `RequestFinish` from a trainer or an agent (answ
 the episode goes to `outbox.Outbox`), parking while in-flight turns drain (up to each finish's
 `wait_timeout`), and building rows exactly once whichever way came first. A FinishSession repeated
 with the same request id (a trainer resends it after its connection dropped) is the same finish:
-it takes over the parked one, or gets the reply the first one got (`answers`). A durable broker
+it takes over the parked one, or gets the reply the first one got (`answers`); a repeated
+RequestFinish is accepted again. A durable broker
 logs closes by request and finishes (with their replies) through `journal`, and resumes the
 requests a restart found draining (`resume`). No sockets: it returns the replies to send (all to
 trainer peers) with their envelopes, and takes `now` from the caller. Imports the stdlib and
@@ -89,19 +90,23 @@ class Finishes:
 
     def request_finish(
         self, msg: protocol.RequestFinish, origin: FinishOrigin, now: float
-    ) -> tuple[protocol.FinishAccepted, list[Reply]]:
+    ) -> tuple[bytes, list[Reply]]:
         """Close the session and accept at once; its episode reaches the outbox when its turns have landed.
 
         Room in the outbox is reserved before the session closes: a full outbox refuses (busy) and
-        leaves the session open, so a refused finish loses nothing and can be retried.
+        leaves the session open, so a refused finish loses nothing and can be retried. A repeat (same
+        session, same request id: a resend through a lost connection) is accepted again and changes nothing.
         """
         _check_wait(msg.wait_timeout)
+        answer = self.answers.replay(msg.session_id, msg.request_id, now)
+        if answer is not None:
+            return answer, []
         self._registry.closable(msg.session_id)  # "already finished" before "busy": the precise answer
         self._outbox.reserve()
         self._registry.close(msg.session_id, origin)
         if self.journal is not None:
             self.journal.finish_requested(msg, origin)
-        return protocol.FinishAccepted(msg.request_id, msg.session_id), self._drain_or_park(msg, now)
+        return self.answers.accept(msg, now), self._drain_or_park(msg, now)
 
     def resume(self, msg: protocol.RequestFinish, now: float) -> list[Reply]:
         """A RequestFinish accepted before a restart (its session restored closing): keep its promise.

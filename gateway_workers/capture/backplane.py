@@ -49,6 +49,7 @@ GET_TURN_RETRY_S = 0.02
 RETRY_WAIT_S = 900.0
 RETRY_ASK_FIRST_S = 0.05
 RETRY_ASK_MAX_S = 1.0
+FIRST_ID_RANGE = 1 << 48
 # Well inside the broker's silence bound (`broker.config.WORKER_SILENCE_S`): a few beats may be late.
 HEARTBEAT_INTERVAL_S = 1.0
 LINGER_MS = 1000
@@ -103,7 +104,9 @@ class Backplane:
             self._handshakes = curve.HandshakeWatch(self._sock, endpoint, "worker")  # before connect: the first one too
         self._refusal_logged: tuple[str, float] | None = None
         self._sock.connect(endpoint)
-        self._ids = itertools.count(1)
+        # From a random point, as a trainer's: the broker takes a RequestFinish with the session and request
+        # id of an accepted one for its resend, so another worker's must not meet it by chance.
+        self._ids = itertools.count(1 + secrets.randbelow(FIRST_ID_RANGE))
         self._pending: dict[int, asyncio.Future[protocol.BrokerToWorker]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commits: set[asyncio.Task[Any]] = set()

@@ -4,15 +4,17 @@ A real `python -m broker` (ephemeral ports, with and without a state directory) 
 restarted on the same endpoints while a call waits. To have a quick call in flight at the crash, the broker
 is first stopped (SIGSTOP): the request waits in its socket until the kill. Every call returns or raises
 promptly, never after its timeout: `stats`, `drop_session`, `open_session` with a chosen key and
-`finish_session` are resent and answered by the new broker; `open_session` without a key and
-`request_finish` raise `BrokerDisconnected` at once. A FinishSession whose reply was lost after its rows
-were built gets the same rows when repeated with its request id, from a broker that is still up, from a
-restarted durable one (the log, or a snapshot taken since), never a second finish. Broker-side parts run
+`finish_session` and `request_finish` are resent and answered by the new broker; `open_session` without a
+key raises `BrokerDisconnected` at once. A FinishSession whose reply was lost after its rows were built
+gets the same rows when repeated with its request id, and an accepted RequestFinish is accepted again,
+from a broker that is still up or from a restarted durable one (the log, or a snapshot taken since),
+never a second finish. Broker-side parts run
 against the in-thread broker of conftest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -28,7 +30,7 @@ from component.peers import TrainerPeer, WorkerPeer, conversation
 from processes import TestProcess, start_broker
 
 from broker import protocol
-from trainer_client import BrokerDisconnected, BrokerTimeout, TrainerClient, UnknownSession
+from trainer_client import BrokerDisconnected, BrokerTimeout, EpisodeTimeout, TrainerClient, UnknownSession
 
 CALL_TIMEOUT_S = 30.0
 # A call that rides through a restart returns within this: the broker's start-up and one reconnect, far from
@@ -134,14 +136,26 @@ def test_an_open_with_a_chosen_key_is_resent_and_a_key_open_by_then_is_returned(
     assert resent(caplog) == ["open_session", "open_session"]
 
 
-def test_a_minted_open_and_a_request_finish_in_flight_at_a_crash_raise_broker_disconnected(restarting, trainer):
+def test_a_minted_open_in_flight_at_a_crash_raises_broker_disconnected(restarting, trainer):
     minted = restarting.through_a_crash(trainer.open_session)
     assert isinstance(minted.get("error"), BrokerDisconnected), minted
     assert isinstance(minted["error"], BrokerTimeout)  # callers that retry on timeouts retry this too
     assert minted["seconds"] < PROMPT_S
+
+
+def test_a_request_finish_in_flight_at_a_crash_is_resent(restarting, trainer, caplog):
+    caplog.set_level(logging.INFO, logger="trainer_client.control_socket")
     sid = trainer.open_session(session_id=KEY)
     finish = restarting.through_a_crash(lambda: trainer.request_finish(sid, reward=1.0))
-    assert isinstance(finish.get("error"), BrokerDisconnected) and finish["seconds"] < PROMPT_S, finish
+    assert finish["seconds"] < PROMPT_S and resent(caplog) == ["request_finish"], finish
+    if restarting.extra:  # the durable broker still had the session: the resend finished it, once
+        assert finish.get("value") is None and "error" not in finish, finish
+        with trainer.episodes(timeout=10) as stream:
+            episode = next(stream)
+        assert episode.session_id == sid and episode.reward == 1.0
+    else:
+        error = finish["error"]
+        assert isinstance(error, UnknownSession) and "restarted without a state directory" in str(error)
 
 
 def test_a_finish_draining_at_a_crash_is_resent(restarting, trainer):
@@ -241,6 +255,50 @@ def test_a_finish_whose_reply_was_lost_gets_the_same_rows_from_a_restarted_durab
         broker.stop()
 
 
+@pytest.mark.parametrize("snapshot_between", [False, True], ids=["from_the_log", "from_a_snapshot"])
+def test_a_request_finish_whose_reply_was_lost_is_accepted_again_by_a_restarted_durable_broker(
+    tmp_path, snapshot_between
+):
+    env = {"ROLLOUT_BROKER_SNAPSHOT_MIN_BYTES": "1", "ROLLOUT_BROKER_SNAPSHOT_MAX_BYTES": "1"}
+    broker = RestartingBroker(tmp_path / "state", env=env if snapshot_between else None)
+    try:
+        with TrainerClient(broker.control, timeout=CALL_TIMEOUT_S) as trainer:
+            _session_with_turns(broker, trainer, KEY)
+            with zmq.Context() as ctx:
+                worker = WorkerPeer(ctx, broker.worker)
+                try:
+                    worker.open_turn(KEY, "t3")  # in flight: the accepted finish parks, its promise logged
+                finally:
+                    worker.close()
+            request = protocol.RequestFinish(55, KEY, 1.0, "ep", {}, 20.0)
+            with zmq.Context() as ctx:
+                peer = TrainerPeer(ctx, broker.control)
+                try:
+                    assert isinstance(peer.request(request), protocol.FinishAccepted)  # a reply then lost
+                finally:
+                    peer.close()
+            if snapshot_between:
+                written = trainer.stats()["snapshots_written"]
+                trainer.drop_session(trainer.open_session())
+                assert wait_until(lambda: trainer.stats()["snapshots_written"] >= written + 2, timeout=10)
+            broker.kill_and_restart()
+            with zmq.Context() as ctx:
+                peer = TrainerPeer(ctx, broker.control)
+                try:
+                    again = peer.request(request)
+                    other = peer.request(dataclasses.replace(request, request_id=56))
+                finally:
+                    peer.close()
+            assert isinstance(again, protocol.FinishAccepted) and again.request_id == 55, again
+            assert isinstance(other, protocol.Refused) and other.code == "session_closed", other
+            with trainer.episodes(timeout=30) as stream:  # the in-flight turn is abandoned by its deadline
+                episode = next(stream)
+            assert episode.session_id == KEY and episode.turns_committed == 3
+            assert trainer.stats()["finish_repeats_answered"] == 1
+    finally:
+        broker.stop()
+
+
 # --- the broker's side, in-thread: a repeat while it stays up -----------------------------------------
 
 
@@ -277,3 +335,26 @@ def test_a_done_finish_repeated_with_its_request_id_gets_its_reply_again(broker,
     assert isinstance(other, protocol.Refused) and other.code == "session_closed"
     stats = client.stats()
     assert stats["finish_repeats_answered"] == 1 and stats["finish_answers_kept"] == 1
+
+
+def test_a_request_finish_repeated_with_its_request_id_is_accepted_again_and_finishes_once(
+    broker, client, worker, raw_trainer
+):
+    sid = client.open_session(session_id=KEY)
+    (turn,) = conversation(13, 1)
+    worker.open_turn(sid, "t0")
+    msg = protocol.RequestFinish(700, sid, 0.5, "ep-7", {}, 20.0)
+    first = raw_trainer.request(msg)
+    parked = raw_trainer.request(msg)  # while its session drains
+    worker.commit(sid, "t0", turn)
+    with client.episodes(timeout=10) as stream:
+        episode = next(stream)
+    done = raw_trainer.request(msg)  # after its episode was delivered
+    assert isinstance(first, protocol.FinishAccepted) and parked == first and done == first
+    other = raw_trainer.request(protocol.RequestFinish(701, sid, 0.5, "ep-7", {}, 20.0))
+    assert isinstance(other, protocol.Refused) and other.code == "session_closed"
+    assert episode.session_id == sid and episode.turns_committed == 1
+    assert client.stats()["finish_repeats_answered"] == 2
+    with client.episodes(timeout=0.5) as stream:  # one finish, one episode
+        with pytest.raises(EpisodeTimeout):
+            next(stream)

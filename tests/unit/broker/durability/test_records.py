@@ -22,7 +22,7 @@ from broker.sessions.registry import SessionRegistry
 
 LOG_RECORDS = [
     records.OpenRecord("sid-xxxxxxxxxxxxxxxxxxxxxx", {"temperature": 0.5}, 4096, None, {"m": [1, 2]}, "c", None),
-    records.CloseRecord("s", "agent", 1.0, "ep-1", {"k": "v"}, 5.0),
+    records.CloseRecord("s", "agent", 1.0, "ep-1", {"k": "v"}, 5.0, 42),
     records.CloseRecord("s", "trainer", None, None, {}, 0.0),
     records.FinishRecord("s", "trainer"),
     records.DropRecord("s"),
