@@ -48,6 +48,7 @@ from broker.messages.worker import (
     GetTurn,
     Heartbeat,
     OpenTurn,
+    SessionsEnded,
     TurnAborted,
     TurnCommitted,
     TurnFound,
@@ -62,7 +63,7 @@ __all__ = [
     "ids_array", "logprobs_array", "pack_message", "is_packed_map", "unpack_messages",
     "Message", "RequestFinish", "FinishAccepted", "Refused",
     "OpenTurn", "CommitTurn", "AbortTurn", "GetTurn", "Heartbeat",
-    "TurnOpened", "TurnReplayed", "TurnCommitted", "TurnAborted", "TurnFound",
+    "TurnOpened", "TurnReplayed", "TurnCommitted", "TurnAborted", "TurnFound", "SessionsEnded",
     "OpenSession", "FinishSession", "DropSession", "GetStats", "FetchEpisodes",
     "TraceRow", "SessionOpened", "SessionFinished", "SessionDropped", "Stats", "DeliveredEpisode", "EpisodesDelivered",
     "WorkerToBroker", "BrokerToWorker", "TrainerToBroker", "BrokerToTrainer",
@@ -140,7 +141,9 @@ def logprobs_array(values: Iterable[float] = ()) -> array:
 # --- the messages, by direction (defined in `broker.messages`) ------------------------------------
 
 WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | Heartbeat | RequestFinish
-BrokerToWorker = TurnOpened | TurnReplayed | TurnCommitted | TurnAborted | TurnFound | FinishAccepted | Refused
+BrokerToWorker = (
+    TurnOpened | TurnReplayed | TurnCommitted | TurnAborted | TurnFound | SessionsEnded | FinishAccepted | Refused
+)
 TrainerToBroker = OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes
 BrokerToTrainer = (
     SessionOpened | SessionFinished | SessionDropped | Stats | FinishAccepted | EpisodesDelivered | Refused

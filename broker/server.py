@@ -5,7 +5,8 @@ each: port 0 works; the bound addresses are reported; with keys, CURVE servers b
 decodes each frame with `broker.protocol`, dispatches it (one `match` on the message class, for both
 sockets) to `sessions.SessionRegistry`, `finishes.Finishes` and `outbox.Outbox`, and answers every
 request exactly once with the same request id (`Refused` on any error); a worker's heartbeat is
-never answered, and the turns of a worker unheard for a while are abandoned (`sessions.workers`).
+answered only with the sessions that ended since its last one, and the turns of a worker unheard for a
+while are abandoned (`sessions.workers`).
 With a state directory (`broker.durability`), every change a reply acknowledges is appended to the
 write-ahead log first: the log is committed before any reply of a pass is sent. The process around it (signals, READY
 line) is `broker.__main__`. Finishes that wait for in-flight turns, and subscribers'
@@ -415,7 +416,8 @@ class BrokerServer:
                     return self.handle_get_turn(msg)
                 case protocol.Heartbeat():
                     self.workers.hear(msg.worker_id, time.monotonic())
-                    return None
+                    ended = self.workers.ended_since(msg.worker_id, self.registry)
+                    return protocol.SessionsEnded(0, ended) if ended else None
                 # either side: an agent's finish comes through its worker
                 case protocol.RequestFinish():
                     origin: FinishOrigin = "agent" if side == "worker" else "trainer"

@@ -283,9 +283,14 @@ async def metrics(request: Request) -> Response:
     cache = pipeline.renderer.cache.stats()
     counters: Counter[str] = Counter(request.state.counters)
     counters.update(pipeline.backplane.counters)  # commits sent full / as deltas, deltas refused
-    counters.update({"render_cache_hits": cache.hits, "render_cache_misses": cache.misses})
+    counters.update({"render_cache_hits": cache.hits, "render_cache_misses": cache.misses,
+                     "render_cache_forgotten": cache.forgotten})
     pid = os.getpid()
     lines = [f'rollout_gateway_{name}_total{{pid="{pid}"}} {value}' for name, value in sorted(counters.items())]
+    # What this worker holds per session (dropped when the broker says a session ended), and its piece cache
+    held = {"commit_bases": len(pipeline.backplane.bases), "session_renders": pipeline.renderer.sessions_held,
+            "render_cache_pieces": cache.entries, "render_cache_bytes": cache.bytes}
+    lines += [f'rollout_gateway_{name}{{pid="{pid}"}} {value}' for name, value in held.items()]
     # 1 while new prompt text is encoded by the tiktoken twin (0: never had one, or it diverged and was dropped)
     lines.append(f'rollout_gateway_render_bpe_twin{{pid="{pid}"}} {int(pipeline.renderer.bpe_twin)}')
     for twin in twin_stats():  # every fast twin: how often it ran, was checked, differed, and whether it is on
@@ -317,6 +322,7 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         parser = detect_parser(tokenizer, config.response_format, config.allow_plain_text)
         renderer = Renderer(tokenizer)
         renderer.prepare_thread()
+        backplane.ended_listeners.append(renderer.forget_sessions)
         pipeline = TurnPipeline(backplane, renderer, parser, engine, config.default_max_tokens,
                                 config.max_context_tokens)
         logger.info("worker %d ready: broker %s, engine %s", os.getpid(), config.broker_endpoint, config.engine.kind)

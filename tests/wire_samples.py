@@ -32,6 +32,7 @@ from broker.protocol import (
     SessionDropped,
     SessionFinished,
     SessionOpened,
+    SessionsEnded,
     Stats,
     TraceRow,
     TurnAborted,
@@ -98,6 +99,8 @@ MESSAGES: dict[str, list] = {
         ),
         FinishAccepted(25, "sess"),
         TurnReplayed(26, "turn-1", IDS, IDS[:2], "stop", {"role": "assistant", "content": "again"}, {"x": False}),
+        SessionsEnded(0, ["sess", "other"]),
+        SessionsEnded(0, []),
     ],
     "trainer_to_broker": [
         OpenSession(10, None, {"temperature": 0.5}, None, 8, {"task": "gsm8k"}),

@@ -1,8 +1,8 @@
 """The messages of the worker socket: a turn's open, commit, abort and lookup, and the broker's replies.
 
 Worker -> broker: `OpenTurn`, `CommitTurn`, `AbortTurn`, `GetTurn`, `Heartbeat` (and `RequestFinish`, in `common`);
-broker -> worker: `TurnOpened`, `TurnCommitted`, `TurnAborted`, `TurnFound` (and `FinishAccepted`,
-`Refused`). `broker.protocol` re-exports them and holds their unions; import them from there. The
+broker -> worker: `TurnOpened`, `TurnReplayed`, `TurnCommitted`, `TurnAborted`, `TurnFound`, `SessionsEnded` (and
+`FinishAccepted`, `Refused`). `broker.protocol` re-exports them and holds their unions; import them from there. The
 codecs read each class's fields, so the names used in annotations (`array`, `Any`) must be imported
 here at run time. Imports only the stdlib, `broker.codec.wire` (the field markers) and `common`; no sockets.
 """
@@ -111,7 +111,9 @@ class GetTurn(Message):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
-    """A worker is alive (sent every second or so, never answered); its turns outlive it by a bounded silence."""
+    """A worker is alive (sent every second or so); its turns outlive it by a bounded silence.
+
+    Answered only when sessions ended since the worker's last beat (`SessionsEnded`)."""
 
     TAG: ClassVar[str] = "heartbeat"
     worker_id: str
@@ -173,3 +175,13 @@ class TurnFound(Message):
     turn_id: str
     prompt_messages: list[dict[str, Any]]
     response_message: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionsEnded(Message):
+    """The sessions that ended (finished or dropped) since the worker's last `Heartbeat`, oldest first, sent on
+    that heartbeat's socket (request id 0): a worker drops what it keeps of them (commit bases, last renders),
+    so its memory follows its live sessions. Best effort: a worker that misses one evicts by LRU."""
+
+    TAG: ClassVar[str] = "sessions_ended"
+    session_ids: list[str]

@@ -16,7 +16,7 @@ import logging
 import re
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -41,6 +41,8 @@ _MINTED_KEY_PREFIX = "rg-"
 # Request digests kept per session for retries to find (`Session.digests`): a retry follows its request
 # within seconds, so the latest ones suffice, and a session's memory for them stays bounded.
 MAX_DIGESTS = 64
+# Ends kept for the workers' next heartbeats (a second apart): far more than end in that time.
+ENDED_KEPT = 16_384
 
 State = Literal["open", "closing"]
 # Who finished a session: named in the refusal the later finishers get.
@@ -154,6 +156,10 @@ class SessionRegistry:
         # restarted without a state directory says so).
         self._unknown_hint = unknown_hint
         self._finished: OrderedDict[str, FinishOrigin] = OrderedDict()
+        # Every session's end in order (`ended_total` counts them), so that each worker is told the ends since it
+        # was last told and drops what it caches of those sessions (`workers.WorkerLiveness.ended_since`).
+        self.ended: deque[str] = deque(maxlen=ENDED_KEPT)
+        self.ended_total = 0
         self._max_sessions = max_sessions
         self._max_turns_cap = max_turns_cap
         self._finished_memory = finished_memory
@@ -291,6 +297,8 @@ class SessionRegistry:
         return True
 
     def _remember_finished(self, sid: str, origin: FinishOrigin) -> None:
+        self.ended.append(sid)
+        self.ended_total += 1
         self._finished[sid] = origin
         if len(self._finished) > self._finished_memory:
             self._finished.popitem(last=False)

@@ -5,13 +5,15 @@ OPEN (`worker_id`: fresh per worker process, so a restarted worker is a new work
 for `silence_s` is given up for lost: each turn it opened and has not committed or aborted is
 abandoned (`SessionRegistry.abandon_turn`), so a finish stops waiting for turns that cannot arrive.
 A worker that was only slow and commits later still lands its turn while the session lives, unless a
-retry of its request was sampled afresh meanwhile (`SessionRegistry.commit_turn`, `open_turn`). Pure
-bookkeeping on the server's clock: no sockets; imports only the stdlib, `broker.protocol` and
-`broker.sessions`.
+retry of its request was sampled afresh meanwhile (`SessionRegistry.commit_turn`, `open_turn`). Each
+heartbeat is also when a worker is told which sessions ended since its last one (`ended_since`), so that
+it drops what it caches of them. Pure bookkeeping on the server's clock: no sockets; imports only the
+stdlib, `broker.protocol` and `broker.sessions`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from broker.protocol import session_tag
@@ -33,10 +35,22 @@ class WorkerLiveness:
             raise ValueError(f"silence_s must be positive, got {silence_s!r}")
         self.silence_s = silence_s
         self.heard: dict[str, float] = {}  # worker id -> when last heard (server clock)
+        self.told: dict[str, int] = {}  # worker id -> the registry's `ended_total` when last told
         self.next_check = 0.0
 
     def hear(self, worker_id: str, now: float) -> None:
         self.heard[worker_id] = now
+
+    def ended_since(self, worker_id: str, registry: SessionRegistry) -> list[str]:
+        """The sessions that ended since `worker_id` was last told, oldest first (none for a worker new here: it
+        holds nothing of sessions that ended before it was heard, or it was told by the broker before a restart).
+        """
+        total, ended = registry.ended_total, registry.ended
+        told = self.told.get(worker_id)
+        self.told[worker_id] = total
+        if told is None or told >= total:
+            return []
+        return list(itertools.islice(ended, len(ended) - min(total - told, len(ended)), None))
 
     def expect(self, registry: SessionRegistry, now: float) -> None:
         """Hear from every owner of a recovered in-flight turn now: a restarted broker gives them `silence_s` to
@@ -52,6 +66,7 @@ class WorkerLiveness:
         lost = [w for w, t in self.heard.items() if t < cutoff]
         for worker_id in lost:
             del self.heard[worker_id]
+            self.told.pop(worker_id, None)
         return lost
 
 

@@ -8,7 +8,9 @@ de-duplicates by turn id; sent as a delta against the session's last ACKed turn 
 (a committed turn's messages, for `previous_response_id`) and an agent's FINISH
 (`request_finish`). Every OPEN names this worker (`worker_id`, fresh per process), and a heartbeat
 says it is alive every HEARTBEAT_INTERVAL_S (the first on this socket, before any OPEN; the rest from
-`heartbeat.HeartbeatThread`): the broker abandons the open turns of a worker it stops hearing from.
+`heartbeat.HeartbeatThread`): the broker abandons the open turns of a worker it stops hearing from,
+and answers beats with the sessions that ended, whose commit bases are then dropped (and
+`ended_listeners` told), so a worker's memory follows its live sessions.
 With a CURVE key directory the socket authenticates and encrypts (`broker.curve`), and a handshake
 the broker refuses is logged as an error. Imports
 `broker.protocol` and `broker.curve` and nothing else from `broker`; nothing here blocks
@@ -18,6 +20,7 @@ the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -117,7 +120,11 @@ class Backplane:
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.endpoint = endpoint
         self.bases = bases if bases is not None else CommitBases()
-        self.counters: dict[str, int] = dict.fromkeys(("commits_full", "commits_delta", "delta_refused"), 0)
+        # Told the sessions that ended, as the broker says at heartbeats, to drop what they keep of them.
+        self.ended_listeners: list[Callable[[list[str]], None]] = []
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("commits_full", "commits_delta", "delta_refused", "sessions_ended"), 0
+        )
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -126,7 +133,9 @@ class Backplane:
             _send_frame(self._sock, protocol.encode(protocol.Heartbeat(0, self.worker_id)), _NOBLOCK)
         except zmq.Again:
             pass
-        self._heartbeats = HeartbeatThread(self._ctx, self.endpoint, self._keys, self.worker_id, HEARTBEAT_INTERVAL_S)
+        self._heartbeats = HeartbeatThread(
+            self._ctx, self.endpoint, self._keys, self.worker_id, HEARTBEAT_INTERVAL_S, self._ended_elsewhere
+        )
         self._heartbeats.start()
         if self._handshakes is not None:
             self._loop.add_reader(self._handshakes.monitor.FD, self._read_handshakes)
@@ -159,9 +168,27 @@ class Backplane:
             except protocol.ProtocolError:
                 logger.exception("undecodable reply from the broker at %s", self.endpoint)
                 continue
+            if isinstance(reply, protocol.SessionsEnded):
+                self._sessions_ended(reply.session_ids)
+                continue
             future = self._pending.pop(reply.request_id, None)
             if future is not None and not future.done():
                 future.set_result(reply)  # a late reply to a retried request finds no future: fine
+
+    def _ended_elsewhere(self, session_ids: list[str]) -> None:
+        """The heartbeat thread's `on_ended`: hands the ends to the event loop, which owns the caches."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to free
+                loop.call_soon_threadsafe(self._sessions_ended, session_ids)
+
+    def _sessions_ended(self, session_ids: list[str]) -> None:
+        """Sessions that ended (finished or dropped): drop their commit bases, then tell `ended_listeners`."""
+        self.counters["sessions_ended"] += len(session_ids)
+        for sid in session_ids:
+            self.bases.forget(sid)
+        for listener in self.ended_listeners:
+            listener(session_ids)
 
     def request_id(self) -> int:
         """A fresh request id, for a message handed to `commit_in_background` (else its first send makes a copy)."""

@@ -5,14 +5,17 @@ That must mean the process is gone or frozen, not that its event loop is behind:
 its agents still commits its turns, late, and a finish that gave up on them in the meantime would lose
 turns the agents received. So the beats do not wait for the event loop: a thread sends one every
 `interval_s` (it needs the GIL only for a moment, which the interpreter hands over within milliseconds).
-The thread owns its DEALER from creation to close (a ZeroMQ socket must stay in one thread). Imports
-`broker.protocol` and `broker.curve` only.
+The broker answers a beat with the sessions that ended since the last one (`SessionsEnded`), which the
+thread hands to `on_ended` (which must be thread-safe). The thread owns its DEALER from creation to
+close (a ZeroMQ socket must stay in one thread). Imports `broker.protocol` and `broker.curve` only.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import zmq
 
@@ -21,17 +24,27 @@ from broker import curve, protocol
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 2.0
+# Between beats the thread waits for the broker's answers in slices this long, so that `stop` is prompt.
+_WAIT_SLICE_S = 0.1
 
 
 class HeartbeatThread:
-    """Sends `Heartbeat(worker_id)` to `endpoint` every `interval_s` until `stop()`."""
+    """Sends `Heartbeat(worker_id)` to `endpoint` every `interval_s` until `stop()`; passes each `SessionsEnded`
+    answer's session ids to `on_ended`."""
 
     def __init__(
-        self, ctx: zmq.Context, endpoint: str, keys: curve.ClientKeys | None, worker_id: str, interval_s: float
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        keys: curve.ClientKeys | None,
+        worker_id: str,
+        interval_s: float,
+        on_ended: Callable[[list[str]], None],
     ) -> None:
         self._ctx, self._endpoint, self._keys = ctx, endpoint, keys
         self._frame = protocol.encode(protocol.Heartbeat(0, worker_id))
         self._interval_s = interval_s
+        self._on_ended = on_ended
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="broker-heartbeat", daemon=True)
 
@@ -45,15 +58,30 @@ class HeartbeatThread:
             if self._keys is not None:
                 self._keys.apply(sock)
             sock.connect(self._endpoint)
-            while not self._stopping.wait(self._interval_s):
-                try:
-                    sock.send(self._frame, zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the broker is not reading: it will not miss this beat
+            next_beat = time.monotonic() + self._interval_s
+            while not self._stopping.is_set():
+                wait = min(next_beat - time.monotonic(), _WAIT_SLICE_S)
+                if wait > 0 and sock.poll(wait * 1000):
+                    self._answered(sock.recv())
+                elif (now := time.monotonic()) >= next_beat:
+                    next_beat = now + self._interval_s  # after a stall, one beat, not the missed ones
+                    try:
+                        sock.send(self._frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # the broker is not reading: it will not miss this beat
         except Exception:
             logger.exception("heartbeats to the broker at %s stopped: its turns will be given up", self._endpoint)
         finally:
             sock.close(linger=0)
+
+    def _answered(self, frame: bytes) -> None:
+        try:
+            answer = protocol.decode_broker_to_worker(frame)
+        except protocol.ProtocolError:
+            logger.exception("undecodable answer to a heartbeat from the broker at %s", self._endpoint)
+            return
+        if isinstance(answer, protocol.SessionsEnded):
+            self._on_ended(answer.session_ids)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -32,49 +32,62 @@ _PROBE_TEXTS = ("hello world", " x", "  two\n\n", "e\u0301t\u00e9 12345", "\r\n\
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """A snapshot of a `SegmentCache`: hits and misses count pieces, bytes is the current estimate."""
+    """A snapshot of a `SegmentCache`: hits and misses count pieces, bytes is the current estimate, forgotten counts
+    the pieces dropped with their sessions."""
 
     hits: int
     misses: int
     evictions: int
     entries: int
     bytes: int
+    forgotten: int = 0
 
 
 class SegmentCache:
-    """A thread-safe LRU map from a text piece to its token ids, bounded by an estimate of its bytes."""
+    """A thread-safe LRU map from a text piece to its token ids, bounded by an estimate of its bytes.
+
+    Most pieces are one session's own (its messages, tool results, replies): a piece put for a session is
+    its session's until another (or no) session uses it, and `forget` drops the pieces a session that ended
+    still owns, so the cache holds what recurs (system prompts, tool schemas) rather than the dead sessions'
+    text until the LRU gets to it.
+    """
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, array] = OrderedDict()
+        self._owners: dict[str, str] = {}  # piece -> the session it was put for, while no other used it
         self._bytes = 0
         self._lock = threading.Lock()
-        self._hits = self._misses = self._evictions = 0
+        self._hits = self._misses = self._evictions = self._forgotten = 0
 
     @staticmethod
     def cost(piece: str, ids: array) -> int:
         # getsizeof is O(1) here and counts 1, 2 or 4 bytes per character, as CPython stores the text.
         return sys.getsizeof(piece) + sys.getsizeof(ids) + _ENTRY_OVERHEAD_BYTES
 
-    def get_many(self, pieces: Sequence[str]) -> list[array | None]:
-        """The cached ids of each piece (None for a miss), refreshing the hits' recency."""
+    def get_many(self, pieces: Sequence[str], session: str | None = None) -> list[array | None]:
+        """The cached ids of each piece (None for a miss) for `session`, refreshing the hits' recency."""
         out: list[array | None] = []
         with self._lock:
-            entries = self._entries
+            entries, owners = self._entries, self._owners
             for piece in pieces:
                 ids = entries.get(piece)
                 if ids is not None:
                     entries.move_to_end(piece)
+                    if owners.get(piece, session) != session:
+                        del owners[piece]  # shared now: it outlives its first session
                 out.append(ids)
             hits = sum(ids is not None for ids in out)
             self._hits += hits
             self._misses += len(out) - hits
         return out
 
-    def put_many(self, items: Sequence[tuple[str, array]]) -> None:
+    def put_many(self, items: Sequence[tuple[str, array]], session: str | None = None) -> None:
+        """Cache pieces encoded for `session` (None: for no session in particular)."""
         with self._lock:
+            owners = self._owners
             for piece, ids in items:
                 cost = self.cost(piece, ids)
                 if cost > self.max_bytes:
@@ -84,14 +97,32 @@ class SegmentCache:
                     self._bytes -= self.cost(piece, old)
                 self._entries[piece] = ids
                 self._bytes += cost
+                if old is None:
+                    if session is not None:
+                        owners[piece] = session
+                elif owners.get(piece, session) != session:
+                    del owners[piece]  # encoded for two sessions at once (a render on the loop and one on the thread)
             while self._bytes > self.max_bytes:
                 piece, ids = self._entries.popitem(last=False)
+                owners.pop(piece, None)
                 self._bytes -= self.cost(piece, ids)
                 self._evictions += 1
 
+    def forget(self, session: str, pieces: Sequence[str]) -> None:
+        """Drop those of `pieces` that `session` (which ended) still owns."""
+        with self._lock:
+            entries, owners = self._entries, self._owners
+            for piece in pieces:
+                if owners.get(piece) == session:
+                    del owners[piece]
+                    self._bytes -= self.cost(piece, entries.pop(piece))
+                    self._forgotten += 1
+
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self._hits, self._misses, self._evictions, len(self._entries), self._bytes)
+            return CacheStats(
+                self._hits, self._misses, self._evictions, len(self._entries), self._bytes, self._forgotten
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,21 @@ class Renderer:
         twin = self.encode_twin
         return twin is not None and twin.active
 
+    def forget_sessions(self, sessions: list[str]) -> None:
+        """Sessions that ended: drop their last renders, and the cached pieces of those renders only they used."""
+        if self._sessions is None:
+            return
+        assert self._splitter is not None
+        for session in sessions:
+            last = self._sessions.pop(session)
+            if last is not None:
+                self.cache.forget(session, self._splitter.pattern.split(last.text)[0::2])
+
+    @property
+    def sessions_held(self) -> int:
+        """How many sessions' last renders are kept."""
+        return len(self._sessions) if self._sessions is not None else 0
+
     @property
     def incremental(self) -> bool:
         """Whether renders reuse cached piece ids (the tokenizer passed the boundary checks)."""
@@ -282,7 +297,7 @@ class Renderer:
         # [piece, added token, piece, ..., piece]; cutting from just after an added token cuts as the whole does
         parts = self._splitter.pattern.split(text[at:] if at else text)
         texts = parts[0::2]
-        cached = self.cache.get_many(texts)
+        cached = self.cache.get_many(texts, session)
         missing = [i for i, ids in enumerate(cached) if ids is None]
         return Pieces(text, at, head, last if head is not None else None, parts, texts, cached, missing)
 
@@ -294,12 +309,12 @@ class Renderer:
         assert self._splitter is not None
         cached, missing, texts = pieces.cached, pieces.missing, pieces.texts
         if budget is not None:
-            self._encode_within(pieces, budget)
+            self._encode_within(pieces, budget, session)
         elif missing:
             fresh = self._encode_pieces([texts[i] for i in missing])
             for i, ids in zip(missing, fresh, strict=True):
                 cached[i] = ids
-            self.cache.put_many([(texts[i], ids) for i, ids in zip(missing, fresh, strict=True)])
+            self.cache.put_many([(texts[i], ids) for i, ids in zip(missing, fresh, strict=True)], session)
         special, parts = self._splitter.ids, pieces.parts
         out = array("i", pieces.head) if pieces.head is not None else array("i")
         out.extend(cached[0])  # type: ignore[arg-type]  # every miss was filled above
@@ -318,7 +333,7 @@ class Renderer:
             self._sessions.put(session, LastRender(pieces.text, out[:], token_ends, id_ends))
         return out
 
-    def _encode_within(self, pieces: Pieces, budget: int) -> None:
+    def _encode_within(self, pieces: Pieces, budget: int, session: str | None) -> None:
         """Fill the missing pieces' ids batch by batch, raising `PromptOverBudget` as soon as what is known proves
         the prompt longer than `budget`: the ids so far, one per added token and the size bound of the rest."""
         cached, missing, texts = pieces.cached, pieces.missing, pieces.texts
@@ -340,7 +355,7 @@ class Renderer:
             for j, ids in zip(batch, fresh, strict=True):
                 cached[j] = ids
                 known += len(ids)
-            self.cache.put_many([(texts[j], ids) for j, ids in zip(batch, fresh, strict=True)])
+            self.cache.put_many([(texts[j], ids) for j, ids in zip(batch, fresh, strict=True)], session)
             if known > budget:
                 raise PromptOverBudget(known, budget)
             batch, chars = [], 0

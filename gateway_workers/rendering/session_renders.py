@@ -84,5 +84,13 @@ class SessionRenders:
                 _, evicted = self._renders.popitem(last=False)
                 self._chars -= len(evicted.text)
 
+    def pop(self, session: str) -> LastRender | None:
+        """Drop a session's last render (the session ended); the render, if there was one."""
+        with self._lock:
+            old = self._renders.pop(session, None)
+            if old is not None:
+                self._chars -= len(old.text)
+            return old
+
     def __len__(self) -> int:
         return len(self._renders)

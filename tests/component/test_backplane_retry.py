@@ -82,7 +82,7 @@ def test_an_unanswered_commit_is_resent_under_a_new_id_and_a_late_reply_answers_
 
     ids, counters, base_tokens = asyncio.run(asyncio.wait_for(main(), DEADLINE_S))
     assert ids[0] != ids[1] and ids[0] > 0
-    assert counters == {"commits_full": 1, "commits_delta": 0, "delta_refused": 0}
+    assert counters == {"commits_full": 1, "commits_delta": 0, "delta_refused": 0, "sessions_ended": 0}
     assert base_tokens == 3  # ACKed: the next turn's base
 
 

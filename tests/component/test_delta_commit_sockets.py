@@ -61,7 +61,7 @@ def test_a_session_goes_delta_after_its_first_turn_and_trains_like_full_commits(
             await commit_and_wait(backplane, full_commit(sid, f"t{k}", turn))
 
     _, backplane = run_with_backplane(broker.worker_endpoint, body)
-    assert backplane.counters == {"commits_full": 1, "commits_delta": 5, "delta_refused": 0}
+    assert backplane.counters == {"commits_full": 1, "commits_delta": 5, "delta_refused": 0, "sessions_ended": 0}
     stats = client.stats()
     assert stats["commits_stored"] == 6 and stats["commits_delta"] == 5 and stats["refusals"] == {}
     # each token once: the deltas shared the whole previous context, as full commits would
@@ -95,7 +95,7 @@ def test_a_delta_against_a_base_the_broker_lacks_is_refused_then_committed_in_fu
         await commit_and_wait(backplane, full_commit(sid, "t1", turns[1]))
 
     _, backplane = run_with_backplane(broker.worker_endpoint, body)
-    assert backplane.counters == {"commits_full": 1, "commits_delta": 1, "delta_refused": 1}
+    assert backplane.counters == {"commits_full": 1, "commits_delta": 1, "delta_refused": 1, "sessions_ended": 0}
     base = backplane.bases.get(sid)
     assert base is not None and base.turn_id == "t1"  # the turn that landed is the next base
     stats = client.stats()

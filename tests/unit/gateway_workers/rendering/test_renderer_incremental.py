@@ -105,7 +105,7 @@ def test_a_session_render_reuses_the_shared_prefix(builtin_tokenizer):
                 {"role": "tool", "content": "result " * 300}]
     lookups = []
     get_many = renderer.cache.get_many
-    renderer.cache.get_many = lambda pieces: lookups.append(list(pieces)) or get_many(pieces)
+    renderer.cache.get_many = lambda pieces, session=None: lookups.append(list(pieces)) or get_many(pieces, session)
     rendered = session_render(renderer, episode, TOOLS, "s1")
     assert list(rendered.prompt_ids) == expected_ids(builtin_tokenizer, episode, TOOLS)
     looked_up = "".join(lookups[0])
@@ -364,3 +364,57 @@ def test_a_known_budget_spares_cutting_a_prompt_its_size_proves_over(builtin_tok
     small = [{"role": "user", "content": "word " * 100}]
     assert list(renderer.render_session(small, None, "s1", 1024).prompt_ids) == expected_ids(builtin_tokenizer, small,
                                                                                             None)
+
+
+def test_a_piece_is_its_sessions_until_another_uses_it_and_goes_with_it():
+    one, two = array("i", [1]), array("i", [2, 3])
+    cache = SegmentCache()
+    cache.put_many([("mine", one), ("shared", two), ("anon", one)], "a")
+    cache.put_many([("free", one)])  # encoded for no session: nobody's
+    assert cache.get_many(["shared"], "b") == [two]  # used by another session: no longer a's alone
+    assert cache.get_many(["mine", "anon"], "a") == [one, one]  # a's own use keeps them a's
+    cache.put_many([("anon", one)], "c")  # encoded for two sessions at once: both lose it
+    cache.forget("a", ["mine", "shared", "anon", "free", "absent"])
+    assert cache.get_many(["mine", "shared", "anon", "free"]) == [None, two, one, one]
+    stats = cache.stats()
+    assert stats.forgotten == 1 and stats.entries == 3
+    assert stats.bytes == sum(SegmentCache.cost(p, ids) for p, ids in [("shared", two), ("anon", one), ("free", one)])
+
+
+def test_an_evicted_piece_is_no_longer_owned():
+    one = array("i", [1])
+    cache = SegmentCache(max_bytes=2 * SegmentCache.cost("aaaa", one))
+    cache.put_many([("aaaa", one), ("bbbb", one)], "a")
+    cache.put_many([("cccc", one)], "b")  # evicts "aaaa"
+    cache.put_many([("aaaa", one)], "b")  # back, now b's (evicts "bbbb")
+    cache.forget("a", ["aaaa", "bbbb"])
+    assert cache.get_many(["aaaa", "cccc"]) == [one, one] and cache.stats().forgotten == 0
+
+
+def test_a_finished_session_leaves_only_what_it_shared(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    renderer.template_twin.uses = VERIFY_FIRST + 1
+    system = {"role": "system", "content": "sys " * 500}
+
+    def episode(name: str) -> list[dict]:
+        return [system, {"role": "user", "content": f"{name} question " * 400}]
+
+    texts = {}
+    for session in ("s1", "s2"):
+        turns = episode(session)
+        session_render(renderer, turns, TOOLS, session)
+        turns += [{"role": "assistant", "content": f"{session} answer"}, {"role": "user", "content": "more"}]
+        rendered = session_render(renderer, turns, TOOLS, session)
+        texts[session] = set(renderer._splitter.pattern.split(rendered.text)[0::2])  # its pieces, not added tokens
+    held = renderer.cache.stats()
+    renderer.forget_sessions(["s1", "unknown"])
+    assert renderer.sessions_held == 1  # s2's last render stays
+    after = renderer.cache.stats()
+    assert after.forgotten > 0 and after.entries == held.entries - after.forgotten
+    # s1's own pieces are gone; the system prompt, tools and "more" (s2 used them too) stay, as do s2's own
+    own, common = sorted(texts["s1"] - texts["s2"]), sorted(texts["s2"])
+    assert any("s1 question" in p for p in own) and any("sys sys" in p for p in common)
+    cached = renderer.cache.get_many(own + common)
+    assert cached[: len(own)] == [None] * len(own) and None not in cached[len(own) :]
+    again = session_render(renderer, episode("s1"), TOOLS, "s1")  # a reused key renders from scratch, exactly
+    assert list(again.prompt_ids) == expected_ids(builtin_tokenizer, episode("s1"), TOOLS)
