@@ -109,8 +109,10 @@ class Renderer:
         # A session's next render re-cuts only what follows its last render's last shared added token;
         # that is the same cut only if no added token occurs inside another.
         self._sessions: SessionRenders | None = None
+        self._token_chars: dict[int, int] = {}  # added token id -> its characters: a render's pieces, not cut again
         if self._splitter is not None and not nested(self._splitter.ids):
             self._sessions = SessionRenders()
+            self._token_chars = {token_id: len(token) for token, token_id in self._splitter.ids.items()}
         native = native_template(tokenizer.chat_template) if native_templates else None
         self.template_twin: Twin[NativeTemplate, str] | None = None
         if native is not None:
@@ -150,11 +152,10 @@ class Renderer:
         """Sessions that ended: drop their last renders, and the cached pieces of those renders only they used."""
         if self._sessions is None:
             return
-        assert self._splitter is not None
         for session in sessions:
             last = self._sessions.pop(session)
             if last is not None:
-                self.cache.forget(session, self._splitter.pattern.split(last.text)[0::2])
+                self.cache.forget(session, last.pieces(self._token_chars))
 
     @property
     def sessions_held(self) -> int:
@@ -188,8 +189,13 @@ class Renderer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The chat template's text for these messages, ending with the generation prompt."""
+        """The chat template's text for these messages, ending with the generation prompt.
+
+        `add_generation_prompt=False` ends it at the last message instead: linear history (`linear.py`)
+        measures where a message's rendering ends.
+        """
         chat = template_messages(messages)
         tool_list = check_tools(tools)
         kwargs = {**self._template_kwargs, **(template_kwargs or {})}
@@ -198,21 +204,23 @@ class Renderer:
             native = twin.fast
             if native.variables.issuperset(kwargs):
                 try:
-                    text = native.render(chat, tool_list, True, **kwargs)
+                    text = native.render(chat, tool_list, add_generation_prompt, **kwargs)
                 except (TypeError, ValueError, KeyError):
                     pass  # something the twin does not cover (e.g. arguments json cannot encode): Jinja decides
                 else:
                     if twin.use():
-                        return twin.check(text, chat, tool_list, kwargs)
+                        return twin.check(text, chat, tool_list, kwargs, add_generation_prompt)
                     return text
-        return self._jinja(chat, tool_list, kwargs)
+        return self._jinja(chat, tool_list, kwargs, add_generation_prompt)
 
-    def _jinja(self, chat: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]) -> str:
+    def _jinja(
+        self, chat: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any], add_generation_prompt: bool = True
+    ) -> str:
         try:
             text = self._tokenizer.apply_chat_template(
                 chat,
                 tools=tools,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **kwargs,
             )

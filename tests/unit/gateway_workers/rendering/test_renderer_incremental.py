@@ -93,6 +93,8 @@ def test_a_session_renders_every_turn_as_a_full_render(tokenizer, renderer, mess
     for k, turn in enumerate(turns):
         rendered = session_render(renderer, turn, TOOLS, session)
         assert list(rendered.prompt_ids) == expected_ids(tokenizer, turn, TOOLS), k
+        last = renderer._sessions.get(session)  # what a finish frees: exactly the pieces of this render
+        assert last.pieces(renderer._token_chars) == renderer._splitter.pattern.split(rendered.text)[0::2]
     assert renderer.bpe_twin
 
 
@@ -406,6 +408,8 @@ def test_a_finished_session_leaves_only_what_it_shared(builtin_tokenizer):
         turns += [{"role": "assistant", "content": f"{session} answer"}, {"role": "user", "content": "more"}]
         rendered = session_render(renderer, turns, TOOLS, session)
         texts[session] = set(renderer._splitter.pattern.split(rendered.text)[0::2])  # its pieces, not added tokens
+    last = renderer._sessions.get("s1")
+    assert last.pieces(renderer._token_chars) == renderer._splitter.pattern.split(last.text)[0::2]
     held = renderer.cache.stats()
     renderer.forget_sessions(["s1", "unknown"])
     assert renderer.sessions_held == 1  # s2's last render stays
