@@ -109,10 +109,8 @@ class Renderer:
         # A session's next render re-cuts only what follows its last render's last shared added token;
         # that is the same cut only if no added token occurs inside another.
         self._sessions: SessionRenders | None = None
-        self._token_chars: dict[int, int] = {}  # added token id -> its characters: a render's pieces, not cut again
         if self._splitter is not None and not nested(self._splitter.ids):
             self._sessions = SessionRenders()
-            self._token_chars = {token_id: len(token) for token, token_id in self._splitter.ids.items()}
         native = native_template(tokenizer.chat_template) if native_templates else None
         self.template_twin: Twin[NativeTemplate, str] | None = None
         if native is not None:
@@ -155,7 +153,7 @@ class Renderer:
         for session in sessions:
             last = self._sessions.pop(session)
             if last is not None:
-                self.cache.forget(session, last.pieces(self._token_chars))
+                self.cache.forget(session, last.owned)
 
     @property
     def sessions_held(self) -> int:
@@ -253,7 +251,8 @@ class Renderer:
         if template is None or not template.active or self._splitter is None or template.next_checked():
 
             def render(budget: int | None = None) -> RenderedPrompt:
-                return self.render(messages, tools, budget=budget)
+                text = self.render_text(messages, tools)
+                return RenderedPrompt(prompt_ids=self.encode_prompt(text, budget, session), text=text)
 
             return render
         text = self.render_text(messages, tools)
@@ -285,8 +284,9 @@ class Renderer:
         begun = self.begin_render(messages, tools, session, budget)
         return begun(budget) if callable(begun) else begun
 
-    def encode_prompt(self, text: str, budget: int | None = None) -> array:
-        """Ids of rendered template text, equal to a full encode; only pieces not seen before are tokenized.
+    def encode_prompt(self, text: str, budget: int | None = None, session: str | None = None) -> array:
+        """Ids of rendered template text, equal to a full encode; only pieces not seen before are tokenized
+        (`session`: the conversation it renders, whose previous render lends what they share).
 
         Raises `PromptOverBudget` when the text is proven to take more than `budget` tokens.
         """
@@ -294,7 +294,7 @@ class Renderer:
             if budget is not None and (at_least := self.token_bound.at_least(text, budget)):
                 raise PromptOverBudget(at_least, budget)
             return array("i", self.encode(text))
-        return self._assemble(self._lookup(text), budget=budget)
+        return self._assemble(self._lookup(text, session), session, budget)
 
     def _lookup(self, text: str, session: str | None = None) -> Pieces:
         """Cut the text at added tokens and look its pieces up. A session's last render lends the ids of the
@@ -337,8 +337,14 @@ class Renderer:
             out.extend(cached[(k + 1) // 2])  # type: ignore[arg-type]
             at += len(parts[k + 1])
         if session is not None and self._sessions is not None:
+            # The pieces encoded for the session go with it when it ends (`forget_sessions`), those of earlier
+            # renders too: a template that re-renders history (e.g. dropping old reasoning) leaves them behind.
+            previous = self._sessions.get(session)
+            owned = [texts[i] for i in missing]
+            if previous is not None:
+                owned = previous.owned + owned
             # a copy: what later renders of the session reuse must not change with the prompt handed out
-            self._sessions.put(session, LastRender(pieces.text, out[:], token_ends, id_ends))
+            self._sessions.put(session, LastRender(pieces.text, out[:], token_ends, id_ends, owned))
         return out
 
     def _encode_within(self, pieces: Pieces, budget: int, session: str | None) -> None:

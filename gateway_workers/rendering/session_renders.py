@@ -14,8 +14,7 @@ import bisect
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Sessions kept, and the characters of their texts (their prompt ids take about as many bytes again).
 MAX_SESSIONS = 4096
@@ -31,17 +30,7 @@ class LastRender:
     prompt_ids: array
     token_ends: list[int]
     id_ends: list[int]
-
-    def pieces(self, token_chars: Mapping[int, int]) -> list[str]:
-        """The text between its added tokens (`token_chars`: each added token's id -> its length in characters),
-        without cutting the text again."""
-        text, ids = self.text, self.prompt_ids
-        out, start = [], 0
-        for end, n in zip(self.token_ends, self.id_ends, strict=True):
-            out.append(text[start : end - token_chars[ids[n - 1]]])
-            start = end
-        out.append(text[start:])
-        return out
+    owned: list[str] = field(default_factory=list)  # the pieces cached for its session, this render and earlier
 
     def ends_before(self, at: int) -> tuple[list[int], list[int]]:
         """The token and id ends up to character `at` (where a render that reused them starts cutting)."""

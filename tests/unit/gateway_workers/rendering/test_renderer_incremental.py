@@ -93,8 +93,6 @@ def test_a_session_renders_every_turn_as_a_full_render(tokenizer, renderer, mess
     for k, turn in enumerate(turns):
         rendered = session_render(renderer, turn, TOOLS, session)
         assert list(rendered.prompt_ids) == expected_ids(tokenizer, turn, TOOLS), k
-        last = renderer._sessions.get(session)  # what a finish frees: exactly the pieces of this render
-        assert last.pieces(renderer._token_chars) == renderer._splitter.pattern.split(rendered.text)[0::2]
     assert renderer.bpe_twin
 
 
@@ -408,8 +406,6 @@ def test_a_finished_session_leaves_only_what_it_shared(builtin_tokenizer):
         turns += [{"role": "assistant", "content": f"{session} answer"}, {"role": "user", "content": "more"}]
         rendered = session_render(renderer, turns, TOOLS, session)
         texts[session] = set(renderer._splitter.pattern.split(rendered.text)[0::2])  # its pieces, not added tokens
-    last = renderer._sessions.get("s1")
-    assert last.pieces(renderer._token_chars) == renderer._splitter.pattern.split(last.text)[0::2]
     held = renderer.cache.stats()
     renderer.forget_sessions(["s1", "unknown"])
     assert renderer.sessions_held == 1  # s2's last render stays
@@ -422,3 +418,29 @@ def test_a_finished_session_leaves_only_what_it_shared(builtin_tokenizer):
     assert cached[: len(own)] == [None] * len(own) and None not in cached[len(own) :]
     again = session_render(renderer, episode("s1"), TOOLS, "s1")  # a reused key renders from scratch, exactly
     assert list(again.prompt_ids) == expected_ids(builtin_tokenizer, episode("s1"), TOOLS)
+
+
+def test_pieces_a_re_rendered_history_left_behind_go_with_their_session(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    first = [{"role": "system", "content": "sys " * 200}, {"role": "user", "content": "draft question " * 100}]
+    session_render(renderer, first, TOOLS, "s1")
+    rewritten = [first[0], {"role": "user", "content": "final question " * 100}]  # as a template dropping old text
+    session_render(renderer, rewritten, TOOLS, "s1")
+    session_render(renderer, [first[0], {"role": "user", "content": "other"}], TOOLS, "s2")  # shares the system
+    held = renderer.cache.stats().entries
+    renderer.forget_sessions(["s1"])
+    left = renderer._splitter.pattern.split(renderer.render_text(first, TOOLS))[0::2]
+    draft = [p for p in left if "draft question" in p]
+    assert draft and renderer.cache.get_many(draft) == [None]  # not in s1's last render, gone all the same
+    assert renderer.cache.stats().entries == held - 2  # the draft and the final question; the system stays
+
+
+def test_a_render_handed_to_the_thread_is_still_its_sessions(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)  # its first renders go wholly to Jinja (the twin is being checked)
+    episode = [{"role": "system", "content": "sys " * 200}, {"role": "user", "content": "question " * 100}]
+    begun = renderer.begin_render(episode, TOOLS, "s1")
+    assert callable(begun)
+    begun()
+    assert renderer.sessions_held == 1  # its next render starts from this one, and its pieces are the session's
+    renderer.forget_sessions(["s1"])
+    assert renderer.sessions_held == 0 and renderer.cache.stats().forgotten > 0
