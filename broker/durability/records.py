@@ -267,8 +267,8 @@ def split_blobs(
 
     A blob must not change while a writer thread may still be writing it: `bytes` and read-only views (of a
     snapshot's mapping) go as they are, a `bytearray` (a log's raw tail) as a copy, which costs what packing it
-    into the frame would and leaves a restart one copy to make instead of two. Lists are copied where they
-    change, never changed: an image shares them with the live state.
+    into the frame would and leaves a restart nothing to copy (it keeps the blob as a view). Lists are copied
+    where they change, never changed: an image shares them with the live state.
     """
     out = value
     for i, v in enumerate(value):
@@ -297,9 +297,9 @@ def join_blobs(image: list[Any], paths: list[Any], blobs: memoryview) -> list[An
     """The image `split_blobs` took apart (freshly decoded: changed in place): each reference at `paths`
     replaced by a read-only view of its bytes in `blobs`.
 
-    Views, not copies: `blobs` is a view of the snapshot file's mapping, so restoring a session's
-    compressed chunks copies nothing (the page cache holds them; a read decompresses them from there).
-    Whoever keeps a buffer it will change copies it (`sessions.images`)."""
+    Views, not copies: `blobs` is a view of the snapshot file's mapping, so restoring a session copies
+    none of its logs (the page cache holds them; a read decompresses or slices them from there).
+    Whoever changes a buffer copies it first (`ItemLog.tail`)."""
     try:
         for path in paths:
             node = image

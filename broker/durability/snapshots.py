@@ -11,9 +11,11 @@ are the older segments and snapshots deleted. Sessions opened after the segment 
 already and are not imaged. The loop's thread only takes the images (a session's compressed chunks
 by reference, its raw tails copied once: `records.image_parts`); a writer thread checksums and
 writes them, since a snapshot rewrites the whole live state and the loop must keep serving. A
-restart maps the file and restores compressed chunks as views of the mapping (a snapshot file is
-only ever replaced by rename or removed, never truncated, so the mapping stays valid). Imports
-the stdlib, `broker.sessions`, `broker.episodes` and `broker.durability`; no sockets.
+restart maps the file and restores every large buffer (compressed chunks, raw tails, a store's raw
+messages) as a view of the mapping, copied only by a session that appends to it (a snapshot file is
+only ever replaced by rename or removed, never truncated, so the mapping stays valid; a removed one
+keeps its disk space until the last view of it goes). Imports the stdlib, `broker.sessions`,
+`broker.episodes` and `broker.durability`; no sockets.
 """
 
 from __future__ import annotations

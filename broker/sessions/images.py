@@ -3,9 +3,9 @@
 A durable broker's snapshots (`broker.durability.snapshots`) write each live session as its image,
 so a restart loads a session's turn store as it was (its logs' bytes, compressed parts included)
 instead of replaying every commit. The image is the store's own layout (`TurnStore.image`), not its
-turns: loading it is a few copies per session. A session closed by a FinishSession is imaged as
-open: its trainer is still waiting for the rows, and after a restart its retried finish closes it
-again. No sockets, no encoding; imports only the stdlib and `broker.sessions`.
+turns: loading it copies none of the logs' bytes (`logs.append_logs`). A session closed by a
+FinishSession is imaged as open: its trainer is still waiting for the rows, and after a restart its
+retried finish closes it again. No sockets, no encoding; imports only the stdlib and `broker.sessions`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from broker.sessions.registry import Session
 from broker.sessions.turn_store import TurnStore
 
 # The layout of an image (a list): bumped with any change to it, checked on load. Layout 1 (before
-# in-flight turns named their workers and requests their digests) lacks the last three items and still loads.
-IMAGE_VERSION = 2
+# in-flight turns named their workers and requests their digests) lacks the last three items and still loads;
+# layouts 1 and 2 hold a store's hot messages one item each (`MessageLog.from_image` reads both ways).
+IMAGE_VERSION = 3
 _OWNERLESS_VERSION = 1
+_LOADS = (IMAGE_VERSION, 2, _OWNERLESS_VERSION)
 
 
 def session_image(session: Session, *, closing: bool) -> list[Any]:
@@ -48,7 +50,7 @@ def session_image(session: Session, *, closing: bool) -> list[Any]:
 
 def restore_session(image: list[Any]) -> Session:
     """The session an image was taken of (its compaction state starts afresh); ValueError if it is none."""
-    if not image or image[0] not in (IMAGE_VERSION, _OWNERLESS_VERSION):
+    if not image or image[0] not in _LOADS:
         raise ValueError(f"a session image of layout {image[0] if image else None!r}, not {IMAGE_VERSION}")
     if image[0] == _OWNERLESS_VERSION:
         image = [*image, {}, {}, {}]

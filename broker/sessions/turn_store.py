@@ -151,7 +151,7 @@ class TurnStore:
             return f"the first {n} tokens of base turn {base_id!r} are not the ones claimed"
 
         ids, msgs = self.ids, self.msgs
-        log = ids.hot
+        log = ids.tail()
         cold = ids.cold.size
         start = cold + len(log)
         first = msgs.held
@@ -240,7 +240,8 @@ class TurnStore:
         index = self._index
         row = len(index)
         index[msg.turn_id] = row
-        self.lps.hot += msg.logprobs  # native float32 bytes; a turn's place follows from the output lengths before it
+        lps = self.lps.tail()
+        lps += msg.logprobs  # native float32 bytes; a turn's place follows from the output lengths before it
         reason, reasons = msg.finish_reason, self._reasons
         try:
             code = reasons.index(reason)
@@ -299,7 +300,7 @@ class TurnStore:
                 best_len, best_ranges, base = n, ranges, cand
             if n == n_ctx:
                 break
-        log = ids.hot
+        log = ids.tail()
         start = self.tokens_held
         if best_len < n_prompt:
             log += pb[best_len * _ID_BYTES :]
@@ -310,7 +311,7 @@ class TurnStore:
 
     # --- reading -----------------------------------------------------------------------------
 
-    def _read_ids(self, start: int, stop: int) -> bytes | bytearray:
+    def _read_ids(self, start: int, stop: int) -> bytes | bytearray | memoryview:
         """Token log ids [start, stop) as int32 bytes."""
         return self.ids.read(start * _ID_BYTES, stop * _ID_BYTES)
 
@@ -432,7 +433,7 @@ class TurnStore:
         """(token log bytes, messages, logprob log bytes) held: a later `start_compaction`'s `limit` may name it."""
         return self.ids.size, self.msgs.held, self.lps.size
 
-    def _due(self, limit: tuple[int, int, int], idle: bool) -> tuple[int, list[bytes], int]:
+    def _due(self, limit: tuple[int, int, int], idle: bool) -> tuple[int, list[bytes | memoryview], int]:
         """Hot token log bytes, hot messages and hot logprob bytes that may be compressed: those before `limit`.
 
         Unless the session is `idle`, ids and messages only before the previous commit's appends too: the

@@ -33,14 +33,15 @@ _MEM_LEVEL = 6
 class PendingChunk:
     """A chunk being compressed a slice per `step`; the last step hands it to `on_done(raw_len, chunk)`.
 
-    `raw` must not change meanwhile (the caller passes an immutable copy or bytes it never mutates).
-    With `width` > 1, `raw` holds `width`-byte items (its length a multiple of it) and is compressed
-    byte-shuffled: the items' byte 0 plane, then byte 1, ... (`ColdLog(width)` reads it back).
+    `raw` must not change meanwhile (the caller passes an immutable copy, bytes it never mutates, or, with
+    `width` 1, a read-only view: a restored message). With `width` > 1, `raw` is bytes of `width`-byte items
+    (its length a multiple of it), compressed byte-shuffled: the items' byte 0 plane, then byte 1, ...
+    (`ColdLog(width)` reads it back).
     """
 
     __slots__ = ("raw", "_on_done", "_pos", "_deflate", "_parts", "_width")
 
-    def __init__(self, raw: bytes, on_done: Callable[[int, bytes], None], width: int = 1) -> None:
+    def __init__(self, raw: bytes | memoryview, on_done: Callable[[int, bytes], None], width: int = 1) -> None:
         if len(raw) % width:
             raise ValueError(f"a chunk of {width}-byte items cannot hold {len(raw)} bytes")
         self.raw = raw

@@ -118,14 +118,36 @@ def test_a_large_session_survives_its_image_split_into_blobs_and_back():
     restored = restore_session(image.image)
     assert [dataclasses.astuple(r) for r in restored.committed.records()] == before
     assert restored.in_flight == {"in-flight": session.in_flight["in-flight"]} and restored.state == "open"
-    # compressed chunks come back as views of what was read (no copy); the raw tail is a bytearray of its own
+    # compressed chunks and the raw tails come back as read-only views of what was read (no copy)...
     assert any(type(c) is memoryview for c in restored.committed.ids.cold._chunks)
-    assert type(restored.committed.ids.hot) is bytearray
-    # ...and a restored session stores on: its next commit extends its logs
+    assert type(restored.committed.ids.hot) is memoryview and restored.committed.ids.hot.readonly
+    assert restored.committed.msgs.hot and all(type(m) is memoryview for m in restored.committed.msgs.hot)
+    # ...and a restored session stores on: its next commit copies its tails out and extends them
     reg2 = SessionRegistry(max_sessions=4)
     reg2.restore(restored)
     assert reg2.commit_turn(dataclasses.replace(more, turn_id="in-flight")) == "stored"
     assert len(restored.committed) == len(before) + 1
+    assert type(restored.committed.ids.hot) is bytearray
+    assert b"".join(bytes(p) for p in parts) == written  # what it was restored from is untouched
+    assert [dataclasses.astuple(r) for r in restored.committed.records()][:-1] == before
+
+
+def test_an_image_of_layout_2_with_its_raw_messages_one_item_each_still_loads():
+    reg = SessionRegistry(max_sessions=4, compact_age_s=0.0, compact_min_bytes=0)
+    big_session(reg, "big-session-key-xxxxxxxxxx", turns=6)
+    session = reg.session("big-session-key-xxxxxxxxxx")
+    assert session is not None and session.committed.msgs.hot
+    image = session_image(session, closing=False)
+    store = list(image[12])
+    joined, ends, cold, cold_ends, raw_bytes = store[1]
+    bounds = [0, *array("q", ends)]
+    store[1] = [[joined[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], cold, cold_ends, raw_bytes]
+    old = [2, *image[1:12], store, *image[13:]]
+    written = b"".join(bytes(p) for p in records.image_parts(records.SessionImage(1, old, None)))
+    restored = restore_session(records.decode_image(memoryview(written)).image)
+    assert [dataclasses.astuple(r) for r in restored.committed.records()] == [
+        dataclasses.astuple(r) for r in session.committed.records()
+    ]
 
 
 def test_an_image_of_a_session_closing_by_request_stays_closing():
