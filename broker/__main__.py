@@ -80,6 +80,22 @@ def _parser() -> argparse.ArgumentParser:
         "100 ms, the default; a power loss loses up to that), never (the OS decides)",
     )
     p.add_argument(
+        "--history-mode",
+        default=None,
+        choices=protocol.HISTORY_MODES,
+        help="how sessions that do not choose build their prompts: tree (the chat template renders the request's "
+        "messages; the default) or linear (a request that extends the session's previous turn is prompted with the "
+        "ids the engine saw plus the rendering of only the new messages: one row per append-only episode)",
+    )
+    p.add_argument(
+        "--linear-fallback",
+        default=None,
+        choices=protocol.LINEAR_FALLBACKS,
+        help="what a linear session's request that does not extend it gets: fork (a full render starting a new "
+        "line; the default), rerender (a full render that becomes its one line) or reject (a 400 naming the first "
+        "message that differs)",
+    )
+    p.add_argument(
         "--restarted",
         action="store_true",
         default=None,
@@ -186,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             curve_keys=curve.keys_from_env(args.curve_keys),
             state_dir=args.state_dir,
             fsync=args.fsync,
+            history_mode=args.history_mode,
+            linear_fallback=args.linear_fallback,
             restarted=args.restarted,
         )
     except ValueError as e:

@@ -3,7 +3,7 @@
 The CLI (`python -m broker`, or the lead's `rollout-gateway broker`) builds it once from
 flags and `ROLLOUT_BROKER_*` environment variables and hands it to `__main__.run_broker`.
 Nothing here reads the environment at import time. Imports only the stdlib and
-`broker.protocol` (for the default endpoints); never zmq, never the other packages.
+`broker.protocol` (for the default endpoints and the history modes); never zmq, never the other packages.
 """
 
 from __future__ import annotations
@@ -125,6 +125,12 @@ class BrokerConfig:
             refusing to start.
         worker_silence_s: a worker whose heartbeats stop for this long is given up for lost: its
             in-flight turns are abandoned (finishes stop waiting for them; a late commit still lands).
+        history_mode: how sessions that do not choose build their prompts: "tree" (the template renders the
+            request's messages) or "linear" (a request that extends a committed turn is prompted with that turn's
+            ids and the rendering of only the new messages: one row per append-only episode).
+        linear_fallback: what a linear session's request that extends none of its turns gets: "fork" (a full
+            render that starts a new line; later requests may extend either), "rerender" (a full render that
+            becomes the session's one line) or "reject" (a 400 naming the first message that differs).
         restarted: this broker replaces one that ran before (`serve`'s supervisor sets it); without a
             state directory, refusals of unknown sessions then say the earlier sessions were lost.
     """
@@ -159,6 +165,8 @@ class BrokerConfig:
     snapshot_max_bytes: int = SNAPSHOT_MAX_BYTES
     wal_truncate_corrupt: bool = False
     worker_silence_s: float = WORKER_SILENCE_S
+    history_mode: str = "tree"
+    linear_fallback: str = "fork"
     restarted: bool = False
 
     def __post_init__(self) -> None:
@@ -194,6 +202,9 @@ class BrokerConfig:
                 raise ValueError(f"BrokerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.fsync not in FSYNC_POLICIES:
             raise ValueError(f"BrokerConfig.fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
+        problem = protocol.check_history(self.history_mode, self.linear_fallback)
+        if problem is not None:
+            raise ValueError(f"BrokerConfig.{problem}")
         if self.snapshot_max_bytes < self.snapshot_min_bytes:
             raise ValueError("BrokerConfig.snapshot_max_bytes must be >= snapshot_min_bytes")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
@@ -255,6 +266,8 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "snapshot_max_bytes": int,
     "wal_truncate_corrupt": _flag,
     "worker_silence_s": float,
+    "history_mode": str,
+    "linear_fallback": str,
     "restarted": _flag,
 }
 

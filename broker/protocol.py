@@ -29,6 +29,8 @@ from broker.codec import fast, frames, generic
 from broker.codec.wire import is_packed_map, pack_message
 from broker.messages.common import FinishAccepted, Message, Refused, RequestFinish
 from broker.messages.trainer import (
+    HISTORY_MODES,
+    LINEAR_FALLBACKS,
     DeliveredEpisode,
     DropSession,
     EpisodesDelivered,
@@ -41,8 +43,10 @@ from broker.messages.trainer import (
     SessionOpened,
     Stats,
     TraceRow,
+    check_history,
 )
 from broker.messages.worker import (
+    NOT_LINEAR,
     AbortTurn,
     CommitTurn,
     GetTurn,
@@ -62,9 +66,10 @@ __all__ = [
     "ErrorCode", "ProtocolError", "VersionMismatch",
     "ids_array", "logprobs_array", "pack_message", "is_packed_map", "unpack_messages",
     "Message", "RequestFinish", "FinishAccepted", "Refused",
-    "OpenTurn", "CommitTurn", "AbortTurn", "GetTurn", "Heartbeat",
+    "OpenTurn", "CommitTurn", "AbortTurn", "NOT_LINEAR", "GetTurn", "Heartbeat",
     "TurnOpened", "TurnReplayed", "TurnCommitted", "TurnAborted", "TurnFound", "SessionsEnded",
-    "OpenSession", "FinishSession", "DropSession", "GetStats", "FetchEpisodes",
+    "OpenSession", "HISTORY_MODES", "LINEAR_FALLBACKS", "check_history",
+    "FinishSession", "DropSession", "GetStats", "FetchEpisodes",
     "TraceRow", "SessionOpened", "SessionFinished", "SessionDropped", "Stats", "DeliveredEpisode", "EpisodesDelivered",
     "WorkerToBroker", "BrokerToWorker", "TrainerToBroker", "BrokerToTrainer",
     "encode", "frame_encoder",

@@ -36,6 +36,7 @@ from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
 from broker.protocol import session_tag
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
+from broker.sessions.history import wire_heads
 from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry, check_chosen_key
 from broker.sessions.workers import WorkerLiveness, abandon_turns_of
 from broker.sockets import MORE_NOBLOCK, NOBLOCK, POLLIN, RouterSocket, bind_routers, send_part, waiting
@@ -95,6 +96,8 @@ class BrokerServer:
             compact=config.compact_idle,
             compact_min_bytes=config.compact_min_bytes,
             compact_age_s=config.compact_age_s,
+            history_mode=config.history_mode,
+            linear_fallback=config.linear_fallback,
         )
         self.trimmer = HeapTrimmer(
             min_bytes=config.trim_min_bytes,
@@ -398,15 +401,21 @@ class BrokerServer:
                     )
                     if self._journal is not None:
                         self._journal.worker_frame(payload)
+                    linear = session.history_mode == "linear"
                     return _encode_turn_opened(
                         request_id=msg.request_id,
                         turn_id=msg.turn_id,
                         seq=seq,
                         sampling_defaults=session.sampling_defaults,
                         max_context_tokens=session.max_context_tokens,
+                        history_mode=session.history_mode,
+                        linear_fallback=session.linear_fallback if linear else "",
+                        heads=wire_heads(session.heads) if linear else [],
+                        pending=len(session.in_flight) - 1 if linear else 0,
                     )
                 case protocol.AbortTurn():
-                    if self.registry.abort_turn(msg.session_id, msg.turn_id) is not None and self._journal is not None:
+                    aborted = self.registry.abort_turn(msg.session_id, msg.turn_id, msg.reason)
+                    if aborted is not None and self._journal is not None:
                         self._journal.worker_frame(payload)
                     parked = self.finishes.turn_ended(msg.session_id, time.monotonic())
                     if parked:
@@ -429,7 +438,7 @@ class BrokerServer:
                     check_chosen_key(msg.session_id)
                     session = self.registry.open_session(
                         msg.session_id, msg.sampling_defaults, msg.max_context_tokens, msg.max_turns,
-                        msg.metadata, msg.client_id, msg.group,
+                        msg.metadata, msg.client_id, msg.group, msg.history_mode, msg.linear_fallback,
                     )  # fmt: skip
                     if self._journal is not None:
                         self._journal.session_opened(session)
@@ -457,6 +466,12 @@ class BrokerServer:
 
     def handle_get_turn(self, msg: protocol.GetTurn) -> protocol.Message:
         """A committed turn's canonical messages, looked up in that session only (ids never cross sessions)."""
+        if msg.with_ids:
+            record = self.registry.turn_record(msg.session_id, msg.turn_id)
+            return protocol.TurnFound(
+                msg.request_id, msg.turn_id, record.prompt_messages, record.response_message, record.prompt_ids,
+                record.output_ids,
+            )  # fmt: skip
         prompt_messages, response_message = self.registry.turn_messages(msg.session_id, msg.turn_id)
         return protocol.TurnFound(msg.request_id, msg.turn_id, prompt_messages, response_message)
 

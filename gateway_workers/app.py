@@ -283,6 +283,7 @@ async def metrics(request: Request) -> Response:
     cache = pipeline.renderer.cache.stats()
     counters: Counter[str] = Counter(request.state.counters)
     counters.update(pipeline.backplane.counters)  # commits sent full / as deltas, deltas refused
+    counters.update(pipeline.history.counters)  # linear sessions' held turns: local or fetched; waits
     counters.update({"render_cache_hits": cache.hits, "render_cache_misses": cache.misses,
                      "render_cache_forgotten": cache.forgotten})
     pid = os.getpid()

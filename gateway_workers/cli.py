@@ -133,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--fsync", choices=["always", "interval", "never"], default=None,
                        help="with --state-dir, when the log is synced to disk: always, interval (default), never "
                             "(see `rollout-gateway broker --help`)")
+    serve.add_argument("--history-mode", choices=protocol.HISTORY_MODES, default=None,
+                       help="how sessions that do not choose (open_session(history_mode=...)) build their prompts: "
+                            "tree (the chat template renders the messages; default) or linear (a request that "
+                            "extends the previous turn reuses the ids the engine saw: one row per episode)")
+    serve.add_argument("--linear-fallback", choices=protocol.LINEAR_FALLBACKS, default=None,
+                       help="what a linear session's request that does not extend it gets: fork (default), "
+                            "rerender or reject (see `rollout-gateway broker --help`)")
     workers = sub.add_parser("workers", help="N workers against a broker running elsewhere")
     _add_worker_flags(workers)
     _add_limit_flags(workers)
@@ -234,6 +241,10 @@ def _broker_supervisor(args: argparse.Namespace, tokenizer_dir: str | None, curv
         flags += ["--state-dir", os.path.abspath(args.state_dir)]
     if args.fsync:
         flags += ["--fsync", args.fsync]
+    if args.history_mode:
+        flags += ["--history-mode", args.history_mode]
+    if args.linear_fallback:
+        flags += ["--linear-fallback", args.linear_fallback]
     return BrokerSupervisor(flags, args.worker_endpoint, args.control)
 
 

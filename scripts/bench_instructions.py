@@ -10,6 +10,7 @@ several sources the ratio to the first: that is how a change is judged (`git wor
 
     python scripts/bench_instructions.py --process both --contexts 4096 24576 --reps 2
     python scripts/bench_instructions.py --process worker --source /tmp/old . --out cg.json
+    python scripts/bench_instructions.py --process worker --contexts 24576 --history-mode tree linear
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Source:
 
     path: Path
     label: str
+    history_mode: str = "tree"  # its broker's --history-mode (the sessions' default); tree passes no flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +196,8 @@ class Setup:
             "--log-level",
             "warning",
         ]
+        if source.history_mode != "tree":
+            cmd += ["--history-mode", source.history_mode]
         self.broker = self._start("broker", cmd, BROKER_READY)
         self.worker: Service | None = None
 
@@ -255,6 +259,7 @@ def load_pass(setup: Setup, args: argparse.Namespace, context: int, run_id: str)
         progress=False,
         run_id=run_id,
         tool_text=args.tool_text,
+        echo_reasoning=args.echo_reasoning,
     )
 
     async def run() -> dict[str, Any]:
@@ -268,6 +273,7 @@ def load_pass(setup: Setup, args: argparse.Namespace, context: int, run_id: str)
             f"{setup.process}@{setup.source.label} ctx {context}: {result['turns_done']}/{expected} turns, "
             f"errors {result['errors']}, capture {capture}"
         )
+    print(f"  rows per session: {capture.get('rows_per_session')}", file=sys.stderr, flush=True)
     return int(result["turns_done"])
 
 
@@ -365,6 +371,10 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--tool-text", choices=loadgen.TOOL_TEXTS, default="prose", help="what tool results look like")
     p.add_argument("--source", nargs="+", default=[str(REPO)], help="checkouts to measure (the first is the base)")
+    p.add_argument("--echo-reasoning", action=argparse.BooleanOptionalAction, default=True,
+                   help="agents echo their replies' reasoning (--no-echo-reasoning: they strip it)")
+    p.add_argument("--history-mode", nargs="+", default=["tree"], choices=["tree", "linear"],
+                   help="each source's sessions in each of these history modes (linear: a source that has it)")
     p.add_argument("--out", help="write every pass and the summary here as JSON")
     p.add_argument("--keep-dumps", metavar="DIR", help="keep the callgrind dumps here (for callgrind_annotate)")
     args = p.parse_args()
@@ -376,7 +386,11 @@ def main() -> None:
         )
     if args.reps < 1 or args.agents < 1 or args.turns < 1 or min(args.contexts) < 512:
         raise SystemExit("--reps, --agents and --turns must be >= 1 and every context >= 512 tokens")
-    sources = [_source(s) for s in args.source]
+    sources = [
+        Source(s.path, s.label if mode == "tree" else f"{s.label}+{mode}", mode)
+        for s in map(_source, args.source)
+        for mode in args.history_mode
+    ]
     if len({s.label for s in sources}) != len(sources):
         raise SystemExit(f"--source names the same checkout twice: {[s.label for s in sources]}")
     processes = list(PROCESSES) if args.process == "both" else [args.process]

@@ -105,11 +105,18 @@ class TrainerClient:
         session_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         group: str | None = None,
+        history_mode: str | None = None,
+        linear_fallback: str | None = None,
     ) -> str:
         """Open a session and return its key (the agent's API key); minted by the broker unless given.
 
         `group` names a batch of sessions (e.g. one training step's): `episodes(group=...)` yields
-        only the episodes of that group. With your own `session_id` the call is resent through a broker
+        only the episodes of that group. `history_mode`: "tree" (each prompt is the chat template's
+        rendering of the request) or "linear" (a request that extends the previous turn is prompted with
+        the ids the engine saw plus the rendering of the new messages: one row per append-only episode);
+        `linear_fallback`: what a linear request that extends nothing gets ("fork", "rerender" or "reject").
+        None takes the gateway's `--history-mode` / `--linear-fallback`.
+        With your own `session_id` the call is resent through a broker
         restart (the key open already then means the first attempt opened it: the key is returned);
         without one it raises `BrokerDisconnected` instead, since a repeat would open a second session.
         """
@@ -123,6 +130,8 @@ class TrainerClient:
                 dict(metadata or {}),
                 self.client_id,
                 group,
+                history_mode or "",
+                linear_fallback or "",
             ),
             protocol.SessionOpened,
             self.timeout,

@@ -45,6 +45,8 @@ class Journal:
                 session.metadata,
                 session.client_id,
                 session.group,
+                session.history_mode,
+                session.linear_fallback,
             )  # fmt: skip
         )
 

@@ -63,7 +63,8 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class OpenRecord(Record):
-    """A session opened, with its settings as the registry keeps them (a minted key included)."""
+    """A session opened, with its settings as the registry keeps them (a minted key included; a record from
+    before history modes reads as a tree session)."""
 
     TAG: ClassVar[str] = "open"
     session_id: str
@@ -73,6 +74,8 @@ class OpenRecord(Record):
     metadata: dict[str, Any]
     client_id: str
     group: str | None
+    history_mode: str = "tree"
+    linear_fallback: str = "fork"
 
 
 @dataclass(frozen=True, slots=True)

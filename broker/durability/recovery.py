@@ -156,7 +156,7 @@ class Replay:
                 try:
                     registry.open_session(
                         sid, record.sampling_defaults, record.max_context_tokens, record.max_turns, record.metadata,
-                        record.client_id, record.group,
+                        record.client_id, record.group, record.history_mode, record.linear_fallback,
                     )  # fmt: skip
                 except Refusal as r:  # e.g. a smaller max_sessions than before the restart
                     self.refused += 1

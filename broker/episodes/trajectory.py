@@ -1,7 +1,8 @@
 """Trajectory builder: a finished session's committed turns -> loss-masked training rows.
 
 Pure computation: no sockets or clocks; imports only `broker.sessions.turn_record` (its input), which the
-session registry materializes at finish; `rows.py` turns its rows into wire rows.
+session registry materializes at finish, and `broker.message_keys` (the message tree's keys); `rows.py`
+turns its rows into wire rows.
 Fidelity rule (DESIGN.md): every kept sampled token is trained once, with its float32 logprob, right after
 exactly its turn's prompt_ids -- so a turn joins a row only when the row's ids are a prefix of its prompt.
 Row.metadata: truncated, use_tool, ill_formed (bools); turn_ids (trained here, in order); row_start ("first" |
@@ -13,13 +14,13 @@ dropped).
 
 from __future__ import annotations
 
-import json
 import logging
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from broker.message_keys import message_key
 from broker.sessions.turn_record import TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ def _label_from_tree(turns: list[_Turn]) -> None:
     def key_of(m: Any) -> tuple[Any, ...]:
         key = keys_by_id.get(id(m))
         if key is None:
-            key = keys_by_id[id(m)] = _message_key(m)
+            key = keys_by_id[id(m)] = message_key(m)
         return key
 
     for t in turns:
@@ -278,50 +279,3 @@ def _label_from_tree(turns: list[_Turn]) -> None:
             if reply is None:
                 reply = node.children[key] = _Node()
             reply.replies.append(t)
-
-
-def _message_key(m: Any) -> tuple[Any, ...]:
-    """Normalise what clients drop or add on echo: reasoning, tool-call ids, `name`, argument key order, whitespace."""
-    if not isinstance(m, dict):
-        return ("?", _text(m), ())
-    role = str(m.get("role", ""))
-    content = _text(m.get("content"))
-    if role == "assistant" and "</think>" in content:
-        # Some clients echo the reasoning inline; the reply we parsed kept it apart.
-        content = content.rsplit("</think>", 1)[1].strip()
-    calls = m.get("tool_calls") or ()
-    return (role, content, tuple(_call_key(c) for c in calls) if isinstance(calls, list) else ("?",))
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content.strip()
-    if isinstance(content, list):  # content parts, should a non-canonical message slip through
-        return "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content).strip()
-    return _canonical_json(content)
-
-
-# What json.dumps(value, sort_keys=True, separators=(",", ":"), default=str) builds on every call.
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
-
-
-def _canonical_json(value: Any) -> str:
-    try:
-        return _CANONICAL.encode(value)
-    except (TypeError, ValueError):  # mixed-type keys cannot be sorted: labels only, so any stable text will do
-        return repr(value)
-
-
-def _call_key(call: Any) -> tuple[str, str]:
-    if not isinstance(call, dict):
-        return ("?", _text(call))
-    fn: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else call
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return (str(fn.get("name", "")), args.strip())
-    return (str(fn.get("name", "")), _canonical_json(args))

@@ -22,13 +22,28 @@ from broker.messages.common import Message
 
 # Trainer -> broker
 
+# A session's `history_mode` and `linear_fallback` (see `OpenSession` and `worker.TurnOpened`).
+HISTORY_MODES = ("tree", "linear")
+LINEAR_FALLBACKS = ("fork", "rerender", "reject")
+
+
+def check_history(history_mode: str, linear_fallback: str) -> str | None:
+    """What is wrong with a session's history settings, or None."""
+    if history_mode not in HISTORY_MODES:
+        return f"history_mode must be one of {', '.join(HISTORY_MODES)}, got {history_mode!r}"
+    if linear_fallback not in LINEAR_FALLBACKS:
+        return f"linear_fallback must be one of {', '.join(LINEAR_FALLBACKS)}, got {linear_fallback!r}"
+    return None
+
 
 @dataclass(frozen=True, slots=True)
 class OpenSession(Message):
     """Open a session; `session_id=None` lets the broker mint an unguessable key.
 
     `client_id` names the opening `TrainerClient` and `group` a batch of sessions: the two
-    filters a subscriber may put on the episode stream (`FetchEpisodes`).
+    filters a subscriber may put on the episode stream (`FetchEpisodes`). `history_mode` ("tree" or
+    "linear") and `linear_fallback` ("fork", "rerender" or "reject"): how its prompts are built (see
+    `TurnOpened`); "" takes the broker's default.
     """
 
     TAG: ClassVar[str] = "open_session"
@@ -39,6 +54,8 @@ class OpenSession(Message):
     metadata: dict[str, Any] = field(default_factory=dict)
     client_id: str = ""
     group: str | None = None
+    history_mode: str = ""
+    linear_fallback: str = ""
 
 
 @dataclass(frozen=True, slots=True)

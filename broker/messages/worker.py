@@ -21,6 +21,8 @@ from broker.messages.common import Message
 
 # Worker -> broker
 
+NOT_LINEAR = "not_linear"
+
 
 @dataclass(frozen=True, slots=True)
 class OpenTurn(Message):
@@ -49,7 +51,10 @@ class CommitTurn(Message):
 
     Canonical messages: dicts with `role`, `content` (str), optional `reasoning` (str),
     optional `tool_calls` ([{"name": str, "arguments": object}], no wire ids) and, for
-    tool results, optional `name`. `flags` holds parse verdicts (`ill_formed`, ...).
+    tool results, optional `name`. `flags` holds parse verdicts (`ill_formed`, ...) and, in a linear
+    session, `history` (how its prompt was built: linear, first, fork or rerender) and `echo`
+    (`[message_count, fingerprint]`: `broker.message_keys.EchoDigest` of its prompt messages + response,
+    for the next request to be matched against; the broker lists it among the session's heads).
     On the wire each message is a bin holding its own msgpack encoding (`pack_message`), so the
     broker stores it without decoding it; decoded, such a message is that `bytes` (a map from an
     older sender decodes as a dict, and either form is accepted on the way in).
@@ -88,7 +93,10 @@ class CommitTurn(Message):
 
 @dataclass(frozen=True, slots=True)
 class AbortTurn(Message):
-    """The reply never reached the agent: forget the turn, never train on it."""
+    """The reply never reached the agent: forget the turn, never train on it.
+
+    `reason` is free text for the log, except `NOT_LINEAR`: a linear session's request that its `reject`
+    fallback refused (the broker counts them)."""
 
     TAG: ClassVar[str] = "abort_turn"
     session_id: str
@@ -102,11 +110,13 @@ class GetTurn(Message):
 
     Only turns of `session_id` are found, so a response id never leaks across sessions.
     An empty `turn_id` only checks that the session is open (`Refused` unknown_turn if it is).
+    A turn still in flight is refused with turn_pending (ask again).
     """
 
     TAG: ClassVar[str] = "get_turn"
     session_id: str
     turn_id: str
+    with_ids: bool = False  # also its prompt and output ids (a linear session's held ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +134,24 @@ class Heartbeat(Message):
 
 @dataclass(frozen=True, slots=True)
 class TurnOpened(Message):
-    """The turn may proceed; `seq` orders it in the trajectory (never commit arrival)."""
+    """The turn may proceed; `seq` orders it in the trajectory (never commit arrival).
+
+    `history_mode` is the session's: "tree" (render the messages) or "linear" (extend a held turn's ids).
+    A linear session also names its `linear_fallback` (fork, rerender or reject: what a request that extends
+    none of its heads gets), its `heads`, `[turn_id, message_count, echo_digest]` of the committed turns a
+    request may extend, newest first (see `CommitTurn` flags), and `pending`: its other turns in flight,
+    one of which may be the turn whose reply this request echoes (re-send the OPEN, same turn id, to ask again).
+    """
 
     TAG: ClassVar[str] = "turn_opened"
     turn_id: str
     seq: int
     sampling_defaults: dict[str, Any]
     max_context_tokens: int | None
+    history_mode: str = "tree"
+    linear_fallback: str = ""
+    heads: list[list[Any]] = field(default_factory=list)
+    pending: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +190,15 @@ class TurnAborted(Message):
 
 @dataclass(frozen=True, slots=True)
 class TurnFound(Message):
-    """A committed turn's canonical prompt messages and response message (see `CommitTurn`)."""
+    """A committed turn's canonical prompt messages and response message (see `CommitTurn`), and its ids when
+    `GetTurn.with_ids` asked for them (else empty)."""
 
     TAG: ClassVar[str] = "turn_found"
     turn_id: str
     prompt_messages: list[dict[str, Any]]
     response_message: dict[str, Any]
+    prompt_ids: array = field(metadata=IDS, default_factory=lambda: array("i"))
+    output_ids: array = field(metadata=IDS, default_factory=lambda: array("i"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,11 @@ from broker.sessions.turn_store import TurnStore
 
 # The layout of an image (a list): bumped with any change to it, checked on load. Layout 1 (before
 # in-flight turns named their workers and requests their digests) lacks the last three items and still loads;
-# layouts 1 and 2 hold a store's hot messages one item each (`MessageLog.from_image` reads both ways).
-IMAGE_VERSION = 3
+# layouts 1 and 2 hold a store's hot messages one item each (`MessageLog.from_image` reads both ways);
+# layouts before 4 lack the history settings and heads (tree sessions).
+IMAGE_VERSION = 4
 _OWNERLESS_VERSION = 1
-_LOADS = (IMAGE_VERSION, 2, _OWNERLESS_VERSION)
+_LOADS = (IMAGE_VERSION, 3, 2, _OWNERLESS_VERSION)
 
 
 def session_image(session: Session, *, closing: bool) -> list[Any]:
@@ -45,6 +46,9 @@ def session_image(session: Session, *, closing: bool) -> list[Any]:
         session.owners,
         session.abandoned,
         session.digests,
+        session.history_mode,
+        session.linear_fallback,
+        session.heads,
     ]
 
 
@@ -54,12 +58,17 @@ def restore_session(image: list[Any]) -> Session:
         raise ValueError(f"a session image of layout {image[0] if image else None!r}, not {IMAGE_VERSION}")
     if image[0] == _OWNERLESS_VERSION:
         image = [*image, {}, {}, {}]
+    if image[0] < IMAGE_VERSION:
+        image = [*image, "tree", "fork", []]
     try:
         (
             _, sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group, finished_by,
-            next_seq, in_flight, aborted, store, owners, abandoned, digests,
+            next_seq, in_flight, aborted, store, owners, abandoned, digests, history_mode, linear_fallback, heads,
         ) = image  # fmt: skip
-        session = Session(sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group)
+        session = Session(
+            sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group, history_mode,
+            linear_fallback, [list(head) for head in heads],
+        )  # fmt: skip
         if finished_by is not None:
             session.state = "closing"
             session.finished_by = finished_by

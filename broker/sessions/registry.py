@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from broker import protocol
 from broker.protocol import session_tag
+from broker.sessions import history
 from broker.sessions.compaction import COMPACT_CHUNK_BYTES, COMPACT_SLICE_BYTES, AgingEntry, CompactionScheduler
 from broker.sessions.logs.append_logs import packed_messages
 from broker.sessions.turn_record import TurnRecord
@@ -69,6 +70,9 @@ class Session:
     metadata: dict[str, Any]
     client_id: str = ""  # the opening TrainerClient: the episode stream's only_mine filter
     group: str | None = None  # the episode stream's group filter
+    history_mode: str = "tree"  # how its prompts are built (`history`)
+    linear_fallback: str = "fork"  # what a linear session's request that extends no head gets
+    heads: list[list[Any]] = field(default_factory=list)  # a linear session's (`history.note_head`)
     state: State = "open"
     finished_by: FinishOrigin | None = None  # set when a finish closes it
     next_seq: int = 0
@@ -149,7 +153,15 @@ class SessionRegistry:
         compact_age_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         unknown_hint: str = "",
+        history_mode: str = "tree",
+        linear_fallback: str = "fork",
     ) -> None:
+        problem = protocol.check_history(history_mode, linear_fallback)
+        if problem is not None:
+            raise ValueError(problem)
+        # A session opened with "" for either takes these.
+        self.history_mode = history_mode
+        self.linear_fallback = linear_fallback
         self._sessions: dict[str, Session] = {}
         self._serials = itertools.count()  # each opening's `Session.serial`
         # Appended to every unknown_session refusal: why a key the caller had may be gone (a broker that
@@ -187,6 +199,7 @@ class SessionRegistry:
                 "commits_unknown_base",
                 "bytes_compacted",
                 "bytes_freed",
+                *history.HISTORY_COUNTERS,
             ),
             0,
         )
@@ -224,13 +237,20 @@ class SessionRegistry:
         metadata: dict[str, Any],
         client_id: str = "",
         group: str | None = None,
+        history_mode: str = "",
+        linear_fallback: str = "",
     ) -> Session:
-        """Register a session; mint an unguessable key unless the caller gave one."""
+        """Register a session; mint an unguessable key unless the caller gave one. An empty `history_mode` or
+        `linear_fallback` takes the registry's default."""
         if session_id is not None and not _SESSION_ID_RE.fullmatch(session_id):
             raise Refusal("bad_request", "session_id must be 1-256 visible ASCII characters (it is an API key)")
         for name, value in (("max_context_tokens", max_context_tokens), ("max_turns", max_turns)):
             if value is not None and value <= 0:
                 raise Refusal("bad_request", f"{name} must be a positive integer or None, got {value!r}")
+        history_mode, linear_fallback = history_mode or self.history_mode, linear_fallback or self.linear_fallback
+        problem = protocol.check_history(history_mode, linear_fallback)
+        if problem is not None:
+            raise Refusal("bad_request", problem)
         if len(self._sessions) >= self._max_sessions:
             raise Refusal("busy", f"the broker holds its maximum of {self._max_sessions} sessions")
         if session_id is None:
@@ -240,7 +260,10 @@ class SessionRegistry:
         if self._max_turns_cap is not None:
             max_turns = self._max_turns_cap if max_turns is None else min(max_turns, self._max_turns_cap)
         self._finished.pop(session_id, None)  # a reused id starts afresh
-        session = Session(session_id, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group)
+        session = Session(
+            session_id, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group, history_mode,
+            linear_fallback,
+        )  # fmt: skip
         session.serial = next(self._serials)
         self._sessions[session_id] = session
         self.counters["sessions_opened"] += 1
@@ -403,6 +426,11 @@ class SessionRegistry:
             self._landed_late(session, turn_id)
         if session.owners:
             session.owners.pop(turn_id, None)
+        if session.history_mode == "linear" and msg.flags:
+            keep = history.heads_kept(session.linear_fallback)
+            kind = history.note_head(session.heads, seq, turn_id, msg.flags, keep)
+            if kind is not None:
+                counters[kind] += 1
         counters["commits_stored"] += 1
         if self._compact and store.raw_bytes >= self._compact_min_bytes:
             self.compaction.note_commit(session)
@@ -434,7 +462,7 @@ class SessionRegistry:
         self.counters["turns_worker_lost"] += 1
         return True
 
-    def abort_turn(self, sid: str, turn_id: str) -> Session | None:
+    def abort_turn(self, sid: str, turn_id: str, reason: str = "") -> Session | None:
         """Forget an in-flight turn. Unknown sessions and turns are fine: the turn is gone either way."""
         session = self._sessions.get(sid)
         if session is None:
@@ -445,6 +473,8 @@ class SessionRegistry:
             session.owners.pop(turn_id, None)
             session.aborted.add(turn_id)
             self.counters["turns_aborted"] += 1
+            if reason == protocol.NOT_LINEAR:
+                self.counters["linear_rejects"] += 1
         elif turn_id in session.committed:
             raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(sid)} is already committed")
         return session
@@ -454,16 +484,27 @@ class SessionRegistry:
 
         Only turns of an open session `sid` are found, so a turn id never leaks across sessions.
         """
+        found = self._committed(sid, turn_id).turn_messages(turn_id)
+        assert found is not None
+        return found
+
+    def turn_record(self, sid: str, turn_id: str) -> TurnRecord:
+        """A committed turn of open session `sid`, ids included (a linear session's held turn), as `turn_messages`."""
+        found = self._committed(sid, turn_id).record(turn_id)
+        assert found is not None
+        return found
+
+    def _committed(self, sid: str, turn_id: str) -> TurnStore:
+        """The store of open session `sid` if it holds `turn_id`; else the Refusal that says why not."""
         session = self.get(sid)
         if session.state != "open":
             raise Refusal("session_closed", f"session {session_tag(sid)} is finishing; no new turns")
-        found = session.committed.turn_messages(turn_id)
-        if found is None:
+        if turn_id not in session.committed:
             if turn_id in session.in_flight:
                 # Its reply reached the agent just before its COMMIT reached us: the worker retries.
                 raise Refusal("turn_pending", f"turn {turn_id!r} is not committed yet")
             raise Refusal("unknown_turn", f"session {session_tag(sid)} has no committed turn {turn_id!r}")
-        return found
+        return session.committed
 
     # --- a durable broker's recovery and snapshots (`broker.durability`) ---------------------
 

@@ -277,8 +277,9 @@ class Backplane:
             pause = min(2 * pause, RETRY_ASK_MAX_S)
             sent = self._send(build, OPEN_TIMEOUT_S)
 
-    async def get_turn(self, session_id: str, turn_id: str) -> protocol.TurnFound:
-        """A committed turn's canonical messages (`previous_response_id`); raises TurnRefused or BrokerUnavailable.
+    async def get_turn(self, session_id: str, turn_id: str, with_ids: bool = False) -> protocol.TurnFound:
+        """A committed turn's canonical messages (`previous_response_id`), and its ids `with_ids` (a linear
+        session's held turn); raises TurnRefused or BrokerUnavailable.
 
         A turn still in flight is asked for again for a short while: its reply can reach the agent
         (and the agent's follow-up reach us) before its COMMIT reaches the broker.
@@ -287,7 +288,7 @@ class Backplane:
         while True:
             try:
                 return await self._call(
-                    lambda rid: protocol.GetTurn(request_id=rid, session_id=session_id, turn_id=turn_id),
+                    lambda rid: protocol.GetTurn(rid, session_id, turn_id, with_ids),
                     protocol.TurnFound,
                 )
             except TurnRefused as e:

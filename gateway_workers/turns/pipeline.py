@@ -16,11 +16,13 @@ import logging
 import time
 import uuid
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from broker import protocol
+from broker.message_keys import EchoDigest
 from broker.protocol import session_tag
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import (
@@ -36,9 +38,13 @@ from gateway_workers.http.connection import AgentConnection
 from gateway_workers.http.errors import ApiError, broker_unavailable
 from gateway_workers.rendering.budget import PromptOverBudget
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
+from gateway_workers.turns.history import LinearHistory, echo_flag
 from gateway_workers.turns.replay import Replayed, RetryKey
 
 logger = logging.getLogger(__name__)
+
+# Linear sessions a worker remembers as such (ids only), to skip their speculative full render.
+LINEAR_SESSIONS_KEPT = 65_536
 
 
 # A refusal from the broker -> (status, kind). 401/403 are final for the official SDKs,
@@ -109,6 +115,7 @@ class CapturedTurn:
     created: int
     timings: dict[str, float] = field(default_factory=dict)
     flags: dict[str, Any] = field(default_factory=dict)  # extra verdicts for the commit (e.g. stream_diverged)
+    echo: EchoDigest | None = None  # a linear session's: its messages' running digest (`turns.history`)
     _backplane: Backplane | None = None
     _settled: bool = False
 
@@ -126,6 +133,9 @@ class CapturedTurn:
         flags: dict[str, Any] = {"ill_formed": self.parsed.ill_formed, **self.flags}
         if self.parsed.error:
             flags["parse_error"] = self.parsed.error
+        response = self.parsed.canonical_message()
+        if self.echo is not None:  # a linear session's turn: the next request is matched against it
+            flags["echo"] = echo_flag(self.echo, response)
         backplane = self._backplane
         backplane.commit_in_background(
             protocol.CommitTurn(
@@ -137,7 +147,7 @@ class CapturedTurn:
                 logprobs=array("f", self.result.logprobs),
                 finish_reason=self.result.finish_reason,
                 prompt_messages=[*self.request.messages],  # the wire type also admits packed bytes
-                response_message=self.parsed.canonical_message(),
+                response_message=response,
                 flags=flags,
                 timings=self.timings,
             )
@@ -167,6 +177,7 @@ class PreparedTurn:
     t0: float
     t_render: float
     flags: dict[str, Any] = field(default_factory=dict)  # verdicts of the prompt, committed with the turn
+    echo: EchoDigest | None = None  # a linear session's: its messages' running digest
 
 
 class TurnPipeline:
@@ -187,6 +198,14 @@ class TurnPipeline:
         self.engine = engine
         self.default_max_tokens = default_max_tokens
         self.max_context_tokens = max_context_tokens  # the model's context window, for sessions without less
+        fmt = getattr(parser, "format", None)
+        eos = renderer.tokenizer.eos_token
+        self.history = LinearHistory(
+            backplane, renderer, fmt.end_markers if fmt is not None else ((eos,) if isinstance(eos, str) else ())
+        )
+        # Sessions seen to be linear: their full render is not begun before the OPEN's answer (most of their
+        # turns need only the new messages rendered). A session forgotten only renders speculatively again.
+        self._linear_sessions: OrderedDict[str, None] = OrderedDict()
 
     async def prepare(self, session_id: str, request: TurnRequest, key: RetryKey | None = None) -> PreparedTurn:
         """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened), or
@@ -201,7 +220,7 @@ class TurnPipeline:
         opening = self.backplane.open_turn(session_id, turn_id, digest, retry)
         begun: RenderedPrompt | Callable[[int | None], RenderedPrompt] | RenderError | None = None
         try:
-            if _message_chars(request.messages) <= HUGE_REQUEST_CHARS:
+            if session_id not in self._linear_sessions and _message_chars(request.messages) <= HUGE_REQUEST_CHARS:
                 try:
                     begun = self.renderer.begin_render(request.messages, request.tools, session_id)
                 except RenderError as e:
@@ -220,12 +239,27 @@ class TurnPipeline:
             raise
         if isinstance(opened, protocol.TurnReplayed):
             raise Replayed(opened)
+        flags: dict[str, Any] = {}
+        linear, echo = None, None
         try:
             try:
-                if isinstance(begun, RenderError):
-                    raise begun
+                if opened.history_mode == "linear":
+                    self._note_linear(session_id)
+                    try:
+                        linear = await self.history.prompt(session_id, turn_id, request.messages, request.tools,
+                                                           opened)
+                    except TurnRefused as e:
+                        raise refusal_error(e) from None
+                    except BrokerUnavailable as e:
+                        logger.error("the held turn of linear session %s: %s", session_tag(session_id), e)
+                        raise broker_unavailable() from None
+                    opened, flags["history"], echo = linear.opened, linear.kind, linear.echo
                 budget, loop = self._budget(opened), asyncio.get_running_loop()
-                if begun is None:
+                if linear is not None and linear.rendered is not None:
+                    rendered = linear.rendered
+                elif isinstance(begun, RenderError):
+                    raise begun
+                elif begun is None:
                     rendered = await loop.run_in_executor(self.renderer.thread, self.renderer.render_session,
                                                           request.messages, request.tools, session_id, budget)
                 elif callable(begun):
@@ -239,15 +273,25 @@ class TurnPipeline:
                 rendered = RenderedPrompt(prompt_ids=array("i"), text="")
                 params, _ = self._sampling(request, opened, e.at_least)
                 return PreparedTurn(session_id, turn_id, request, rendered.prompt_ids, rendered.text, params, True,
-                                    t0, time.perf_counter(), {"prompt_tokens_at_least": e.at_least})
+                                    t0, time.perf_counter(), {**flags, "prompt_tokens_at_least": e.at_least}, echo)
             prompt_ids = rendered.prompt_ids
             params, over_budget = self._sampling(request, opened, len(prompt_ids))
         except BaseException as e:
-            self.backplane.abort_in_background(session_id, turn_id, type(e).__name__)
+            rejected = isinstance(e, ApiError) and e.code == protocol.NOT_LINEAR
+            reason = protocol.NOT_LINEAR if rejected else type(e).__name__
+            self.backplane.abort_in_background(session_id, turn_id, reason)
             raise
         return PreparedTurn(
-            session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0, time.perf_counter()
-        )
+            session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0, time.perf_counter(),
+            flags, echo,
+        )  # fmt: skip
+
+    def _note_linear(self, session_id: str) -> None:
+        sessions = self._linear_sessions
+        sessions[session_id] = None
+        sessions.move_to_end(session_id)
+        if len(sessions) > LINEAR_SESSIONS_KEPT:
+            sessions.popitem(last=False)
 
     async def run(
         self, session_id: str, request: TurnRequest, connection: AgentConnection, key: RetryKey | None = None
@@ -287,6 +331,7 @@ class TurnPipeline:
                 "parse_s": time.perf_counter() - t_engine,
             },
             flags=dict(prepared.flags),
+            echo=prepared.echo,
             _backplane=self.backplane,
         )
 

@@ -11,13 +11,14 @@ an unknown template refuses to start, `--response-format` overrides detection, a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,13 +130,19 @@ def _expected_calls(tok: Any, writer: str, prompt: list[int]) -> list[dict[str, 
     return plan(read_prompt(text, w.layout, w.tools), random.Random(digest), digest, TOOL_ROUNDS, w.parallel)["calls"]
 
 
-def _run_agent(base_url: str, sid: str, tools: list[dict[str, Any]] | None, stream: bool) -> list[Any]:
-    """A tool loop as agents write it: echo the reply (with its reasoning), answer every call in order."""
-    client = openai.OpenAI(base_url=base_url, api_key=sid, max_retries=0, timeout=60)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a careful weather agent."},
-        {"role": "user", "content": "What is the weather in Paris?"},
-    ]
+def _run_agent(
+    client: openai.OpenAI,
+    tools: list[dict[str, Any]] | None,
+    stream: bool,
+    *,
+    echo_reasoning: bool = True,
+    system: str = "You are a careful weather agent.",
+    question: str = "What is the weather in Paris?",
+    between: Callable[[], None] | None = None,
+) -> list[Any]:
+    """A tool loop as agents write it: echo the reply (with its reasoning, unless not `echo_reasoning`), answer
+    every call in order; `between` runs after the first reply."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     received = []
     for turn in range(MAX_TURNS):
         extra: dict[str, Any] = {"tools": tools} if tools else {}
@@ -145,8 +152,10 @@ def _run_agent(base_url: str, sid: str, tools: list[dict[str, Any]] | None, stre
         else:
             message = client.chat.completions.create(model="m", messages=messages, **extra).choices[0].message
         received.append(message)
+        if between is not None and turn == 0:
+            between()
         echo: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
-        if getattr(message, "reasoning_content", None):
+        if echo_reasoning and getattr(message, "reasoning_content", None):
             echo["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
             echo["tool_calls"] = [
@@ -173,19 +182,29 @@ def _run_agent(base_url: str, sid: str, tools: list[dict[str, Any]] | None, stre
     return received
 
 
-@pytest.fixture(params=E2E_FAMILIES)
-def family_gateway(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, FakeEngine, str]]:
-    key = request.param
+@contextlib.contextmanager
+def serve_family(
+    key: str, engine_kind: str, workers: int = 1, extra: Sequence[str] = ()
+) -> Iterator[tuple[Any, FakeEngine, str]]:
+    """`serve` with the family's tokenizer in front of the fake engine writing its syntax: (gateway, engine, dir)."""
     tokenizer_dir = family_tokenizer_dir(key)
     with FamilyEngine(tokenizer_dir, FAMILIES[key].writer) as engine:
         with launch_gateway(
-            workers=1,
-            engine_kind="sglang" if E2E_FAMILIES.index(key) % 2 else "vllm",  # both wire formats
+            workers=workers,
+            engine_kind=engine_kind,
             engine_urls=[engine.url],
             tokenizer=tokenizer_dir,
-            extra_args=["--log-level", "warning", "--engine-timeout", "20"],
+            extra_args=["--log-level", "warning", "--engine-timeout", "20", *extra],
         ) as gw:
-            yield key, gw, engine, tokenizer_dir
+            yield gw, engine, tokenizer_dir
+
+
+@pytest.fixture(params=E2E_FAMILIES)
+def family_gateway(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, FakeEngine, str]]:
+    key = request.param
+    engine_kind = "sglang" if E2E_FAMILIES.index(key) % 2 else "vllm"  # both wire formats
+    with serve_family(key, engine_kind) as (gw, engine, tokenizer_dir):
+        yield key, gw, engine, tokenizer_dir
 
 
 def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str]) -> None:
@@ -195,7 +214,8 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
     tools = TOOLS if family.tools else None
     for stream in (False, True):
         sid = gw.client.open_session(sampling_defaults={"temperature": 1.0})
-        received = _run_agent(gw.base_url, sid, tools, stream)
+        agent = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=0, timeout=60)
+        received = _run_agent(agent, tools, stream)
         records = gw.client.finish_session(sid, reward=1.0, wait_timeout=10.0)
         turns, prompts = _engine_turns(engine, sid, policy)
         assert len(turns) == len(received)

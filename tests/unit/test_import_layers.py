@@ -12,9 +12,9 @@
   `broker.episodes` may import `broker.sessions`, not the reverse. `broker.durability` (the state
   directory: log, snapshots, recovery) loads no zmq, no asyncio and nothing of the server or the
   sockets; neither sessions nor episodes load it (only the server and `__main__` wire it in).
-- `broker.token_ids` (byte tables, matching prefixes) is the other broker module workers may import:
-  stdlib only (no zmq, numpy or msgpack) and nothing else of `broker`; workers load nothing of the
-  broker's server, sessions or episodes.
+- `broker.token_ids` (byte tables, matching prefixes) and `broker.message_keys` (echo keys, shared with
+  the trajectory builder) are the other broker modules workers may import: stdlib only (no zmq or msgpack;
+  no numpy) and nothing else of `broker`; workers load nothing of the broker's server, sessions or episodes.
 - `broker.curve` (CURVE keys, the loopback rule, handshake monitors) is shared by all three: stdlib and
   zmq, no asyncio (so not `zmq.auth.thread`) and nothing else of `broker`; the broker's ZAP handler
   (`broker.zap`, blocking) loads only `broker.curve`, and neither workers nor the trainer client load it.
@@ -99,6 +99,7 @@ SUBPACKAGES = {
     "broker.token_ids": Layer(
         forbid=("zmq", "asyncio", "numpy", "msgpack", "tokenizers"), broker_only=("broker.token_ids",)
     ),
+    "broker.message_keys": Layer(forbid=("zmq", "asyncio", "msgpack"), broker_only=("broker.message_keys",)),
 }
 _GW = "gateway_workers."
 _TURN_PATH = tuple(_GW + p for p in ("adapters", "turns", "rendering", "formats", "engines", "capture"))

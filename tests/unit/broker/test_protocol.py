@@ -94,10 +94,11 @@ def test_unpack_messages_refuses_what_is_not_whole_maps(buf):
 
 
 def test_an_older_trainer_without_client_id_and_group_still_opens_sessions():
-    full = msgpack.unpackb(protocol.encode(OpenSession(26, None, {}, None, None, {}, "c", "g")), raw=False)
-    older = protocol.decode_trainer_to_broker(msgpack.packb(full[:-3], use_bin_type=True))  # no metadata either
+    full = msgpack.unpackb(protocol.encode(OpenSession(26, None, {}, None, None, {}, "c", "g", "linear")), raw=False)
+    # no metadata, client_id, group, history_mode or linear_fallback
+    older = protocol.decode_trainer_to_broker(msgpack.packb(full[:-5], use_bin_type=True))
     assert older == OpenSession(26, None, {}, None, None)
-    assert (older.metadata, older.client_id, older.group) == ({}, "", None)
+    assert (older.metadata, older.client_id, older.group, older.history_mode) == ({}, "", None, "")
 
 
 @pytest.mark.parametrize("bad", [["1"], [1.5], [True], [None], "12"])

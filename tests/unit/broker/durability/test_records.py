@@ -142,7 +142,7 @@ def test_an_image_of_layout_2_with_its_raw_messages_one_item_each_still_loads():
     joined, ends, cold, cold_ends, raw_bytes = store[1]
     bounds = [0, *array("q", ends)]
     store[1] = [[joined[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], cold, cold_ends, raw_bytes]
-    old = [2, *image[1:12], store, *image[13:]]
+    old = [2, *image[1:12], store, *image[13:16]]  # layout 2 had no history settings either
     written = b"".join(bytes(p) for p in records.image_parts(records.SessionImage(1, old, None)))
     restored = restore_session(records.decode_image(memoryview(written)).image)
     assert [dataclasses.astuple(r) for r in restored.committed.records()] == [
@@ -182,5 +182,22 @@ def test_an_image_keeps_who_owns_each_in_flight_turn_what_was_abandoned_and_requ
     assert restored.in_flight == {"owned": 0} and restored.abandoned == {"lost": 1}
     assert restored.owners == {"owned": "worker-a"} and restored.digests == {"digest-of-its-request": "owned"}
     # an image written before turns named their workers (layout 1: no owners, nothing abandoned) still loads
-    old = [1, *session_image(session, closing=False)[1:-3]]
+    old = [1, *session_image(session, closing=False)[1:-6]]
     assert restore_session(old).in_flight == {"owned": 0} and restore_session(old).owners == {}
+    assert (restore_session(old).history_mode, restore_session(old).heads) == ("tree", [])
+
+
+def test_an_image_keeps_a_linear_sessions_settings_and_heads():
+    reg = SessionRegistry(max_sessions=2)
+    sid = "linear-session-key-xxxxxxx"
+    reg.open_session(sid, {}, None, None, {}, history_mode="linear", linear_fallback="reject")
+    reg.open_turn(sid, "t0")
+    commit = protocol.CommitTurn(
+        0, sid, "t0", protocol.ids_array([1, 2]), protocol.ids_array([3]), protocol.logprobs_array([-0.5]), "stop",
+        [{"role": "user", "content": "hi"}], {"role": "assistant", "content": "yo"},
+        flags={"history": "first", "echo": [2, "ab" * 16]},
+    )  # fmt: skip
+    assert reg.commit_turn(commit) == "stored"
+    restored = restore_session(session_image(reg.session(sid), closing=False))
+    assert (restored.history_mode, restored.linear_fallback) == ("linear", "reject")
+    assert restored.heads == [[0, "t0", 2, "ab" * 16]]

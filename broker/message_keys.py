@@ -1,0 +1,111 @@
+"""Echo keys: what of a canonical message (see `protocol.CommitTurn`) survives a client's echo of it.
+
+Agents send earlier replies back with their own changes: reasoning dropped or inlined, tool-call ids and
+`name` added, argument keys reordered, whitespace trimmed. Two messages with the same key are the same
+message. The trajectory builder labels rows by these keys (`broker.episodes.trajectory`), and a worker
+judges by them whether a request extends a linear session's held turn (`gateway_workers.turns.history`),
+against the `echo` digest its committing worker recorded: both sides must normalise alike, so the rule is
+written once, here. Stdlib only, nothing else of `broker`; workers may import it.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+MessageKey = tuple[Any, ...]
+
+# What json.dumps(value, sort_keys=True, separators=(",", ":"), default=str) builds on every call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+
+
+def message_key(m: Any) -> MessageKey:
+    """Normalise what clients drop or add on echo: reasoning, tool-call ids, `name`, argument key order, whitespace."""
+    if not isinstance(m, dict):
+        return ("?", _text(m), ())
+    role = str(m.get("role", ""))
+    content = _text(m.get("content"))
+    if role == "assistant" and "</think>" in content:
+        # Some clients echo the reasoning inline; the reply we parsed kept it apart.
+        content = content.rsplit("</think>", 1)[1].strip()
+    calls = m.get("tool_calls") or ()
+    return (role, content, tuple(_call_key(c) for c in calls) if isinstance(calls, list) else ("?",))
+
+
+class EchoDigest:
+    """A running fingerprint of a context string and the keys of the messages added to it, in order.
+
+    `context` is what else must match for two prompts to continue alike (a linear session: the tools). A
+    fingerprint picks a candidate, it proves nothing: a linear match is confirmed by comparing the keys with
+    the held turn's messages (`gateway_workers.turns.history`). CRC-32 over length-prefixed parts: a pass a
+    request's history costs anyway (its JSON is parsed), at a fraction of a cryptographic hash's instructions
+    and with no escaping pass over long contents (docs/performance.md).
+    """
+
+    __slots__ = ("crc", "count")
+
+    def __init__(self, context: str = "", crc: int | None = None, count: int = 0) -> None:
+        self.crc = crc if crc is not None else zlib.crc32(context.encode("utf-8", "surrogatepass"))
+        self.count = count  # messages added
+
+    def add(self, messages: Sequence[Any]) -> EchoDigest:
+        crc = self.crc
+        for m in messages:
+            role, content, calls = message_key(m)
+            for part in (role, content, *(p for call in calls for p in (call if isinstance(call, tuple) else (call,)))):
+                data = part.encode("utf-8", "surrogatepass")
+                crc = zlib.crc32(data, zlib.crc32(len(data).to_bytes(8, "little"), crc))
+            crc = zlib.crc32(len(calls).to_bytes(8, "little"), crc)
+        self.crc, self.count = crc, self.count + len(messages)
+        return self
+
+    def copy(self) -> EchoDigest:
+        return EchoDigest(crc=self.crc, count=self.count)
+
+    def hexdigest(self) -> str:
+        return f"{self.crc:08x}"
+
+
+def echo_digests(context: str, messages: Sequence[Any], at: Sequence[int]) -> tuple[dict[int, str], EchoDigest]:
+    """The digest of `context` and `messages[:n]` for each n in `at`, and the running digest of all `messages`:
+    one pass over them, whatever `at` holds."""
+    digest, out = EchoDigest(context), {}
+    for n in sorted(set(at)):
+        if n > len(messages):
+            break
+        digest.add(messages[digest.count : n])
+        out[n] = digest.hexdigest()
+    return out, digest.add(messages[digest.count :])
+
+
+def canonical_json(value: Any) -> str:
+    """Stable text of a JSON-like value (sorted keys, no spaces); repr where keys cannot be sorted."""
+    try:
+        return _CANONICAL.encode(value)
+    except (TypeError, ValueError):  # mixed-type keys cannot be sorted: any stable text will do
+        return repr(value)
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content.strip()
+    if isinstance(content, list):  # content parts, should a non-canonical message slip through
+        return "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content).strip()
+    return canonical_json(content)
+
+
+def _call_key(call: Any) -> tuple[str, str]:
+    if not isinstance(call, dict):
+        return ("?", _text(call))
+    fn: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else call
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return (str(fn.get("name", "")), args.strip())
+    return (str(fn.get("name", "")), canonical_json(args))

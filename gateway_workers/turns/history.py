@@ -1,0 +1,191 @@
+"""Linear history on the worker: a request that extends a held turn is prompted with that turn's ids.
+
+In a linear session (`TurnOpened.history_mode`) the broker names the session's heads: its newest committed
+turns, each with the echo fingerprint of its prompt messages + response (`broker.message_keys`), recorded by
+the worker that committed it. A request whose first n messages have a head's fingerprint, and the same keys
+as that head's messages (compared once the held turn is at hand), extends that head: its prompt is the
+head's prompt ids + output ids, the ids the engine saw, then the template's rendering of only the new
+messages (`rendering.linear.linear_tail`). The trajectory builder then finds the turn on the head's row, so
+an append-only episode is one row and every trained token follows exactly what the engine saw. The held
+ids come from this worker's commit base when it committed the head, else from the broker
+(`GetTurn.with_ids`), so no session is pinned to a worker.
+
+A request that echoes a reply whose commit has not reached the broker yet (the agent got the reply a
+moment before its COMMIT landed) would match only the turn before it: while the session has other turns
+in flight and the new messages hold an assistant message, the OPEN is asked again (same turn, fresh
+heads) for up to LINEAR_WAIT_S. A request that extends no head, or whose tail cannot be placed, follows
+the session's fallback: fork or rerender (a full render; see `broker.sessions.history`) or reject (a 400
+naming the first message that differs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from broker import protocol
+from broker.message_keys import EchoDigest, canonical_json, echo_digests, message_key
+from gateway_workers.capture.backplane import Backplane, TurnRefused
+from gateway_workers.http.errors import ApiError
+from gateway_workers.rendering.linear import LinearTail, TailRefusal, linear_tail
+from gateway_workers.rendering.renderer import RenderedPrompt, Renderer
+
+# How long a request that echoes a reply not yet committed waits for that commit (it is usually
+# milliseconds behind the reply), and the pauses between two asks.
+LINEAR_WAIT_S = 10.0
+LINEAR_ASK_FIRST_S = 0.005
+LINEAR_ASK_MAX_S = 0.2
+
+
+def render_context(tools: Sequence[Mapping[str, Any]] | None) -> str:
+    """What else must match for a request to extend a turn: the tools, whose block the tail does not re-render."""
+    return canonical_json(tools or [])
+
+
+def echo_flag(echo: EchoDigest, response: Mapping[str, Any]) -> list[Any]:
+    """`CommitTurn.flags["echo"]` of a linear turn: `[message_count, digest]` of its messages (`echo`, their
+    running digest) + its response."""
+    with_response = echo.copy().add([response])
+    return [with_response.count, with_response.hexdigest()]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldTurn:
+    """A committed turn a request extends: its canonical messages and the ids the engine saw."""
+
+    turn_id: str
+    prompt_messages: Sequence[Any]
+    response: Mapping[str, Any]
+    prompt_ids: array
+    output_ids: array
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPrompt:
+    """How a linear session's turn is prompted: `rendered` (None: render the messages in full) and its
+    `kind` for the commit's `history` flag: linear, first, fork or rerender. `opened` is the latest OPEN reply;
+    `echo` the running digest of the request's messages, which the commit continues with the response."""
+
+    kind: str
+    rendered: RenderedPrompt | None
+    opened: protocol.TurnOpened
+    echo: EchoDigest
+
+
+class LinearHistory:
+    """Builds linear sessions' prompts for one worker's pipeline."""
+
+    def __init__(self, backplane: Backplane, renderer: Renderer, end_markers: Sequence[str]) -> None:
+        self.backplane = backplane
+        self.renderer = renderer
+        self.end_markers = tuple(end_markers)
+        # Where held turns came from (this worker's commit base, or the broker), and how often a request
+        # waited for a commit still on its way: /metrics.
+        self.counters: Counter[str] = Counter()
+
+    async def prompt(
+        self, session_id: str, turn_id: str, messages: list[dict[str, Any]], tools: Any, opened: protocol.TurnOpened
+    ) -> LinearPrompt:
+        """The prompt of turn `turn_id` (OPENed: `opened`); raises ApiError (reject) or the backplane's errors."""
+        context = render_context(tools)
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + LINEAR_WAIT_S, LINEAR_ASK_FIRST_S
+        while True:
+            found, echo = _extended_head(opened.heads, messages, context)
+            new = messages[found[1] :] if found is not None else messages
+            if not (opened.pending and any(m.get("role") == "assistant" for m in new)) or loop.time() > deadline:
+                break
+            self.counters["linear_waits"] += 1
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, LINEAR_ASK_MAX_S)
+            opened = await self.backplane.open_turn(session_id, turn_id)  # type: ignore[assignment]
+        if found is None:
+            if not opened.heads:
+                return LinearPrompt("first", None, opened, echo)
+            return await self._fallback(session_id, messages, opened, echo, None)
+        held = await self._held(session_id, found[0])
+        if held is None or not _same_messages(messages, [*held.prompt_messages, held.response]):
+            # gone since the OPEN (the session is finishing), or a fingerprint that matched by chance
+            return await self._fallback(session_id, messages, opened, echo, None)
+        tail = await loop.run_in_executor(
+            self.renderer.thread, lambda: linear_tail(
+                self.renderer, held.prompt_messages, held.response, held.output_ids, new,
+                end_markers=self.end_markers, tools=tools,
+            ),
+        )  # fmt: skip
+        if isinstance(tail, TailRefusal):
+            return await self._fallback(session_id, messages, opened, echo, tail)
+        return LinearPrompt("linear", _prompt(held, tail), opened, echo)
+
+    async def _held(self, session_id: str, turn_id: str) -> HeldTurn | None:
+        base = self.backplane.bases.get(session_id)
+        if base is not None and base.turn_id == turn_id:
+            context = array("i")
+            context.frombytes(base.context)
+            n = base.prompt_tokens
+            self.counters["linear_held_local"] += 1
+            return HeldTurn(turn_id, base.messages[:-1], base.messages[-1], context[:n], context[n:])
+        try:
+            found = await self.backplane.get_turn(session_id, turn_id, with_ids=True)
+        except TurnRefused as e:
+            if e.code in ("unknown_turn", "session_closed"):
+                return None
+            raise
+        self.counters["linear_held_fetched"] += 1
+        return HeldTurn(turn_id, found.prompt_messages, found.response_message, found.prompt_ids, found.output_ids)
+
+    async def _fallback(
+        self,
+        session_id: str,
+        messages: list[dict[str, Any]],
+        opened: protocol.TurnOpened,
+        echo: EchoDigest,
+        tail: TailRefusal | None,
+    ) -> LinearPrompt:
+        if opened.linear_fallback != "reject":
+            return LinearPrompt(opened.linear_fallback or "fork", None, opened, echo)
+        if tail is not None:
+            raise ApiError(
+                400, "invalid_request", "this session's history is linear and its new messages cannot follow the "
+                f"ids its previous turn holds ({tail.reason}: {tail.detail})", code=protocol.NOT_LINEAR,
+            )  # fmt: skip
+        newest = await self._held(session_id, opened.heads[0][0])
+        held = [*newest.prompt_messages, newest.response] if newest is not None else []
+        at = next((i for i, (a, b) in enumerate(zip(messages, held, strict=False)) if message_key(a) != message_key(b)),
+                  min(len(messages), len(held)))  # fmt: skip
+        raise ApiError(
+            400, "invalid_request", f"this session's history is linear: messages[{at}] differs from what its previous "
+            "turn holds there (edited history, another system prompt, a compaction?); its requests must extend it",
+            code=protocol.NOT_LINEAR, param=f"messages[{at}]",
+        )  # fmt: skip
+
+
+def _extended_head(
+    heads: list[list[Any]], messages: list[dict[str, Any]], context: str
+) -> tuple[tuple[str, int] | None, EchoDigest]:
+    """(turn id, message count) of the head with the most messages that `messages` extends (by more), or None;
+    and the running digest of all `messages`."""
+    counts = [h[1] for h in heads if type(h[1]) is int and 0 < h[1] < len(messages)]
+    digests, echo = echo_digests(context, messages, counts)
+    best: tuple[str, int] | None = None
+    for turn_id, n, digest in heads:  # newest first: the newest wins a tie
+        if digests.get(n) == digest and (best is None or n > best[1]):
+            best = (turn_id, n)
+    return best, echo
+
+
+def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
+    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested)."""
+    return len(messages) > len(held) and all(map(lambda a, b: message_key(a) == message_key(b), messages, held))
+
+
+def _prompt(held: HeldTurn, tail: LinearTail) -> RenderedPrompt:
+    """The held ids, then the tail; the text is the tail's (what the parser reads of the prompt: its end)."""
+    ids = array("i", held.prompt_ids)
+    ids.extend(held.output_ids)
+    ids.extend(tail.ids)
+    return RenderedPrompt(prompt_ids=ids, text=tail.text)

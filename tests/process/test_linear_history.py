@@ -1,0 +1,208 @@
+"""Linear history through `rollout-gateway serve` with two workers: one row per append-only episode.
+
+Per family (the family's test tokenizer with its real template, the fake engine writing its reply syntax):
+a tool episode whose agent strips the reasoning from its echoes (the case where a tree session gets a row
+per turn on thinking templates) runs in a linear session and in a tree session, turns spread over both
+workers. Linear: exactly one row, every sampled token trained once right after the ids the engine saw
+(`assert_fidelity` against the engine's own log), each prompt the previous prompt + output + a tail, and
+the broker counts the turns as linear. Then the fallbacks on one family: a sub-agent with its own system
+prompt inside a linear session forks (two lines, both linear), `reject` answers a 400 naming the first
+message that differs and records nothing, the messages and responses dialects are one row too, and a
+broker killed mid-episode (`--state-dir`) comes back with the session's heads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from assets import TOOLS, FakeEngine, wait_until
+from dialects import ANTHROPIC_TOOLS, RESPONSES_TOOLS, SYSTEM, tool_output
+from fake_formats import FAMILIES
+from fidelity import assert_fidelity
+from test_families import _engine_turns, _policy, _run_agent, serve_family
+from test_serve_durability import RESTART_WITHIN_S, broker_pid
+
+MAX_TURNS = 6
+# Thinking templates that drop or rewrite earlier reasoning, and one that re-renders replies as sampled.
+LINEAR_FAMILIES = ["qwen3", "qwen3_6", "glm4moe", "gptoss", "llama3_2", "deepseek_r1_distill"]
+
+
+def _client(gw: Any, sid: str) -> openai.OpenAI:
+    """A connection per request, so consecutive turns land on either worker."""
+    http = httpx.Client(headers={"Connection": "close"}, timeout=60)
+    return openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60, http_client=http)
+
+
+def _held_counts(gw: Any) -> dict[str, dict[str, float]]:
+    """Each worker's linear_held_local / linear_held_fetched counters, scraped until both workers answered."""
+    root, seen = gw.base_url.removesuffix("/v1"), {}
+    for _ in range(200):
+        with httpx.Client(headers={"Connection": "close"}) as http:
+            text = http.get(f"{root}/metrics").text
+        pid = re.search(r'pid="(\d+)"', text).group(1)  # type: ignore[union-attr]
+        seen[pid] = {m[1]: float(m[2]) for m in re.finditer(r"^rollout_gateway_(linear_held_\w+)_total\{[^}]*\} (\S+)$",
+                                                             text, re.M)}
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def _episode(gw: Any, sid: str, tools: Any, **kwargs: Any) -> list[Any]:
+    """A tool loop whose agent echoes each reply without its reasoning, a connection per request."""
+    return _run_agent(_client(gw, sid), tools, False, echo_reasoning=False, **kwargs)
+
+
+@pytest.fixture(params=LINEAR_FAMILIES)
+def family_gateway(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, FakeEngine, str]]:
+    key = request.param
+    with serve_family(key, "sglang" if LINEAR_FAMILIES.index(key) % 2 else "vllm", workers=2) as (gw, engine, path):
+        yield key, gw, engine, path
+
+
+def test_an_append_only_episode_is_one_row_in_linear_mode(family_gateway: tuple[str, Any, FakeEngine, str]) -> None:
+    key, gw, engine, tokenizer_dir = family_gateway
+    family = FAMILIES[key]
+    _, policy = _policy(tokenizer_dir, family.writer)
+    tools = TOOLS if family.tools else None
+    before = gw.client.stats()
+    rows: dict[str, int] = {}
+    for mode in ("tree", "linear"):
+        sid = gw.client.open_session(sampling_defaults={"temperature": 1.0}, history_mode=mode)
+        received = _episode(gw, sid, tools)
+        records = gw.client.finish_session(sid, reward=1.0, wait_timeout=10.0)
+        turns, prompts = _engine_turns(engine, sid, policy)
+        assert len(turns) == len(received) >= 2
+        assert_fidelity(turns, records)
+        rows[mode] = len(records)
+        if mode == "linear":
+            assert len(records) == 1, [r.metadata for r in records]
+            for turn, nxt in zip(turns, prompts[1:], strict=False):  # each prompt extends what the engine saw
+                held = list(turn.prompt_ids) + list(turn.output_ids)
+                assert nxt[: len(held)] == held, key
+            assert records[0].metadata["turn_ids"] and len(records[0].metadata["turn_ids"]) == len(turns)
+    stats = gw.client.stats()
+    assert stats["linear_first"] - before["linear_first"] == 1  # the tree session counts nowhere
+    assert stats["linear_turns"] - before["linear_turns"] == len(turns) - 1
+    assert stats["linear_forks"] == before["linear_forks"] and stats["linear_rerenders"] == before["linear_rerenders"]
+    if key == "qwen3":  # the tree session re-rendered each reply without its reasoning: a row per turn
+        assert rows["tree"] == len(turns), rows
+    held = _held_counts(gw)
+    assert sum(sum(w.values()) for w in held.values()) == len(turns) - 1, held
+
+
+@pytest.fixture(scope="module")
+def qwen3_gateway() -> Iterator[tuple[Any, FakeEngine, str]]:
+    # no commit bases: every held turn comes from the broker, as when the other worker committed it
+    with serve_family("qwen3", "vllm", 2, ["--history-mode", "linear", "--commit-base-sessions", "0"]) as served:
+        yield served
+
+
+def test_a_sub_agent_inside_a_linear_session_forks_and_both_lines_stay_linear(qwen3_gateway: Any) -> None:
+    gw, engine, tokenizer_dir = qwen3_gateway
+    _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
+    before, held_before = gw.client.stats(), _held_counts(gw)
+    sid = gw.client.open_session()  # linear by the gateway's --history-mode
+    main = _episode(gw, sid, TOOLS)
+    sub = _episode(gw, sid, TOOLS, system="You are a sub-agent: look one city up.", question="Weather in Rome?")
+    records = gw.client.finish_session(sid, wait_timeout=10.0)
+    turns, _ = _engine_turns(engine, sid, policy)
+    assert len(turns) == len(main) + len(sub)
+    assert_fidelity(turns, records)
+    assert len(records) == 2, [r.metadata for r in records]  # one row per line
+    stats = gw.client.stats()
+    assert stats["linear_forks"] - before["linear_forks"] == 1  # the sub-agent's first request
+    assert stats["linear_turns"] - before["linear_turns"] == len(turns) - 2
+    after = _held_counts(gw)
+    held = {name: sum(w.get(name, 0) for w in after.values()) - sum(w.get(name, 0) for w in held_before.values())
+            for name in ("linear_held_local", "linear_held_fetched")}
+    assert held == {"linear_held_local": 0, "linear_held_fetched": len(turns) - 2}, held
+
+
+def test_reject_answers_a_400_naming_the_first_message_that_differs_and_records_nothing(qwen3_gateway: Any) -> None:
+    gw, _, _ = qwen3_gateway
+    before = gw.client.stats()
+    sid = gw.client.open_session(linear_fallback="reject")
+    client = _client(gw, sid)
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model="m", messages=asked).choices[0].message
+    edited = [asked[0], {"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.content},
+              {"role": "user", "content": "And?"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=edited)
+    assert e.value.body["param"] == "messages[1]" and e.value.body["code"] == "not_linear", e.value.body
+    records = gw.client.finish_session(sid, wait_timeout=10.0)
+    assert len(records) == 1 and len(records[0].metadata["turn_ids"]) == 1  # the refused request left no turn
+    assert gw.client.stats()["linear_rejects"] - before["linear_rejects"] == 1
+
+
+def test_the_messages_and_responses_dialects_are_one_row_too_with_reasoning_stripped(qwen3_gateway: Any) -> None:
+    gw, engine, tokenizer_dir = qwen3_gateway
+    _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
+    for dialect in ("messages", "responses"):
+        sid = gw.client.open_session()
+        received = 0
+        if dialect == "messages":
+            claude = anthropic.Anthropic(base_url=gw.base_url.removesuffix("/v1"), api_key=sid, max_retries=2,
+                                         default_headers={"Connection": "close"})  # fmt: skip
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Oslo?"}]
+            for _ in range(MAX_TURNS):
+                message = claude.messages.create(model="m", max_tokens=512, system=SYSTEM, tools=ANTHROPIC_TOOLS,
+                                                 messages=messages)  # fmt: skip
+                received += 1
+                blocks = [b.model_dump(exclude_none=True) for b in message.content if b.type != "thinking"]
+                messages.append({"role": "assistant", "content": blocks})
+                uses = [b for b in message.content if b.type == "tool_use"]
+                if not uses:
+                    break
+                messages.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": u.id, "content": tool_output(u.name, u.input)} for u in uses
+                ]})  # fmt: skip
+        else:
+            client = _client(gw, sid)
+            items: list[Any] = [{"role": "user", "content": "What is the weather in Lima?"}]
+            for _ in range(MAX_TURNS):
+                response = client.responses.create(model="m", instructions=SYSTEM, tools=RESPONSES_TOOLS, input=items)
+                received += 1
+                calls = [item for item in response.output if item.type == "function_call"]
+                items += [item.model_dump(exclude_none=True) for item in response.output if item.type != "reasoning"]
+                if not calls:
+                    break
+                items += [{"type": "function_call_output", "call_id": c.call_id,
+                           "output": tool_output(c.name, json.loads(c.arguments))} for c in calls]  # fmt: skip
+        records = gw.client.finish_session(sid, wait_timeout=10.0)
+        turns, _ = _engine_turns(engine, sid, policy)
+        assert len(turns) == received >= 2, dialect
+        assert_fidelity(turns, records)
+        assert len(records) == 1, (dialect, [r.metadata for r in records])
+
+
+def test_a_linear_episode_stays_one_row_through_a_broker_killed_mid_episode(tmp_path: Path) -> None:
+    """The heads come back from the state directory: the episode goes on linearly after the restart."""
+    with serve_family("qwen3", "vllm", 2, ["--state-dir", str(tmp_path / "state")]) as (gw, engine, tokenizer_dir):
+        _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
+        sid = gw.client.open_session(history_mode="linear")
+
+        def kill_the_broker() -> None:
+            first = broker_pid(gw.process.pid)
+            assert first is not None
+            os.kill(first, signal.SIGKILL)
+            assert wait_until(lambda: broker_pid(gw.process.pid) not in (None, first), timeout=RESTART_WITHIN_S)
+            assert wait_until(lambda: any("the broker is back" in line for line in list(gw.output)), timeout=30)
+
+        received = _episode(gw, sid, TOOLS, between=kill_the_broker)
+        records = gw.client.finish_session(sid, wait_timeout=10.0)
+        turns, _ = _engine_turns(engine, sid, policy)
+        assert len(turns) == len(received) >= 3
+        assert_fidelity(turns, records)
+        assert len(records) == 1, [r.metadata for r in records]
+        assert gw.client.stats()["linear_turns"] == len(turns) - 1  # the second extended the recovered head

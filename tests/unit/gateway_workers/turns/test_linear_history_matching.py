@@ -1,0 +1,49 @@
+"""Which held turn a linear session's request extends (`turns.history`), by the echo digests workers commit."""
+
+from __future__ import annotations
+
+from broker.message_keys import EchoDigest
+from gateway_workers.turns.history import _extended_head, echo_flag, render_context
+
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+ASKED = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find news."}]
+REPLY = {"role": "assistant", "content": "", "reasoning": "Search first.",
+         "tool_calls": [{"name": "search", "arguments": {"query": "news", "n": 3}}]}
+
+
+def _head(turn_id, messages, response, tools=TOOLS):
+    n, digest = echo_flag(EchoDigest(render_context(tools)).add(messages), response)
+    return [turn_id, n, digest]
+
+
+def test_a_request_extends_the_turn_it_echoes_whatever_the_client_changed_on_the_way():
+    heads = [_head("t0", ASKED, REPLY)]
+    echoed = {"role": "assistant", "content": None, "tool_calls": [  # no reasoning, call ids, keys reordered
+        {"id": "call_1", "type": "function", "name": "search", "arguments": {"n": 3, "query": "news"}}]}
+    request = [*ASKED, echoed, {"role": "tool", "name": "search", "content": "none"}]
+    assert _extended_head(heads, request, render_context(TOOLS))[0] == ("t0", 3)
+
+
+def test_the_longest_match_wins_and_anything_else_extends_nothing():
+    second = [*ASKED, REPLY, {"role": "tool", "content": "none"}]
+    answer = {"role": "assistant", "content": "Nothing new."}
+    heads = [_head("t1", second, answer), _head("t0", ASKED, REPLY)]
+    follow = [*second, answer, {"role": "user", "content": "Thanks."}]
+    assert _extended_head(heads, follow, render_context(TOOLS))[0] == ("t1", 5)
+    # a sibling of t1 (t0's reply, then another tool result) extends only t0
+    sibling = [*ASKED, REPLY, {"role": "tool", "content": "x"}]
+    assert _extended_head(heads, sibling, render_context(TOOLS))[0] == ("t0", 3)
+    edited = [ASKED[0], {"role": "user", "content": "Find old news."}, REPLY, {"role": "tool", "content": "x"}]
+    assert _extended_head(heads, edited, render_context(TOOLS))[0] is None
+    assert _extended_head(heads, [*ASKED, REPLY], render_context(TOOLS))[0] is None  # nothing new after it
+    assert _extended_head(heads, follow, render_context(None))[0] is None  # other tools: the tail cannot follow
+    assert _extended_head([], follow, render_context(TOOLS))[0] is None
+
+
+def test_the_commit_continues_the_running_digest_of_the_match():
+    request = [*ASKED, REPLY, {"role": "tool", "content": "none"}]
+    answer = {"role": "assistant", "content": "Nothing new."}
+    _, running = _extended_head([_head("t0", ASKED, REPLY)], request, render_context(TOOLS))
+    assert running.count == len(request)
+    assert echo_flag(running, answer) == _head("t1", request, answer)[1:]
+    assert echo_flag(running, answer) == echo_flag(running, answer)  # the running digest is left as it was
