@@ -7,8 +7,8 @@ workers. Linear: exactly one row, every sampled token trained once right after t
 (`assert_fidelity` against the engine's own log), each prompt the previous prompt + output + a tail, and
 the broker counts the turns as linear. Then the fallbacks on one family: a sub-agent with its own system
 prompt inside a linear session forks (two lines, both linear), `reject` answers a 400 naming the first
-message that differs and records nothing, the messages and responses dialects are one row too, and a
-broker killed mid-episode (`--state-dir`) comes back with the session's heads.
+message that differs and records nothing, streamed replies and the messages and responses dialects are
+one row too, and a broker killed mid-episode (`--state-dir`) comes back with the session's heads.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ from test_families import _engine_turns, _policy, _run_agent, serve_family
 from test_serve_durability import RESTART_WITHIN_S, broker_pid
 
 MAX_TURNS = 6
-# Thinking templates that drop or rewrite earlier reasoning, and one that re-renders replies as sampled.
-LINEAR_FAMILIES = ["qwen3", "qwen3_6", "glm4moe", "gptoss", "llama3_2", "deepseek_r1_distill"]
+# One template per reply format: thinking templates that drop or rewrite earlier reasoning, and templates
+# that re-render replies as sampled.
+LINEAR_FAMILIES = [
+    "qwen3", "qwen3_instruct_2507", "qwen3_6", "nemotron_3_nano", "glm4moe", "gptoss", "llama3_2",
+    "deepseek_r1_distill",
+]  # fmt: skip
 
 
 def _client(gw: Any, sid: str) -> openai.OpenAI:
@@ -126,6 +130,18 @@ def test_a_sub_agent_inside_a_linear_session_forks_and_both_lines_stay_linear(qw
     held = {name: sum(w.get(name, 0) for w in after.values()) - sum(w.get(name, 0) for w in held_before.values())
             for name in ("linear_held_local", "linear_held_fetched")}
     assert held == {"linear_held_local": 0, "linear_held_fetched": len(turns) - 2}, held
+
+
+def test_a_streamed_episode_is_one_row_too(qwen3_gateway: Any) -> None:
+    gw, engine, tokenizer_dir = qwen3_gateway
+    _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
+    sid = gw.client.open_session()
+    received = _run_agent(_client(gw, sid), TOOLS, True, echo_reasoning=False)
+    records = gw.client.finish_session(sid, wait_timeout=10.0)
+    turns, _ = _engine_turns(engine, sid, policy)
+    assert len(turns) == len(received) >= 3
+    assert_fidelity(turns, records)
+    assert len(records) == 1, [r.metadata for r in records]
 
 
 def test_reject_answers_a_400_naming_the_first_message_that_differs_and_records_nothing(qwen3_gateway: Any) -> None:
