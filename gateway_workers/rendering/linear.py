@@ -252,6 +252,9 @@ def _ending(
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # what transformers' decode returns without clean-up, minus its per-id conversion
+        return str(backend.decode(list(ids), skip_special_tokens=False))
     text = tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return text if isinstance(text, str) else "".join(text)
 
