@@ -60,8 +60,12 @@ class HeldTurn:
     turn_id: str
     prompt_messages: Sequence[Any]
     response: Mapping[str, Any]
-    prompt_ids: array
-    output_ids: array
+    context: array  # its prompt ids + output ids: a copy of this turn's own, which the next prompt extends
+    prompt_tokens: int
+
+    @property
+    def output_ids(self) -> array:
+        return self.context[self.prompt_tokens :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +130,8 @@ class LinearHistory:
         if base is not None and base.turn_id == turn_id:
             context = array("i")
             context.frombytes(base.context)
-            n = base.prompt_tokens
             self.counters["linear_held_local"] += 1
-            return HeldTurn(turn_id, base.messages[:-1], base.messages[-1], context[:n], context[n:])
+            return HeldTurn(turn_id, base.messages[:-1], base.messages[-1], context, base.prompt_tokens)
         try:
             found = await self.backplane.get_turn(session_id, turn_id, with_ids=True)
         except TurnRefused as e:
@@ -136,7 +139,9 @@ class LinearHistory:
                 return None
             raise
         self.counters["linear_held_fetched"] += 1
-        return HeldTurn(turn_id, found.prompt_messages, found.response_message, found.prompt_ids, found.output_ids)
+        context, n = found.prompt_ids, len(found.prompt_ids)  # decoded for this call: ours to extend
+        context.extend(found.output_ids)
+        return HeldTurn(turn_id, found.prompt_messages, found.response_message, context, n)
 
     async def _fallback(
         self,
@@ -184,8 +189,8 @@ def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
 
 
 def _prompt(held: HeldTurn, tail: LinearTail) -> RenderedPrompt:
-    """The held ids, then the tail; the text is the tail's (what the parser reads of the prompt: its end)."""
-    ids = array("i", held.prompt_ids)
-    ids.extend(held.output_ids)
+    """The held ids, then the tail (extending the held turn's own copy); the text is the tail's (what the parser
+    reads of the prompt: its end)."""
+    ids = held.context
     ids.extend(tail.ids)
     return RenderedPrompt(prompt_ids=ids, text=tail.text)

@@ -435,6 +435,16 @@ def test_length_cut_outputs_get_their_closing_in_the_tail(kit, data):
 
 # --- examples -----------------------------------------------------------------------------------
 
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def tail(
+    kit: Kit, reply: dict[str, Any], output: str, new: list[dict[str, Any]], messages: Any = HI, with_tools: bool = True
+) -> Any:
+    """linear_tail of one example: `output` is the sampled text, encoded by the family's tokenizer."""
+    tools = kit.tools if with_tools else None
+    return linear_tail(kit.renderer, messages, reply, kit.encode(output), new, end_markers=kit.markers, tools=tools)
+
 
 def test_qwen3_closing_newline_and_cut_closing():
     kit = make_kit("qwen3")
@@ -448,79 +458,45 @@ def test_qwen3_closing_newline_and_cut_closing():
     new = [{"role": "tool", "name": "get_weather", "content": "sunny"}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     sample = "<think>\nOne call.\n</think>\n\n" + call
-    stopped = linear_tail(
-        kit.renderer, messages, reply, kit.encode(sample + "<|im_end|>"), new, end_markers=kit.markers, tools=kit.tools
-    )
+    stopped = tail(kit, reply, sample + "<|im_end|>", new, messages)
     assert isinstance(stopped, LinearTail) and stopped.verbatim
     assert (
         stopped.text
         == "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
-    cut = linear_tail(
-        kit.renderer,
-        messages,
-        {"role": "assistant", "content": "The weath"},
-        kit.encode("<think>\nOne call.\n</think>\n\nThe weath"),
-        [{"role": "user", "content": "go on"}],
-        end_markers=kit.markers,
-        tools=kit.tools,
-    )
+    go_on = [{"role": "user", "content": "go on"}]
+    cut = tail(kit, {"role": "assistant", "content": "The weath"}, "<think>\nOne call.\n</think>\n\nThe weath", go_on,
+               messages)  # fmt: skip
     assert isinstance(cut, LinearTail) and not cut.verbatim  # the template drops the reasoning: anchored
     assert cut.text == "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
     # a reply of reasoning alone, which the template drops whole: it writes only the header, then <|im_end|>
-    alone = linear_tail(
-        kit.renderer,
-        messages,
-        {"role": "assistant", "content": "", "reasoning": "Hmm."},
-        kit.encode("<think>\nHmm.\n</think>\n\n<|im_end|>"),
-        [{"role": "user", "content": "go on"}],
-        end_markers=kit.markers,
-        tools=kit.tools,
-    )
+    thought = {"role": "assistant", "content": "", "reasoning": "Hmm."}
+    alone = tail(kit, thought, "<think>\nHmm.\n</think>\n\n<|im_end|>", go_on, messages)
     assert isinstance(alone, LinearTail) and not alone.verbatim
     assert alone.text == "\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_harmony_final_answers_stopped_and_cut():
     kit = make_kit("gptoss")
-    messages = [{"role": "user", "content": "Hi"}]
     reply = {"role": "assistant", "content": "Hello!", "reasoning": "Greet."}
     output = "<|channel|>analysis<|message|>Greet.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>"
-    found = linear_tail(
-        kit.renderer, messages, reply, kit.encode(output), [{"role": "user", "content": "Bye"}], end_markers=kit.markers
-    )
+    bye = [{"role": "user", "content": "Bye"}]
+    found = tail(kit, reply, output, bye, with_tools=False)
     assert isinstance(found, LinearTail) and not found.verbatim
     assert found.text == "<|start|>user<|message|>Bye<|end|><|start|>assistant"
     # cut in the final answer: closed with the <|end|> the template writes for a final answer in history
-    cut = linear_tail(
-        kit.renderer,
-        messages,
-        {**reply, "content": "Hel"},
-        kit.encode(output[: output.index("lo!")]),
-        [{"role": "user", "content": "Bye"}],
-        end_markers=kit.markers,
-    )
+    cut = tail(kit, {**reply, "content": "Hel"}, output[: output.index("lo!")], bye, with_tools=False)
     assert isinstance(cut, LinearTail) and cut.text == "<|end|><|start|>user<|message|>Bye<|end|><|start|>assistant"
     # cut in the analysis: the template writes an empty final answer instead, so the anchor cannot be checked
-    cut = linear_tail(
-        kit.renderer,
-        messages,
-        {"role": "assistant", "content": "", "reasoning": "Gre"},
-        kit.encode("<|channel|>analysis<|message|>Gre"),
-        [{"role": "user", "content": "Bye"}],
-        end_markers=kit.markers,
-    )
+    analysis = "<|channel|>analysis<|message|>Gre"
+    cut = tail(kit, {"role": "assistant", "content": "", "reasoning": "Gre"}, analysis, bye, with_tools=False)
     assert isinstance(cut, TailRefusal) and cut.reason == "marker_in_reply"
 
 
 def test_refusals():
     qwen3, glm, deepseek = make_kit("qwen3"), make_kit("glm4moe"), make_kit("deepseek_r1_distill")
-    user = [{"role": "user", "content": "Hi"}]
+    user = HI
     reply = {"role": "assistant", "content": "Hello."}
-
-    def tail(kit: Kit, reply: dict[str, Any], output: str, new: list[dict[str, Any]]) -> Any:
-        return linear_tail(kit.renderer, user, reply, kit.encode(output), new, end_markers=kit.markers, tools=kit.tools)
-
     assert tail(qwen3, reply, "Hello.<|im_end|>", []).reason == "no_new_messages"
     assert tail(qwen3, {"role": "user", "content": "x"}, "x", user).reason == "not_a_reply"
     assert tail(qwen3, reply, "Hello.<|im_end|>", [{"role": "robot", "content": "x"}]).reason == "render_refused"
