@@ -6,7 +6,8 @@ chat template's own rendering of the new messages after the existing ones, inclu
 of the previous reply the output lacks and the generation prompt (the tools block is not re-rendered).
 The tail is measured on a stand-in conversation, the few earlier messages the rendering of later ones
 can depend on, then the previous reply and the new messages, and only its text is tokenized, so the
-cost grows with the new messages, not with the history. Where the tail cannot be placed safely the
+cost grows with the new messages, not with the history; the stand-in's head renders are kept per
+session (`HeadRenders`), so a tool-calling turn renders the template once. Where the tail cannot be placed safely the
 answer is a `TailRefusal` naming why, never a guess. Imports the renderer only; must not import the
 app, adapters, engines, parsers or the backplane.
 """
@@ -14,8 +15,10 @@ app, adapters, engines, parsers or the backplane.
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway_workers.rendering.messages import RenderError
 from gateway_workers.rendering.renderer import Renderer
+from gateway_workers.rendering.twins.bpe import token_decoder
 
 # A stop token the model samples where the template writes another token when it renders the reply back
 # into history. Harmony (gpt-oss) ends a final answer with <|return|> when sampled and with <|end|> in
@@ -92,6 +96,70 @@ class TailRefusal:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Head:
+    messages: list[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None
+    template_kwargs: Mapping[str, Any] | None
+    text: str  # rendered without the generation prompt
+    prompted: str  # and with it
+
+
+class HeadRenders:
+    """Each recent session's stand-in head (`stand_in`), rendered without and with the generation prompt.
+
+    In a tool-calling episode the head (the system message, the task, the last user message) is the same
+    turn after turn: its two renders are reused while the head, the tools and the template arguments
+    compare equal (equal dicts compare at C speed; nothing is hashed), which leaves one render per turn, of
+    the stand-in with the reply and the new messages. Thread-safe (tails are placed on the event loop's
+    thread or the render thread); at most `max_sessions` sessions and `max_chars` characters of renders,
+    the least recently used dropped first.
+    """
+
+    def __init__(self, max_sessions: int = 4096, max_chars: int = 16 << 20) -> None:
+        self.max_sessions, self.max_chars = max_sessions, max_chars
+        self._lock = threading.Lock()
+        self._heads: OrderedDict[str, _Head] = OrderedDict()
+        self._chars = 0
+
+    def __len__(self) -> int:
+        return len(self._heads)
+
+    def renders(
+        self,
+        renderer: Renderer,
+        session: str,
+        head: list[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[str, str]:
+        """The head's text without and with the generation prompt; raises RenderError."""
+        with self._lock:
+            kept = self._heads.get(session)
+            if kept is not None:
+                self._heads.move_to_end(session)
+        if kept is not None and (kept.messages, kept.tools, kept.template_kwargs) == (head, tools, template_kwargs):
+            return kept.text, kept.prompted
+        text, prompted = _head_renders(renderer, head, tools, template_kwargs)
+        with self._lock:
+            self._drop(session)
+            self._heads[session] = _Head(head, tools, template_kwargs, text, prompted)
+            self._chars += len(text) + len(prompted)
+            while self._heads and (len(self._heads) > self.max_sessions or self._chars > self.max_chars):
+                self._drop(next(iter(self._heads)))
+        return text, prompted
+
+    def forget(self, sessions: Iterable[str]) -> None:
+        with self._lock:
+            for session in sessions:
+                self._drop(session)
+
+    def _drop(self, session: str) -> None:
+        kept = self._heads.pop(session, None)
+        if kept is not None:
+            self._chars -= len(kept.text) + len(kept.prompted)
+
+
 def linear_tail(
     renderer: Renderer,
     previous_messages: Sequence[Mapping[str, Any]],
@@ -102,6 +170,7 @@ def linear_tail(
     end_markers: Sequence[str],
     tools: Sequence[Mapping[str, Any]] | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    heads: tuple[HeadRenders, str] | None = None,
 ) -> LinearTail | TailRefusal:
     """The tail that follows the held ids (previous prompt ids + `output_ids`) when `new_messages` follow.
 
@@ -114,6 +183,7 @@ def linear_tail(
         end_markers: the format's stop tokens (`ResponseFormat.end_markers`): where a reply can end.
         tools, template_kwargs: as the renderer takes them; the same as the previous turn's, whose prompt
             must end with this generation prompt.
+        heads: where the stand-in head's renders are kept, and the session's key there.
     """
     if not new_messages:
         return TailRefusal("no_new_messages", "nothing follows the previous reply")
@@ -121,8 +191,10 @@ def linear_tail(
         return TailRefusal("not_a_reply", "the previous response is not an assistant message with output ids")
     head = stand_in(previous_messages)
     try:
-        head_text = renderer.render_text(head, tools, template_kwargs=template_kwargs, add_generation_prompt=False)
-        prompted = renderer.render_text(head, tools, template_kwargs=template_kwargs)
+        if heads is not None:
+            head_text, prompted = heads[0].renders(renderer, heads[1], head, tools, template_kwargs)
+        else:
+            head_text, prompted = _head_renders(renderer, head, tools, template_kwargs)
         text = renderer.render_text([*head, response, *new_messages], tools, template_kwargs=template_kwargs)
     except RenderError as e:
         return TailRefusal("render_refused", str(e))
@@ -131,7 +203,7 @@ def linear_tail(
     start = len(head_text)  # where the previous reply's rendering starts
     generation_prompt = prompted[start:]
     tokenizer = renderer.tokenizer
-    output = _decode(tokenizer, output_ids)
+    output = token_decoder(tokenizer)(output_ids)
     markers = tuple(end_markers)
     last = tokenizer.convert_ids_to_tokens(int(output_ids[-1]))
     stop = last if isinstance(last, str) and last in markers and output.endswith(last) else None
@@ -181,6 +253,17 @@ def stand_in(previous_messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str
     if last_user is not None:
         keep.append(last_user)
     return [previous_messages[i] for i in keep]
+
+
+def _head_renders(
+    renderer: Renderer,
+    head: list[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    template_kwargs: Mapping[str, Any] | None,
+) -> tuple[str, str]:
+    """The head's text without and with the generation prompt."""
+    text = renderer.render_text(head, tools, template_kwargs=template_kwargs, add_generation_prompt=False)
+    return text, renderer.render_text(head, tools, template_kwargs=template_kwargs)
 
 
 def _anchor(
@@ -245,18 +328,10 @@ def _ending(
     """The output's text after its last added token (the stop left out), or from that token if nothing follows."""
     body = output_ids[:-1] if stop is not None else output_ids
     last = next((i for i in range(len(body) - 1, -1, -1) if int(body[i]) in added), -1)
-    after = _decode(tokenizer, body[last + 1 :])
+    after = token_decoder(tokenizer)(body[last + 1 :])
     if after.strip() or last < 0:
         return after
-    return _decode(tokenizer, body[last:])
-
-
-def _decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # what transformers' decode returns without clean-up, minus its per-id conversion
-        return str(backend.decode(list(ids), skip_special_tokens=False))
-    text = tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return text if isinstance(text, str) else "".join(text)
+    return token_decoder(tokenizer)(body[last:])
 
 
 def _reply_texts(response: Mapping[str, Any]) -> list[str]:

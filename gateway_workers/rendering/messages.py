@@ -19,6 +19,11 @@ class RenderError(ValueError):
     """The conversation cannot be rendered with this chat template (bad shape or a template refusal): a 400."""
 
 
+def message_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """The characters of the messages' text contents: what a render of them mostly costs in proportion to."""
+    return sum(len(content) for m in messages if type(content := m.get("content")) is str)
+
+
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Canonical messages -> the dicts HF chat templates read (reasoning_content, function-wrapped calls)."""
     # `type(...) is` first: an isinstance check against an ABC is a Python-level call (cost: docs/performance.md).

@@ -146,6 +146,22 @@ class Renderer:
         twin = self.encode_twin
         return twin is not None and twin.active
 
+    def inline(self, new_chars: int) -> bool:
+        """Whether a render that tokenizes about `new_chars` of new text is cheap enough for the event loop's
+        thread: both twins active, no check of either due, and at most INLINE_NEW_CHARS (`begin_render`'s rule,
+        for a caller that knows the size of what is new before rendering it)."""
+        template, encoder = self.template_twin, self.encode_twin
+        return (
+            new_chars <= INLINE_NEW_CHARS
+            and self._splitter is not None
+            and template is not None
+            and template.active
+            and not template.next_checked()
+            and encoder is not None
+            and encoder.active
+            and not encoder.next_checked()
+        )
+
     def forget_sessions(self, sessions: list[str]) -> None:
         """Sessions that ended: drop their last renders, and the cached pieces of those renders only they used."""
         if self._sessions is None:

@@ -31,7 +31,8 @@ from broker import protocol
 from broker.message_keys import EchoDigest, canonical_json, echo_digests, message_key
 from gateway_workers.capture.backplane import Backplane, TurnRefused
 from gateway_workers.http.errors import ApiError
-from gateway_workers.rendering.linear import LinearTail, TailRefusal, linear_tail
+from gateway_workers.rendering.linear import HeadRenders, LinearTail, TailRefusal, linear_tail
+from gateway_workers.rendering.messages import message_chars
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer
 
 # How long a request that echoes a reply not yet committed waits for that commit (it is usually
@@ -90,6 +91,11 @@ class LinearHistory:
         # Where held turns came from (this worker's commit base, or the broker), and how often a request
         # waited for a commit still on its way: /metrics.
         self.counters: Counter[str] = Counter()
+        self.heads = HeadRenders()
+
+    def forget_sessions(self, sessions: list[str]) -> None:
+        """Sessions that ended: drop their stand-in heads' renders."""
+        self.heads.forget(sessions)
 
     async def prompt(
         self, session_id: str, turn_id: str, messages: list[dict[str, Any]], tools: Any, opened: protocol.TurnOpened
@@ -115,12 +121,15 @@ class LinearHistory:
         if held is None or not _same_messages(messages, [*held.prompt_messages, held.response]):
             # gone since the OPEN (the session is finishing), or a fingerprint that matched by chance
             return await self._fallback(session_id, messages, opened, echo, None)
-        tail = await loop.run_in_executor(
-            self.renderer.thread, lambda: linear_tail(
-                self.renderer, held.prompt_messages, held.response, held.output_ids, new,
-                end_markers=self.end_markers, tools=tools,
-            ),
-        )  # fmt: skip
+
+        def place() -> LinearTail | TailRefusal:
+            return linear_tail(self.renderer, held.prompt_messages, held.response, held.output_ids, new,
+                               end_markers=self.end_markers, tools=tools, heads=(self.heads, session_id))  # fmt: skip
+
+        # As the tree path's renders: on the event loop's thread when it is cheap (no hand-off, and the loop's
+        # warm tokenizer caches), else on the render thread.
+        inline = self.renderer.inline(message_chars(new))
+        tail = place() if inline else await loop.run_in_executor(self.renderer.thread, place)
         if isinstance(tail, TailRefusal):
             return await self._fallback(session_id, messages, opened, echo, tail)
         return LinearPrompt("linear", _prompt(held, tail), opened, echo)
@@ -184,8 +193,11 @@ def _extended_head(
 
 
 def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
-    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested)."""
-    return len(messages) > len(held) and all(map(lambda a, b: message_key(a) == message_key(b), messages, held))
+    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested). Messages echoed
+    unchanged compare equal as dicts, at C speed: only the others are keyed."""
+    return len(messages) > len(held) and all(
+        map(lambda a, b: a == b or message_key(a) == message_key(b), messages, held)
+    )
 
 
 def _prompt(held: HeldTurn, tail: LinearTail) -> RenderedPrompt:

@@ -37,6 +37,7 @@ from gateway_workers.formats import ParsedResponse, ResponseParser
 from gateway_workers.http.connection import AgentConnection
 from gateway_workers.http.errors import ApiError, broker_unavailable
 from gateway_workers.rendering.budget import PromptOverBudget
+from gateway_workers.rendering.messages import message_chars
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
 from gateway_workers.turns.history import LinearHistory, echo_flag
 from gateway_workers.turns.replay import Replayed, RetryKey
@@ -77,10 +78,6 @@ def engine_error(e: EngineError, session_id: str, turn_id: str) -> ApiError:
 # told their context budget: their template render and cut would hold the event loop for milliseconds
 # per MB, and the budget may prove them over it by their size before the cut.
 HUGE_REQUEST_CHARS = 1 << 22
-
-
-def _message_chars(messages: list[dict[str, Any]]) -> int:
-    return sum(len(content) for m in messages if type(content := m.get("content")) is str)
 
 
 def tool_call_id(prefix: str, turn_id: str, index: int) -> str:
@@ -220,7 +217,7 @@ class TurnPipeline:
         opening = self.backplane.open_turn(session_id, turn_id, digest, retry)
         begun: RenderedPrompt | Callable[[int | None], RenderedPrompt] | RenderError | None = None
         try:
-            if session_id not in self._linear_sessions and _message_chars(request.messages) <= HUGE_REQUEST_CHARS:
+            if session_id not in self._linear_sessions and message_chars(request.messages) <= HUGE_REQUEST_CHARS:
                 try:
                     begun = self.renderer.begin_render(request.messages, request.tools, session_id)
                 except RenderError as e:

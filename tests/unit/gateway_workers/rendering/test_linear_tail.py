@@ -32,7 +32,14 @@ from hypothesis import strategies as st
 
 from gateway_workers.formats.base import ResponseParser
 from gateway_workers.formats.registry import detect_parser
-from gateway_workers.rendering.linear import STOP_EQUIVALENTS, LinearTail, TailRefusal, linear_tail, stand_in
+from gateway_workers.rendering.linear import (
+    STOP_EQUIVALENTS,
+    HeadRenders,
+    LinearTail,
+    TailRefusal,
+    linear_tail,
+    stand_in,
+)
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
 
@@ -250,6 +257,7 @@ def run_episode(
     first = kit.renderer.render(messages, kit.tools, template_kwargs=kwargs)
     held, tree, tree_text = list(first.prompt_ids), list(first.prompt_ids), first.text
     done: list[Turn] = []
+    heads = HeadRenders()  # kept across the episode's turns, as a worker keeps them per session
     for n in range(turns):
         last_cut = cut and n + 1 == turns
         thinking = kwargs.get("enable_thinking") is not False  # a model told not to think writes no reasoning
@@ -282,6 +290,7 @@ def run_episode(
             end_markers=kit.markers,
             tools=kit.tools,
             template_kwargs=kwargs,
+            heads=(heads, "episode"),
         )
         messages = [*messages, reply, *new]
         if isinstance(found, TailRefusal):
@@ -589,6 +598,40 @@ def test_cost_does_not_grow_with_the_history(key):
         assert isinstance(found, LinearTail), found
         counts.append((renderer.rendered, renderer.tokenized, renderer.messages))
     assert counts[0] == counts[1], counts
+
+
+def test_the_head_renders_are_reused_while_the_head_and_tools_are_the_same():
+    kit = make_kit("qwen3")
+    renderer = Counting(kit.renderer.tokenizer)
+    heads = HeadRenders(max_sessions=1)
+    history: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go."}]
+    reply = {"role": "assistant", "content": "", "tool_calls": [{"name": "search", "arguments": {"query": "news"}}]}
+    sample = '<tool_call>\n{"name": "search", "arguments": {"query": "news"}}\n</tool_call><|im_end|>'
+
+    def place(session: str, tools: Any = kit.tools) -> list[int]:
+        """The tail of the next tool turn, and how many messages the template rendered for it."""
+        new = [{"role": "tool", "name": "search", "content": f"result {len(history)}"}]
+        renderer.messages = 0
+        found = linear_tail(renderer, history, reply, kit.encode(sample), new, end_markers=kit.markers, tools=tools,
+                            heads=(heads, session))  # fmt: skip
+        assert isinstance(found, LinearTail), found
+        uncached = linear_tail(kit.renderer, history, reply, kit.encode(sample), new, end_markers=kit.markers,
+                               tools=tools)  # fmt: skip
+        assert uncached == found
+        history.extend([reply, *new])
+        return renderer.messages
+
+    stand_in_size = len(stand_in(history))  # system + task: the same for every later tool turn
+    whole = stand_in_size + 2  # the one render of the stand-in with the reply and the tool result
+    assert place("a") == 2 * stand_in_size + whole  # first time: the head twice, then the whole
+    assert place("a") == whole
+    renamed = {**kit.tools[0], "function": {**kit.tools[0]["function"], "name": "x"}}
+    assert place("a", tools=[*kit.tools, renamed]) > whole
+    assert place("a") > whole  # the tools changed back: rendered again
+    assert place("b") > whole and len(heads) == 1  # one session kept: "a" made room
+    assert place("b") == whole
+    heads.forget(["b"])
+    assert len(heads) == 0 and place("b") > whole
 
 
 def test_the_stand_in_keeps_the_last_user_query():

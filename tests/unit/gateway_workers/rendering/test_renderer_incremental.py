@@ -257,6 +257,16 @@ def test_begin_render_does_cheap_renders_on_the_calling_thread_and_hands_off_the
     assert list(rest().prompt_ids) == list(exact.prompt_ids)
 
 
+def test_inline_follows_begin_renders_rule(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer)
+    assert not renderer.inline(10)  # the first uses of both twins are checked against the originals
+    renderer.template_twin.uses = VERIFY_FIRST + 1
+    assert not renderer.inline(10)
+    renderer.encode_twin.uses = VERIFY_FIRST + 1
+    assert renderer.inline(10) and renderer.inline(INLINE_NEW_CHARS) and not renderer.inline(INLINE_NEW_CHARS + 1)
+    assert not Renderer(builtin_tokenizer, native_templates=False).inline(10)
+
+
 def test_begin_render_hands_templates_without_a_twin_to_a_thread(builtin_tokenizer):
     renderer = Renderer(builtin_tokenizer, native_templates=False)
     assert renderer.template_twin is None
