@@ -10,6 +10,7 @@ no peer reaches a half-recovered broker). Once both sockets are bound it prints 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import zmq
 
 from broker import curve, protocol
-from broker.config import FSYNC_POLICIES, BrokerConfig
+from broker.config import ENV_PREFIX, FSYNC_POLICIES, BrokerConfig
 from broker.durability.records import RecordError
 from broker.durability.store import StateDirError
 from broker.durability.wal import CorruptLog
@@ -36,32 +37,53 @@ READY_LINE = "BROKER READY worker={worker} control={control}"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m broker", description="rollout-gateway broker: sessions and trajectories"
+        prog="python -m broker",
+        description="rollout-gateway broker: sessions and trajectories",
     )
     p.add_argument(
         "--worker-endpoint",
         default=None,
+        metavar="ENDPOINT",
         help=f"ZeroMQ endpoint to bind for gateway workers (default {protocol.DEFAULT_WORKER_ENDPOINT}; port 0 ok)",
     )
     p.add_argument(
         "--control",
         default=None,
+        metavar="ENDPOINT",
         help=f"ZeroMQ endpoint to bind for trainer clients (default {protocol.DEFAULT_CONTROL_ENDPOINT}; port 0 ok)",
     )
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) to decode rows' response text")
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (default INFO)")
-    p.add_argument("--max-sessions", type=int, default=None, help="open sessions at most (default 100000)")
-    p.add_argument("--max-turns-cap", type=int, default=None, help="hard cap on turns per session (default none)")
-    p.add_argument("--max-wait-timeout", type=float, default=None, help="ceiling on finish wait_timeout, s (600)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer.json (or its directory) to decode rows' response text (default: none, response stays empty)",
+    )
+    p.add_argument("--log-level", default=None, metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    p.add_argument("--max-sessions", type=int, default=None, metavar="N", help="open sessions at most (default 100000)")
+    p.add_argument(
+        "--max-turns-cap", type=int, default=None, metavar="N", help="hard cap on turns per session (default none)"
+    )
+    p.add_argument(
+        "--max-wait-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="ceiling on a finish's wait_timeout, seconds (default 600)",
+    )
     p.add_argument(
         "--outbox-max-episodes",
         type=int,
         default=None,
+        metavar="N",
         help="finished episodes held for subscribers at most; further request_finish / agent finishes are "
         "refused as busy until subscribers acknowledge some (default 10000)",
     )
     p.add_argument(
-        "--outbox-max-bytes", type=int, default=None, help="approximate row bytes held for subscribers (default 2 GiB)"
+        "--outbox-max-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="approximate row bytes held for subscribers; further finishes are refused as busy (default 2 GiB)",
     )
     p.add_argument(
         "--state-dir",
@@ -99,18 +121,34 @@ def _parser() -> argparse.ArgumentParser:
         "--restarted",
         action="store_true",
         default=None,
-        help="this broker replaces one that ran before (set by serve's supervisor): without --state-dir, "
-        "requests for sessions it never saw are refused saying the earlier state was not durable",
+        help="this broker replaces one that ran before (serve's supervisor sets ROLLOUT_BROKER_RESTARTED): without "
+        "--state-dir, requests for sessions it never saw are refused saying the earlier state was not durable",
     )
     p.add_argument(
         "--curve-keys",
         default=None,
         metavar="DIR",
         help="the key directory of `rollout-gateway keys`: both endpoints use CURVE and accept only the keys in its "
-        f"authorized_workers/ and authorized_trainers/ (env {curve.CURVE_KEYS_ENV}); required for a non-loopback "
-        "endpoint",
+        f"authorized_workers/ and authorized_trainers/ (env {curve.CURVE_KEYS_ENV}, else "
+        f"{ENV_PREFIX}CURVE_KEYS); required for a non-loopback endpoint",
     )
+    # Named from the flags themselves, so a setting that gains a flag leaves this list by itself.
+    p.epilog = _env_epilog({_FIELD_OF_DEST.get(a.dest, a.dest) for a in p._actions})
     return p
+
+
+# The one flag whose dest is not the name of the BrokerConfig field it sets.
+_FIELD_OF_DEST = {"control": "control_endpoint"}
+
+
+def _env_epilog(flagged: set[str]) -> str:
+    """--help's last paragraph: the settings only the environment sets, so that it lists every one."""
+    unflagged = [ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BrokerConfig) if f.name not in flagged]
+    return (
+        f"Every setting can also be set as {ENV_PREFIX}<FIELD> (a BrokerConfig field in broker/config.py, e.g. "
+        f"{ENV_PREFIX}MAX_SESSIONS); flags win. Settings without a flag: {', '.join(unflagged)}. "
+        "Defaults and meanings: README.md, Configuration."
+    )
 
 
 def run_broker(config: BrokerConfig, *, out: Any = None) -> int:

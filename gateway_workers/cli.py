@@ -42,34 +42,45 @@ ENGINE_CA_FILE_ENV = "ROLLOUT_ENGINE_CA_FILE"  # the --engine-ca-file default
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address for agents")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port for agents (0: pick a free one)")
-    p.add_argument("--workers", type=int, default=2, help="number of uvicorn worker processes")
-    p.add_argument("--engine-kind", choices=["mock", "vllm", "sglang"], default="mock")
-    p.add_argument("--engine-url", action="append", default=[], help="engine base URL; repeat for replicas")
-    p.add_argument("--engine-timeout", type=float, default=600.0, help="seconds one engine call may take")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address for agents (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="HTTP port for agents (default %(default)s; 0: pick a free one)")
+    p.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="number of uvicorn worker processes (default %(default)s)")
+    p.add_argument("--engine-kind", choices=["mock", "vllm", "sglang"], default="mock",
+                   help="the engine the workers call: mock (built in, no GPU; the default), vllm or sglang (both need "
+                        "--engine-url)")
+    p.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                   help="engine base URL; repeat for replicas (a session sticks to one)")
+    p.add_argument("--engine-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds one engine call may take (default %(default)s)")
     p.add_argument("--engine-ca-file", default=None, metavar="PEM",
                    help="https:// engine URLs: trust only the CAs in this PEM bundle (a private CA or the engine's "
                         f"self-signed certificate) instead of the system's; env {ENGINE_CA_FILE_ENV}. Certificates "
                         "and host names are always verified")
-    p.add_argument("--mock-delay", type=float, default=0.0, help="mock engine: seconds per call")
+    p.add_argument("--mock-delay", type=float, default=0.0, metavar="S",
+                   help="mock engine: seconds per call (default %(default)s)")
     p.add_argument("--max-context-tokens", type=int, default=None, metavar="N",
                    help="the model's context window (the engine's max_model_len): a prompt of N tokens or more gets "
                         "an empty reply with finish reason 'length' without reaching the engine, as under a "
                         "session's own max_context_tokens, which may be smaller (default: sessions' budgets only)")
-    p.add_argument("--tokenizer", default=None, help="local tokenizer dir or hub id (default: built-in Qwen BPE)")
-    p.add_argument("--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template")
-    p.add_argument("--model-name", default=None, help="model id served on /v1/models")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--tokenizer", default=None, metavar="DIR_OR_HUB_ID",
+                   help="local tokenizer dir or hub id (default: built-in Qwen BPE)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja file replacing the tokenizer's chat template")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="model id served on /v1/models (default: the --tokenizer's last path part, else qwen3)")
+    p.add_argument("--log-level", default="info", metavar="LEVEL",
+                   help="debug, info, warning or error (default %(default)s); serve's broker gets it too")
     p.add_argument("--response-format", default=None, metavar="NAME",
                    help="reply format to parse with instead of detecting it from the chat template's sha256: "
                         "a registered name (qwen3, qwen2_5, qwen3_5, nemotron3, glm4_moe, gpt_oss, llama3_json, "
                         "deepseek_r1) or 'package.module:factory' for your own parser")
     p.add_argument("--commit-base-sessions", type=int, default=commit_bases.MAX_SESSIONS, metavar="N",
                    help="per worker, the last commit of this many recent sessions is kept so the next one travels "
-                        "as a delta (only the new tail); 0: every commit in full")
+                        "as a delta (only the new tail); 0: every commit in full (default %(default)s)")
     p.add_argument("--commit-base-mib", type=int, default=commit_bases.MAX_CONTEXT_BYTES >> 20, metavar="MIB",
-                   help="bound on the token ids those kept commits hold, per worker")
+                   help="bound on the token ids those kept commits hold, per worker (default %(default)s)")
     p.add_argument("--allow-plain-text", action="store_true",
                    help="with an unrecognized chat template and no --response-format, serve replies as plain text "
                         "(requests that declare tools get a 400) instead of refusing to start")
@@ -119,12 +130,14 @@ def _limits(args: argparse.Namespace) -> RequestLimits:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-gateway", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="broker + N workers in one command")
+    serve = sub.add_parser("serve", help="broker + N workers in one command",
+                           epilog="The broker it starts also reads ROLLOUT_BROKER_<FIELD> variables for the settings "
+                                  "serve passes no flag for (`rollout-gateway broker --help` lists them).")
     _add_worker_flags(serve)
     _add_limit_flags(serve)
-    serve.add_argument("--control", default=protocol.DEFAULT_CONTROL_ENDPOINT,
-                       help="ZeroMQ endpoint trainer clients connect to")
-    serve.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0",
+    serve.add_argument("--control", default=protocol.DEFAULT_CONTROL_ENDPOINT, metavar="ENDPOINT",
+                       help="ZeroMQ endpoint trainer clients connect to (default %(default)s; port 0 ok)")
+    serve.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0", metavar="ENDPOINT",
                        help="ZeroMQ endpoint between broker and workers (default: a free local port)")
     serve.add_argument("--state-dir", default=None, metavar="DIR",
                        help="durable broker: its write-ahead log and snapshots in DIR; a restarted broker (or serve) "
@@ -143,7 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     workers = sub.add_parser("workers", help="N workers against a broker running elsewhere")
     _add_worker_flags(workers)
     _add_limit_flags(workers)
-    workers.add_argument("--broker", default=protocol.DEFAULT_WORKER_ENDPOINT, help="the broker's worker endpoint")
+    workers.add_argument("--broker", default=protocol.DEFAULT_WORKER_ENDPOINT, metavar="ENDPOINT",
+                         help="the broker's worker endpoint (default %(default)s)")
     sub.add_parser("broker", help="the broker alone (flags: see `rollout-gateway broker --help`)", add_help=False)
     keys = sub.add_parser("keys", help="write CURVE key pairs for the broker, a worker and a trainer into DIR")
     keys.add_argument("directory", metavar="DIR", help="created if missing; existing keys are never overwritten")
