@@ -223,27 +223,37 @@ def _log_recovery(server: BrokerServer) -> None:
         logger.warning("%d log records were refused on replay (see the warnings above)", rec.refused)
 
 
+def config_from_args(args: argparse.Namespace) -> BrokerConfig:
+    """The broker's settings: flags, else `ROLLOUT_BROKER_<FIELD>` variables, else defaults; raises ValueError.
+
+    An empty `--curve-keys` means no keys (`serve` passes it to a broker of its own without CURVE), so no
+    variable may turn CURVE on for that broker alone: its workers would not get in.
+    """
+    config = BrokerConfig.from_env(
+        worker_endpoint=args.worker_endpoint,
+        control_endpoint=args.control,
+        tokenizer=args.tokenizer,
+        log_level=args.log_level,
+        max_sessions=args.max_sessions,
+        max_turns_cap=args.max_turns_cap,
+        max_wait_timeout=args.max_wait_timeout,
+        outbox_max_episodes=args.outbox_max_episodes,
+        outbox_max_bytes=args.outbox_max_bytes,
+        curve_keys=curve.keys_from_env(args.curve_keys),
+        state_dir=args.state_dir,
+        fsync=args.fsync,
+        history_mode=args.history_mode,
+        linear_fallback=args.linear_fallback,
+        restarted=args.restarted,
+    )
+    return dataclasses.replace(config, curve_keys=None) if args.curve_keys == "" else config
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, build the config, run the broker; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
-        config = BrokerConfig.from_env(
-            worker_endpoint=args.worker_endpoint,
-            control_endpoint=args.control,
-            tokenizer=args.tokenizer,
-            log_level=args.log_level,
-            max_sessions=args.max_sessions,
-            max_turns_cap=args.max_turns_cap,
-            max_wait_timeout=args.max_wait_timeout,
-            outbox_max_episodes=args.outbox_max_episodes,
-            outbox_max_bytes=args.outbox_max_bytes,
-            curve_keys=curve.keys_from_env(args.curve_keys),
-            state_dir=args.state_dir,
-            fsync=args.fsync,
-            history_mode=args.history_mode,
-            linear_fallback=args.linear_fallback,
-            restarted=args.restarted,
-        )
+        config = config_from_args(args)
     except ValueError as e:
         print(f"broker: {e}", file=sys.stderr)
         return 2

@@ -161,3 +161,15 @@ def test_help_lists_every_option_of_the_subcommand(subcommand: str):
         unflagged = {f.name for f in dataclasses.fields(BrokerConfig)} - {_broker_field(a) for a in parser._actions}
         text = " ".join(done.stdout.split())
         assert unflagged and all(ENV_PREFIX + name.upper() in text for name in unflagged), text
+
+
+def test_an_empty_curve_keys_flag_means_no_keys_whatever_the_environment_says(monkeypatch):
+    """`serve` passes `--curve-keys ""` to its own broker when it runs without CURVE: a variable must not turn
+    CURVE on for that broker alone, or its workers could not connect."""
+    from broker.__main__ import _parser, config_from_args
+
+    monkeypatch.setenv("ROLLOUT_BROKER_CURVE_KEYS", "/some/keys")
+    monkeypatch.setenv("ROLLOUT_GATEWAY_CURVE_KEYS", "/other/keys")
+    assert config_from_args(_parser().parse_args(["--curve-keys", ""])).curve_keys is None
+    assert config_from_args(_parser().parse_args(["--curve-keys", "/mine"])).curve_keys == "/mine"
+    assert config_from_args(_parser().parse_args([])).curve_keys == "/other/keys"
