@@ -326,7 +326,7 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         backplane.ended_listeners.append(renderer.forget_sessions)
         pipeline = TurnPipeline(backplane, renderer, parser, engine, config.default_max_tokens,
                                 config.max_context_tokens)
-        backplane.ended_listeners.append(pipeline.history.forget_sessions)
+        backplane.ended_listeners += [pipeline.history.forget_sessions, engine.forget_sessions]
         logger.info("worker %d ready: broker %s, engine %s", os.getpid(), config.broker_endpoint, config.engine.kind)
         try:
             yield {"pipeline": pipeline, "config": config, "counters": Counter()}

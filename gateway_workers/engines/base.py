@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -157,6 +157,10 @@ class Engine(Protocol):
 
     async def aclose(self) -> None: ...
 
+    def forget_sessions(self, sessions: list[str]) -> None:
+        """Sessions that ended: drop what the engine keeps for them (the HTTP engines: their last prompt's JSON)."""
+        ...
+
 
 _BODY_SNIPPET = 300  # bytes of an engine's error body quoted in our error message
 # One SSE event may carry a whole generation's logprobs (SGLang's cumulative streaming): bound, don't trust.
@@ -165,15 +169,65 @@ MAX_SSE_EVENT_BYTES = 64 * 1024 * 1024
 SSE_TAIL_WAIT_S = 0.5
 
 
-def ids_json(ids: Sequence[int]) -> Any:
-    """Token ids in a form `post_json` serializes fastest.
+# Each worker keeps the JSON of recent sessions' last prompts (about 11 bytes per token with the raw ids).
+PROMPT_JSON_SESSIONS = 4096
+PROMPT_JSON_BYTES = 128 * 1024 * 1024
 
-    An int32 array becomes a zero-copy numpy view, which orjson writes natively, several times faster
-    than through a Python list (docs/performance.md).
+
+class PromptJson:
+    """Prompt ids as the JSON text of an engine request, each id of a session's context written once.
+
+    A conversation grows at its end, so a turn's prompt usually begins with the session's previous prompt
+    (in linear history it is that prompt, the output and the new messages' ids). Each recent session's last
+    prompt is kept with its text, and a prompt that begins with it is written as that text and its new ids;
+    any other prompt is written whole. Without this each turn writes every id of its context again, the
+    largest cost of a long-context turn after parsing the agent's body (docs/performance.md). Bounded by
+    sessions and bytes, the least recently used dropped first; the event loop's thread only.
     """
-    if isinstance(ids, array) and ids.typecode == "i" and ids.itemsize == 4:
-        return numpy.frombuffer(ids, dtype=numpy.int32)
-    return ids if isinstance(ids, list) else list(ids)
+
+    def __init__(self, max_sessions: int = PROMPT_JSON_SESSIONS, max_bytes: int = PROMPT_JSON_BYTES) -> None:
+        self.max_sessions, self.max_bytes = max_sessions, max_bytes
+        self._last: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()  # session -> (int32 ids, their JSON)
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def __call__(self, session_id: str, ids: Sequence[int]) -> orjson.Fragment:
+        raw = ids.tobytes() if isinstance(ids, array) and ids.typecode == "i" and ids.itemsize == 4 else _int32(ids)
+        last = self._drop(session_id)
+        if last is not None and raw == last[0]:
+            text = last[1]
+        elif last is not None and last[0] and len(raw) > len(last[0]) and raw.startswith(last[0]):
+            new = _json_ids(raw, len(last[0]))
+            text = b"".join((memoryview(last[1])[:-1], b",", memoryview(new)[1:]))  # [a,b] + [c] -> [a,b,c]
+        else:
+            text = _json_ids(raw)
+        self._last[session_id] = (raw, text)
+        self._bytes += len(raw) + len(text)
+        while self._last and (len(self._last) > self.max_sessions or self._bytes > self.max_bytes):
+            self._drop(next(iter(self._last)))
+        return orjson.Fragment(text)
+
+    def forget(self, sessions: list[str]) -> None:
+        for session in sessions:
+            self._drop(session)
+
+    def _drop(self, session_id: str) -> tuple[bytes, bytes] | None:
+        last = self._last.pop(session_id, None)
+        if last is not None:
+            self._bytes -= len(last[0]) + len(last[1])
+        return last
+
+
+def _int32(ids: Sequence[int]) -> bytes:
+    return array("i", ids).tobytes()
+
+
+def _json_ids(raw: bytes, offset: int = 0) -> bytes:
+    """The JSON array of the int32 ids in `raw` from byte `offset`: a numpy view, which orjson writes natively,
+    several times faster than a Python list (docs/performance.md)."""
+    return orjson.dumps(numpy.frombuffer(raw, dtype=numpy.int32, offset=offset), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 class HttpEngineBase:
@@ -193,6 +247,10 @@ class HttpEngineBase:
         self._tls = tls_context(config.ca_file) if any(tls) else None
         self._pool: HttpPool | None = None
         self.faults: Counter[tuple[str, FaultKind]] = Counter()
+        self.prompt_json = PromptJson()
+
+    def forget_sessions(self, sessions: list[str]) -> None:
+        self.prompt_json.forget(sessions)
 
     def route(self, session_id: str) -> tuple[str, dict[str, str]]:
         """(replica base url, routing headers) for a session."""

@@ -98,6 +98,9 @@ class MockEngine:
         if last < 0:
             yield EngineChunk([], [], result.finish_reason)
 
+    def forget_sessions(self, sessions: list[str]) -> None:
+        pass  # it keeps nothing per session
+
     async def aclose(self) -> None:
         return None
 

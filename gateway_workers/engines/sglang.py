@@ -37,7 +37,6 @@ from gateway_workers.engines.base import (
     all_ints,
     as_floats,
     bad_answer,
-    ids_json,
     incomplete,
 )
 
@@ -64,7 +63,7 @@ class SglangEngine(HttpEngineBase):
         base, headers = self.route(session_id)
         url = base + GENERATE_PATH
         body = {
-            "input_ids": ids_json(prompt_ids),
+            "input_ids": self.prompt_json(session_id, prompt_ids),
             "sampling_params": sampling_body(params),
             "return_logprob": True,
             "logprob_start_len": -1,  # output logprobs only; prompt logprobs cost a forward pass of work
@@ -89,7 +88,7 @@ class SglangEngine(HttpEngineBase):
         base, headers = self.route(session_id)
         url = base + GENERATE_PATH
         body = {
-            "input_ids": ids_json(prompt_ids),
+            "input_ids": self.prompt_json(session_id, prompt_ids),
             "sampling_params": sampling_body(params),
             "return_logprob": True,
             "logprob_start_len": -1,

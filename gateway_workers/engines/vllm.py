@@ -32,7 +32,6 @@ from gateway_workers.engines.base import (
     all_ints,
     as_floats,
     bad_answer,
-    ids_json,
     incomplete,
 )
 
@@ -53,7 +52,7 @@ class VllmEngine(HttpEngineBase):
         url = base + GENERATE_PATH
         body: dict[str, Any] = {
             "request_id": request_id,
-            "token_ids": ids_json(prompt_ids),
+            "token_ids": self.prompt_json(session_id, prompt_ids),
             "sampling_params": sampling_body(params),
             "stream": False,
         }
@@ -72,7 +71,7 @@ class VllmEngine(HttpEngineBase):
         url = base + GENERATE_PATH
         body: dict[str, Any] = {
             "request_id": request_id,
-            "token_ids": ids_json(prompt_ids),
+            "token_ids": self.prompt_json(session_id, prompt_ids),
             "sampling_params": sampling_body(params),
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 from broker import protocol
 from broker.message_keys import EchoDigest, canonical_json, echo_digests, message_key
 from gateway_workers.capture.backplane import Backplane, TurnRefused
+from gateway_workers.capture.commit_bases import CommitBase
 from gateway_workers.http.errors import ApiError
 from gateway_workers.rendering.linear import HeadRenders, LinearTail, TailRefusal, linear_tail
 from gateway_workers.rendering.messages import message_chars
@@ -40,6 +41,10 @@ from gateway_workers.rendering.renderer import RenderedPrompt, Renderer
 LINEAR_WAIT_S = 10.0
 LINEAR_ASK_FIRST_S = 0.005
 LINEAR_ASK_MAX_S = 0.2
+# Linear sessions whose last turn prompted here is remembered with its tools (see `LinearHistory._local_head`),
+# and how many distinct tool sets are kept once each (sessions of one run share theirs).
+PROMPTED_SESSIONS_KEPT = 65_536
+TOOL_SETS_KEPT = 1024
 
 
 def render_context(tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -82,7 +87,14 @@ class LinearPrompt:
 
 
 class LinearHistory:
-    """Builds linear sessions' prompts for one worker's pipeline."""
+    """Builds linear sessions' prompts for one worker's pipeline.
+
+    A request usually extends the turn its session last committed through this worker (one connection per
+    agent): that head is matched by comparing the request's messages with the commit base's (echoed
+    unchanged, they compare equal at C speed) and the tools with those that turn was prompted with, and the
+    running digest continues from the head's fingerprint, so a turn digests only its new messages. Any other
+    head is found by fingerprinting the request's messages (`_extended_head`), a pass over the whole history.
+    """
 
     def __init__(self, backplane: Backplane, renderer: Renderer, end_markers: Sequence[str]) -> None:
         self.backplane = backplane
@@ -92,20 +104,26 @@ class LinearHistory:
         # waited for a commit still on its way: /metrics.
         self.counters: Counter[str] = Counter()
         self.heads = HeadRenders()
+        # Each linear session's last turn prompted here, with its tools context: (turn id, context).
+        self._prompted: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._tool_sets: dict[str, str] = {}  # one copy of each tools context
 
     def forget_sessions(self, sessions: list[str]) -> None:
-        """Sessions that ended: drop their stand-in heads' renders."""
+        """Sessions that ended: drop their stand-in heads' renders and their last prompted turn."""
         self.heads.forget(sessions)
+        for session in sessions:
+            self._prompted.pop(session, None)
 
     async def prompt(
         self, session_id: str, turn_id: str, messages: list[dict[str, Any]], tools: Any, opened: protocol.TurnOpened
     ) -> LinearPrompt:
         """The prompt of turn `turn_id` (OPENed: `opened`); raises ApiError (reject) or the backplane's errors."""
-        context = render_context(tools)
+        context, last = self._note_prompted(session_id, turn_id, tools)
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + LINEAR_WAIT_S, LINEAR_ASK_FIRST_S
         while True:
-            found, echo = _extended_head(opened.heads, messages, context)
+            local = _local_head(self.backplane.bases.get(session_id), last, opened.heads, messages, context)
+            found, echo = local or _extended_head(opened.heads, messages, context)
             new = messages[found[1] :] if found is not None else messages
             if not (opened.pending and any(m.get("role") == "assistant" for m in new)) or loop.time() > deadline:
                 break
@@ -118,7 +136,7 @@ class LinearHistory:
                 return LinearPrompt("first", None, opened, echo)
             return await self._fallback(session_id, messages, opened, echo, None)
         held = await self._held(session_id, found[0])
-        if held is None or not _same_messages(messages, [*held.prompt_messages, held.response]):
+        if held is None or not (local or _same_messages(messages, [*held.prompt_messages, held.response])):
             # gone since the OPEN (the session is finishing), or a fingerprint that matched by chance
             return await self._fallback(session_id, messages, opened, echo, None)
 
@@ -133,6 +151,20 @@ class LinearHistory:
         if isinstance(tail, TailRefusal):
             return await self._fallback(session_id, messages, opened, echo, tail)
         return LinearPrompt("linear", _prompt(held, tail), opened, echo)
+
+    def _note_prompted(self, session_id: str, turn_id: str, tools: Any) -> tuple[str, tuple[str, str] | None]:
+        """The request's tools context, kept once per tool set; and the session's last turn prompted here before
+        this one, with its context: `turn_id` takes its place."""
+        context = render_context(tools)
+        context = self._tool_sets.setdefault(context, context)
+        if len(self._tool_sets) > TOOL_SETS_KEPT:
+            self._tool_sets.clear()
+        prompted = self._prompted
+        last = prompted.pop(session_id, None)
+        prompted[session_id] = (turn_id, context)
+        if len(prompted) > PROMPTED_SESSIONS_KEPT:
+            prompted.popitem(last=False)
+        return context, last
 
     async def _held(self, session_id: str, turn_id: str) -> HeldTurn | None:
         base = self.backplane.bases.get(session_id)
@@ -190,6 +222,33 @@ def _extended_head(
         if digests.get(n) == digest and (best is None or n > best[1]):
             best = (turn_id, n)
     return best, echo
+
+
+def _local_head(
+    base: CommitBase | None,
+    last: tuple[str, str] | None,
+    heads: list[list[Any]],
+    messages: list[dict[str, Any]],
+    context: str,
+) -> tuple[tuple[str, int], EchoDigest] | None:
+    """(turn id, message count) of the head `messages` extends, and their running digest, when that head is the
+    session's commit base here (`base`), was prompted here with the same tools (`last`), and no head with more
+    messages could be extended instead: found by comparing messages (confirmed, unlike a fingerprint), the
+    digest continued from the head's; else None."""
+    if base is None or last is None or last != (base.turn_id, context):
+        return None
+    n = len(base.messages)
+    head = next((h for h in heads if h[0] == base.turn_id), None)
+    if head is None or head[1] != n or n >= len(messages) or type(head[2]) is not str:
+        return None
+    longer = any(type(h[1]) is int and n < h[1] < len(messages) for h in heads)
+    if longer or not _same_messages(messages, base.messages):
+        return None
+    try:
+        crc = int(head[2], 16)
+    except ValueError:
+        return None
+    return (base.turn_id, n), EchoDigest(crc=crc, count=n).add(messages[n:])
 
 
 def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:

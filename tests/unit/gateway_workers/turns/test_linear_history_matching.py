@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from broker.message_keys import EchoDigest
-from gateway_workers.turns.history import _extended_head, echo_flag, render_context
+from gateway_workers.capture.commit_bases import CommitBase
+from gateway_workers.turns.history import _extended_head, _local_head, echo_flag, render_context
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
 ASKED = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find news."}]
@@ -47,3 +48,30 @@ def test_the_commit_continues_the_running_digest_of_the_match():
     assert running.count == len(request)
     assert echo_flag(running, answer) == _head("t1", request, answer)[1:]
     assert echo_flag(running, answer) == echo_flag(running, answer)  # the running digest is left as it was
+
+
+def test_the_head_committed_here_is_matched_by_comparing_messages_and_its_digest_continued():
+    base = CommitBase("t0", b"", [*ASKED, REPLY])
+    call = {"name": "search", "arguments": {"n": 3, "query": "news"}}
+    echoed = {"role": "assistant", "content": "", "tool_calls": [call]}  # reasoning dropped, keys reordered
+    request = [*ASKED, echoed, {"role": "tool", "content": "none"}]
+    context = render_context(TOOLS)
+    heads = [_head("t0", ASKED, REPLY)]
+    found, running = _local_head(base, ("t0", context), heads, request, context)
+    fingerprinted, digest = _extended_head(heads, request, context)
+    assert found == fingerprinted == ("t0", 3)
+    assert (running.count, running.hexdigest()) == (digest.count, digest.hexdigest())  # what a full pass gives
+    # anything it cannot vouch for is left to the fingerprints
+    assert _local_head(base, ("t0", render_context(None)), heads, request, context) is None  # prompted with other tools
+    assert _local_head(base, ("t9", context), heads, request, context) is None  # a later turn prompted here
+    assert _local_head(None, ("t0", context), heads, request, context) is None  # nothing committed here
+    assert _local_head(base, ("t0", context), [_head("t1", ASKED, REPLY)], request, context) is None  # not a head
+    assert _local_head(base, ("t0", context), heads, [*ASKED, REPLY], context) is None  # nothing new
+    edited = [ASKED[0], {"role": "user", "content": "Find old news."}, REPLY, {"role": "tool", "content": "x"}]
+    assert _local_head(base, ("t0", context), heads, edited, context) is None
+    # another worker committed a longer line of the session: the fingerprints pick between the two
+    longer = [*request, {"role": "assistant", "content": "Nothing."}]
+    follow = [*longer, {"role": "user", "content": "ok"}]
+    both = [_head("t1", request, longer[-1]), *heads]
+    assert _local_head(base, ("t0", context), both, follow, context) is None
+    assert _extended_head(both, follow, context)[0] == ("t1", 5)
