@@ -7,13 +7,15 @@ load generator against all of them, interleaved, `--reps` times per point: idle 
 concurrency 1 (4k/24k; gateway-added = gateway - direct), in a closed loop and with the agent
 pausing `--pause-ms` between turns (every request then finds the gateway asleep), CPU per turn,
 a concurrency sweep (throughput, p50/p99; closed loop and at one offered load), worker scaling,
-feature runs (dialects, streaming, <think> or not, agents that drop reasoning), and
-scripts/bench_broker.py's broker ingest, so the report sets it against the reference measured in
-the same run. Every gateway run ends with the capture check. Writes results.json, report.md and
-PNG plots to --out-dir.
+feature runs (dialects, streaming, <think> or not, agents that drop reasoning), long episodes
+(one agent, 40 turns up to a 128k context, the shape of coding agents: CPU and added latency per
+turn as the context grows, ours in tree and linear history), and scripts/bench_broker.py's broker
+ingest, so the report sets it against the reference measured in the same run. Every gateway run
+ends with the capture check. Writes results.json, report.md and PNG plots to --out-dir.
 
     python scripts/bench_gateway.py --out-dir bench-results            # the full suite (~15-25 min)
     python scripts/bench_gateway.py --quick --out-dir /tmp/bench       # a smoke run
+    python scripts/bench_gateway.py --scenarios long --workers 1 --out-dir /tmp/long   # long episodes only
     python scripts/bench_gateway.py --report-only bench-results/results.json
 """
 
@@ -40,7 +42,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "tests")]
 import bench_report  # noqa: E402
 import loadgen  # noqa: E402
 import reference_gateway  # noqa: E402
-from bench_procs import Sampler, Service, pin, pin_tree  # noqa: E402
+from bench_procs import Sampler, Service, pin, pin_tree, thread_cpu  # noqa: E402
 
 ENGINE_READY = r"BENCH ENGINE READY (\S+)"
 REFERENCE_READY = r"REFERENCE READY base_url=(\S+) control=(\S+)"
@@ -93,16 +95,25 @@ class Bench:
         request = urllib.request.Request(self.engine_url + "/_bench/reset", data=b"{}", method="POST")
         urllib.request.urlopen(request, timeout=10).close()
 
-    def run(self, scenario: str, system: str, rep: int, cores: set[int] | None = None, **cfg: Any) -> dict[str, Any]:
+    def run(
+        self,
+        scenario: str,
+        system: str,
+        rep: int,
+        cores: set[int] | None = None,
+        per_turn_cpu: bool = False,
+        **cfg: Any,
+    ) -> dict[str, Any]:
         """One load run against one system, with CPU/RSS sampling; appended to `runs`.
 
-        `cores` re-pins the system's process tree for this run only (worker scaling).
+        `cores` re-pins the system's process tree for this run only (worker scaling). `per_turn_cpu` (one agent)
+        also records the system's CPU per turn, read as each reply arrives (`per_turn_cpu_ms`).
         """
         sys_ = self.systems[system]
         if cores is not None and sys_.root is not None:
             pin_tree(sys_.root, cores)
             try:
-                return self.run(scenario, system, rep, **cfg)
+                return self.run(scenario, system, rep, per_turn_cpu=per_turn_cpu, **cfg)
             finally:
                 pin_tree(sys_.root, globals()["cores"](self.args.gateway_cores))
         self.counter += 1
@@ -116,9 +127,17 @@ class Bench:
         groups = {"gateway": sys_.pids, "engine": self.engine.pids, "loadgen": lambda: {os.getpid()}}
         groups.update({f"gateway.{role}": _role_pids(sys_.pids, marker) for role, marker in sys_.roles.items()})
         load_before = os.getloadavg()[0]
+        marks: list[float] = []
+
+        def mark(turn: int = -1) -> None:
+            marks.append(sum(sum(thread_cpu(pid).values()) for pid in sys_.pids()))
+
+        if per_turn_cpu:
+            assert config.agents == 1, "CPU per turn is read between one agent's turns"
+            mark()
         sampler = Sampler(groups).start()
         engine_url = None if system == "direct" else self.engine_url
-        result = asyncio.run(loadgen.run_load(sys_.target, config, engine_url))
+        result = asyncio.run(loadgen.run_load(sys_.target, config, engine_url, mark if per_turn_cpu else None))
         stats = sampler.stop()
         turns = max(1, result["turns_done"])
         result.update(
@@ -131,10 +150,13 @@ class Bench:
                 "gateway_cpu_ms_per_turn": round(1000 * stats["gateway"].cpu_s / turns, 3),
             }
         )
+        if per_turn_cpu:
+            result["per_turn_cpu_ms"] = [round(1000 * (b - a), 3) for a, b in zip(marks, marks[1:], strict=False)]
         self.runs.append(result)
         capture = result.get("capture", {})
         print(
-            f"  {scenario:>9} {system:<11} rep {rep} c={config.agents:<4} ctx={config.context_tokens:<6} "
+            f"  {scenario:>9} {system + ('+' + config.history_mode if config.history_mode else ''):<11} rep {rep} "
+            f"c={config.agents:<4} ctx={config.context_tokens:<6} "
             f"{config.dialect}{'/stream' if config.stream else ''}: {result['turns_per_s']:8.1f} turns/s  "
             f"mean {result['latency_ms'].get('mean', float('nan')):8.2f} ms  "
             f"p99 {result['latency_ms'].get('p99', float('nan')):8.2f} ms  "
@@ -256,7 +278,7 @@ def warm_up(bench: Bench) -> None:
             asyncio.run(loadgen.run_load(system.target, config, engine))
 
 
-SCENARIOS = ("idle", "paused", "sweep", "offered", "workers", "saturated", "features", "ingest")
+SCENARIOS = ("idle", "paused", "sweep", "offered", "workers", "saturated", "features", "long", "ingest")
 
 
 def suite(bench: Bench) -> None:
@@ -281,6 +303,8 @@ def suite(bench: Bench) -> None:
         saturated(bench, contexts)
     if "features" in wanted:
         features(bench, contexts)
+    if "long" in wanted:
+        long_episodes(bench)
     if "ingest" in wanted:
         ingest(bench)
 
@@ -435,6 +459,22 @@ def ingest(bench: Bench) -> None:
         os.sched_setaffinity(0, mine)
 
 
+def long_episodes(bench: Bench) -> None:
+    """One agent at a time runs `--long-turns` turns up to `--long-context` tokens, stripping its replies'
+    reasoning on echo (as most agent frameworks do; the Qwen3 template then re-renders each reply differently):
+    CPU and latency per turn as the context grows, ours in both history modes, the reference in both of its."""
+    args = bench.args
+    ours, refs = _systems(bench)
+    runs = [("direct", ""), (ours[0], "tree"), (ours[0], "linear"), *((ref, "") for ref in refs)]
+    print(f"== long episodes: {args.long_turns} turns up to {args.long_context} tokens, 1 agent", file=sys.stderr)
+    for rep in range(args.reps):
+        for system, mode in runs:
+            bench.run(
+                "long", system, rep, per_turn_cpu=system != "direct", agents=1, turns=args.long_turns,
+                context_tokens=args.long_context, echo_reasoning=False, history_mode=mode,
+            )  # fmt: skip
+
+
 def _systems(bench: Bench) -> tuple[list[str], list[str]]:
     """(our gateways, the reference's modes) in this run."""
     names = list(bench.systems)
@@ -450,6 +490,8 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,4,16,64,256")
     p.add_argument("--idle-episodes", type=int, default=3, help="episodes per agent in the idle/saturated runs")
     p.add_argument("--pause-ms", type=float, default=20.0, help="the agent's pause between turns (paused scenario)")
+    p.add_argument("--long-turns", type=int, default=40, help="turns of a long episode (long scenario)")
+    p.add_argument("--long-context", type=int, default=131072, help="a long episode's last prompt, in tokens")
     p.add_argument("--workers", default="1,2", help="our gateway's worker counts to run")
     p.add_argument("--gateway-cores", default="0", help="cores for the gateways under test")
     p.add_argument("--client-cores", default="1", help="cores for the engine and the load generator")

@@ -3,8 +3,9 @@
 Every number is a median over the repetitions of one point. Tables: idle latency (gateway-added
 = gateway - direct) and CPU per turn, the same after a pause between turns, the concurrency
 sweep, the offered-load point, CPU per turn at saturation, worker scaling (turns per gateway
-CPU-second), broker ingest, feature runs with their capture check, and issue 6's targets as ours vs the
-reference. Plots need matplotlib (the `bench` extra).
+CPU-second), broker ingest, feature runs with their capture check, long episodes (CPU and added
+latency per turn near 24k and at 128k, ours in both history modes), and issue 6's targets as ours vs
+the reference. Plots need matplotlib (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -428,6 +429,20 @@ def write(results: Path, out_dir: Path) -> None:
                 ],
             )
         )
+    long_runs = [r for r in runs if r["scenario"] == "long"]
+    if long_runs:
+        config = long_runs[0]["config"]
+        lines += [
+            "",
+            f"## Long episodes (1 agent, {config['turns']} turns up to {config['context_tokens']:,} tokens, "
+            "reasoning stripped on echo)",
+            "",
+            "CPU per turn of the gateway's processes (read between the agent's turns) and latency added to the "
+            "engine's (gateway - direct), at 24k and 128k on a least-squares line through every turn (all "
+            "repetitions) against its prompt's size; the episode's mean CPU per turn is the median of repetitions.",
+            "",
+            _long_table(long_runs),
+        ]
     errors = [e for r in runs for e in r.get("errors", [])]
     if errors:
         lines += ["", "## Errors", "", *[f"- {e}" for e in errors[:20]]]
@@ -435,6 +450,42 @@ def write(results: Path, out_dir: Path) -> None:
     if plots:
         lines += ["", "## Plots", "", *[f"![{p.stem}]({p.name})" for p in plots]]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+LONG_AT = (24576, 131072)  # the contexts the long-episode table reads CPU and latency at
+
+
+def _long_table(runs: list[Run]) -> str:
+    """Per system and history mode: CPU and added latency per turn near 24k and at the episode's end, read off a
+    least-squares line through every turn of every repetition (one turn's CPU swings by a fifth on a shared box)."""
+
+    def line(group: list[Run], key: str) -> Callable[[int], float]:
+        pairs = [zip(r["per_turn_prompt_tokens"], r[key], strict=True) for r in group if r.get(key)]
+        points = [(x, y) for turns in pairs for x, y in turns if y]
+        if len(points) < 2:
+            return lambda context: float("nan")
+        slope, intercept = statistics.linear_regression([p[0] for p in points], [p[1] for p in points])
+        return lambda context: intercept + slope * context
+
+    groups: dict[str, list[Run]] = defaultdict(list)
+    for r in runs:
+        mode = r["config"].get("history_mode")
+        groups[r["system"] + (f" ({mode})" if mode else "")].append(r)
+    direct = line(groups.pop("direct", []), "per_turn_mean_ms")
+    header = ["system", "rows/ep"]
+    header += [f"CPU ms/turn at {c // 1024}k" for c in LONG_AT] + [f"{LONG_AT[1] // 1024}k / {LONG_AT[0] // 1024}k"]
+    header += [f"added ms at {c // 1024}k" for c in LONG_AT] + ["CPU ms/turn, episode", "capture"]
+    rows = []
+    for name, group in groups.items():
+        cpu, latency = line(group, "per_turn_cpu_ms"), line(group, "per_turn_mean_ms")
+        caps = [r["capture"] for r in group if r.get("capture")]
+        rows_per_episode = statistics.fmean(c["rows_per_session"] or 0 for c in caps) if caps else float("nan")
+        rows.append(
+            [name, _fmt(rows_per_episode, 1), *(_fmt(cpu(c)) for c in LONG_AT), _fmt(cpu(LONG_AT[1]) / cpu(LONG_AT[0])),
+             *(_fmt(latency(c) - direct(c)) for c in LONG_AT),
+             _fmt(_median(group, lambda r: r["gateway_cpu_ms_per_turn"])), _capture(group)]
+        )  # fmt: skip
+    return _table(header, rows)
 
 
 def _plots(s: dict[str, Any], out_dir: Path) -> list[Path]:

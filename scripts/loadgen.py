@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from array import array
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -69,11 +70,16 @@ class LoadConfig:
     episodes: int = 1  # episodes each agent runs one after the other (a new session each)
     tool_text: str = "prose"  # tool results: word salad ("prose") or JSON, code and prose ("mixed"); agent_text.py
     pause_s: float = 0.0  # each agent waits this long after a reply before its next turn (its tool running)
+    history_mode: str = ""  # ours: the sessions' history mode, tree or linear ("": the gateway's default)
 
     @property
     def step_tokens(self) -> int:
         """Tokens per tool result (and in the first user message) so the last prompt is ~context_tokens."""
         return max(8, (self.context_tokens - TEMPLATE_OVERHEAD_TOKENS) // self.turns - REPLY_TOKENS)
+
+    def prompt_tokens(self, turn: int) -> int:
+        """About how many tokens the prompt of turn `turn` (from 0) holds."""
+        return TEMPLATE_OVERHEAD_TOKENS + (turn + 1) * self.step_tokens + turn * REPLY_TOKENS
 
 
 @dataclass
@@ -92,7 +98,8 @@ class Target:
     name = "target"
     base_url = ""
 
-    async def open_sessions(self, n: int) -> list[str]:
+    async def open_sessions(self, n: int, history_mode: str = "") -> list[str]:
+        """`n` new sessions, in `history_mode` where the target has a choice of it."""
         return [f"direct-{i}" for i in range(n)]
 
     async def finish(self, sid: str) -> list[Any] | None:
@@ -122,15 +129,12 @@ class OursTarget(Target):
         self.base_url, self.client = base_url.rstrip("/"), client
         self.pool = ThreadPoolExecutor(max_workers=16)
 
-    async def open_sessions(self, n: int) -> list[str]:
+    async def open_sessions(self, n: int, history_mode: str = "") -> list[str]:
         loop = asyncio.get_running_loop()
-        opened = [
-            loop.run_in_executor(
-                self.pool,
-                lambda: self.client.open_session(sampling_defaults={"temperature": 1.0}, max_context_tokens=None),
-            )
-            for _ in range(n)
-        ]
+        options: dict[str, Any] = {"sampling_defaults": {"temperature": 1.0}, "max_context_tokens": None}
+        if history_mode:
+            options["history_mode"] = history_mode
+        opened = [loop.run_in_executor(self.pool, lambda: self.client.open_session(**options)) for _ in range(n)]
         return list(await asyncio.gather(*opened))
 
     async def finish(self, sid: str) -> list[Any]:
@@ -157,7 +161,7 @@ class ReferenceTarget(Target):
                     raise RuntimeError(f"reference {path}: HTTP {resp.status}: {(await resp.text())[:300]}")
                 return await resp.json()
 
-    async def open_sessions(self, n: int) -> list[str]:
+    async def open_sessions(self, n: int, history_mode: str = "") -> list[str]:  # a mode per server: ref-tree, ...
         return (await self._post("/open", {"count": n}))["sids"]
 
     async def finish(self, sid: str) -> list[Any]:
@@ -254,6 +258,7 @@ async def run_agent(
     http: aiohttp.ClientSession,
     latencies: list[list[float]],
     progress: Progress,
+    on_turn: Callable[[int], None] | None = None,
 ) -> AgentLog:
     log = AgentLog()
     step = cfg.step_tokens
@@ -278,6 +283,8 @@ async def run_agent(
             if match:
                 log.serials.append(int(match.group(1)))
         progress.done += 1
+        if on_turn is not None:
+            on_turn(turn)
         if cfg.pause_s:
             await asyncio.sleep(cfg.pause_s)
         dialect.advance(
@@ -289,10 +296,13 @@ async def run_agent(
     return log
 
 
-async def run_load(target: Target, cfg: LoadConfig, engine_url: str | None = None) -> dict[str, Any]:
-    """Run the agents, then (with a bench engine's log) check capture; returns the result record."""
+async def run_load(
+    target: Target, cfg: LoadConfig, engine_url: str | None = None, on_turn: Callable[[int], None] | None = None
+) -> dict[str, Any]:
+    """Run the agents, then (with a bench engine's log) check capture; returns the result record. `on_turn` is
+    called with the turn's index as each agent receives a reply (before its pause)."""
     dialect = DIALECTS[cfg.dialect](cfg.echo_reasoning)
-    sids = await target.open_sessions(cfg.agents * cfg.episodes)
+    sids = await target.open_sessions(cfg.agents * cfg.episodes, cfg.history_mode)
     latencies: list[list[float]] = [[] for _ in range(cfg.turns)]
     progress = Progress(len(sids) * cfg.turns, f"{target.name}/{cfg.dialect} c={cfg.agents}", cfg.progress)
 
@@ -304,7 +314,7 @@ async def run_load(target: Target, cfg: LoadConfig, engine_url: str | None = Non
         connector = aiohttp.TCPConnector(limit=1)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             return [
-                await run_agent(k, sids[k], target, dialect, cfg, http, latencies, progress)
+                await run_agent(k, sids[k], target, dialect, cfg, http, latencies, progress, on_turn)
                 for k in range(i * cfg.episodes, (i + 1) * cfg.episodes)
             ]
 
@@ -326,6 +336,7 @@ async def run_load(target: Target, cfg: LoadConfig, engine_url: str | None = Non
         "errors": [log.error for log in logs if log.error][:10],
         "latency_ms": _summary(flat),
         "per_turn_mean_ms": [round(1000 * statistics.fmean(t), 3) if t else None for t in latencies],
+        "per_turn_prompt_tokens": [cfg.prompt_tokens(turn) for turn in range(cfg.turns)],
     }
     if engine_url is not None and not isinstance(target, DirectTarget):
         result["capture"] = await check_capture(target, sids, logs, engine_url)
@@ -427,6 +438,7 @@ def main() -> None:
     p.add_argument("--tool-text", choices=TOOL_TEXTS, default="prose", help="what tool results look like")
     p.add_argument("--rate", type=float, default=0.0, help="offered turns/s (open loop); 0 = closed loop")
     p.add_argument("--pause-ms", type=float, default=0.0, help="each agent's pause between a reply and its next turn")
+    p.add_argument("--history-mode", choices=["tree", "linear"], help="ours: the sessions' history mode")
     p.add_argument("--out", help="write the JSON result here too")
     args = p.parse_args()
     if args.tokenizer:
@@ -443,6 +455,7 @@ def main() -> None:
         rate=args.rate,
         tool_text=args.tool_text,
         pause_s=args.pause_ms / 1000,
+        history_mode=args.history_mode or "",
         run_id=str(time.time()),
     )
     result = asyncio.run(_cli(args, cfg))
