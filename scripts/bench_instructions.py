@@ -11,6 +11,7 @@ several sources the ratio to the first: that is how a change is judged (`git wor
     python scripts/bench_instructions.py --process both --contexts 4096 24576 --reps 2
     python scripts/bench_instructions.py --process worker --source /tmp/old . --out cg.json
     python scripts/bench_instructions.py --process worker --contexts 24576 --history-mode tree linear
+    python scripts/bench_instructions.py --process broker --contexts 4096 --history-mode tree linear --no-think
 """
 
 from __future__ import annotations
@@ -373,6 +374,8 @@ def main() -> None:
     p.add_argument("--source", nargs="+", default=[str(REPO)], help="checkouts to measure (the first is the base)")
     p.add_argument("--echo-reasoning", action=argparse.BooleanOptionalAction, default=True,
                    help="agents echo their replies' reasoning (--no-echo-reasoning: they strip it)")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's replies open with a <think> block (--no-think: tool calls alone)")
     p.add_argument("--history-mode", nargs="+", default=["tree"], choices=["tree", "linear"],
                    help="each source's sessions in each of these history modes (linear: a source that has it)")
     p.add_argument("--out", help="write every pass and the summary here as JSON")
@@ -413,7 +416,10 @@ def main() -> None:
             else:
                 workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-cg-")))
             engine = Service(
-                "engine", [sys.executable, str(HERE / "bench_engine.py"), "--tokenizer", tokenizer_dir], ENGINE_READY
+                "engine",
+                [sys.executable, str(HERE / "bench_engine.py"), "--tokenizer", tokenizer_dir,
+                 *(["--no-think"] if not args.think else [])],
+                ENGINE_READY,
             )
             stack.callback(engine.stop)
             engine_url = engine.wait_ready(PLAIN_READY_TIMEOUT_S).group(1)

@@ -41,9 +41,7 @@ from gateway_workers.rendering.renderer import RenderedPrompt, Renderer
 LINEAR_WAIT_S = 10.0
 LINEAR_ASK_FIRST_S = 0.005
 LINEAR_ASK_MAX_S = 0.2
-# Linear sessions whose last turn prompted here is remembered with its tools (see `LinearHistory._local_head`),
-# and how many distinct tool sets are kept once each (sessions of one run share theirs).
-PROMPTED_SESSIONS_KEPT = 65_536
+# How many distinct tool sets a worker keeps one copy of (the sessions of one run share theirs).
 TOOL_SETS_KEPT = 1024
 
 
@@ -104,7 +102,8 @@ class LinearHistory:
         # waited for a commit still on its way: /metrics.
         self.counters: Counter[str] = Counter()
         self.heads = HeadRenders()
-        # Each linear session's last turn prompted here, with its tools context: (turn id, context).
+        # Each linear session's last turn prompted here, with its tools context: (turn id, context). As many
+        # sessions as have commit bases here: the match it serves needs the base too.
         self._prompted: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._tool_sets: dict[str, str] = {}  # one copy of each tools context
 
@@ -162,7 +161,7 @@ class LinearHistory:
         prompted = self._prompted
         last = prompted.pop(session_id, None)
         prompted[session_id] = (turn_id, context)
-        if len(prompted) > PROMPTED_SESSIONS_KEPT:
+        if len(prompted) > self.backplane.bases.max_sessions:
             prompted.popitem(last=False)
         return context, last
 

@@ -18,6 +18,7 @@ import os
 import re
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,43 @@ def test_a_sub_agent_inside_a_linear_session_forks_and_both_lines_stay_linear(qw
     held = {name: sum(w.get(name, 0) for w in after.values()) - sum(w.get(name, 0) for w in held_before.values())
             for name in ("linear_held_local", "linear_held_fetched")}
     assert held == {"linear_held_local": 0, "linear_held_fetched": len(turns) - 2}, held
+
+
+def test_concurrent_requests_extending_one_turn_each_extend_it_on_a_row_of_its_own(qwen3_gateway: Any) -> None:
+    """Two requests that extend the same turn at once (an agent sampling two continuations) are both prompted
+    with that turn's ids and land on two rows, each the turn and one continuation: never one interleaved row."""
+    gw, engine, tokenizer_dir = qwen3_gateway
+    _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
+    before = gw.client.stats()
+    sid = gw.client.open_session()
+    asked: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather?"}]
+    reply = _client(gw, sid).chat.completions.create(model="m", messages=asked, tools=TOOLS).choices[0].message
+    echo: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
+    calls = reply.tool_calls or []
+    if calls:
+        echo["tool_calls"] = [{"id": c.id, "type": "function", "function": c.function.model_dump()} for c in calls]
+
+    def follow_up(answer: str) -> Any:
+        new = [{"role": "tool", "tool_call_id": c.id, "content": answer} for c in calls] or [
+            {"role": "user", "content": answer}
+        ]
+        return _client(gw, sid).chat.completions.create(model="m", messages=[*asked, echo, *new], tools=TOOLS)
+
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(follow_up, ["sunny", "raining"]))
+    records = gw.client.finish_session(sid, wait_timeout=10.0)
+    turns, _ = _engine_turns(engine, sid, policy)
+    assert len(turns) == 3 and all(r.choices for r in replies)
+    assert_fidelity(turns, records)
+    assert len(records) == 2, [r.metadata for r in records]
+    first, *continuations = sorted(turns, key=lambda t: len(t.prompt_ids))
+    held = [*first.prompt_ids, *first.output_ids]
+    for turn in continuations:
+        assert list(turn.prompt_ids[: len(held)]) == held  # both prompted with the first turn's ids
+    rows = sorted(list(record.token_ids) for record in records)
+    expected = sorted([*t.prompt_ids, *t.output_ids] for t in continuations)
+    assert rows == expected  # each row: the first turn, then exactly one of the two continuations
+    assert gw.client.stats()["linear_turns"] - before["linear_turns"] == 2
 
 
 def test_a_streamed_episode_is_one_row_too(qwen3_gateway: Any) -> None:
