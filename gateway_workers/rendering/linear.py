@@ -7,9 +7,9 @@ of the previous reply the output lacks and the generation prompt (the tools bloc
 The tail is measured on a stand-in conversation, the few earlier messages the rendering of later ones
 can depend on, then the previous reply and the new messages, and only its text is tokenized, so the
 cost grows with the new messages, not with the history; the stand-in's head renders are kept per
-session (`HeadRenders`), so a tool-calling turn renders the template once. Where the tail cannot be placed safely the
-answer is a `TailRefusal` naming why, never a guess. Imports the renderer only; must not import the
-app, adapters, engines, parsers or the backplane.
+session (`HeadRenders`), so a tool-calling turn renders the template once. Where the tail cannot be
+placed safely the answer is a `TailRefusal` naming why, never a guess. Imports the renderer only; must
+not import the app, adapters, engines, parsers or the backplane.
 """
 
 from __future__ import annotations
