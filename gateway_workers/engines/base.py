@@ -5,9 +5,10 @@ Owns the records every backend shares (`SamplingParams`, `EngineResult`, `Engine
 `EngineTimeout` -> 504), each with its `FaultKind`, the per-replica fault counts (`Engine.faults`,
 on the worker's /metrics) and the pooled-HTTP plumbing the vLLM and SGLang backends share
 (one keep-alive `http_client.HttpPool` per engine object, bounded timeouts, orjson bodies in which
-each session's prompt ids are written once (`PromptJson`), an SSE reader for streamed generations). Backends (vllm, sglang, mock) implement `Engine`: `generate`
-returns a whole generation, `stream` yields it as it is sampled. A generation that did not finish
-(no finish reason, or one the engine aborted by itself) is a failure, never a reply.
+each session's prompt ids are written once (`PromptJson`), an SSE reader for streamed generations).
+Backends (vllm, sglang, mock) implement `Engine`: `generate` returns a whole generation, `stream`
+yields it as it is sampled. A generation that did not finish (no finish reason, or one the engine
+aborted by itself) is a failure, never a reply.
 Must not import the app, adapters, backplane or transformers.
 """
 
@@ -194,6 +195,7 @@ class PromptJson:
         return len(self._last)
 
     def __call__(self, session_id: str, ids: Sequence[int]) -> orjson.Fragment:
+        """`ids` as a JSON array, pre-serialized for the request body; kept as the session's last prompt."""
         raw = ids.tobytes() if isinstance(ids, array) and ids.typecode == "i" and ids.itemsize == 4 else _int32(ids)
         last = self._drop(session_id)
         if last is not None and raw == last[0]:

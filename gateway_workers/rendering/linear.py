@@ -34,6 +34,10 @@ from gateway_workers.rendering.twins.bpe import token_decoder
 # history (the harmony format's rule; gptoss.jinja writes it so). The held ids keep the sampled token.
 STOP_EQUIVALENTS: Mapping[str, str] = {"<|return|>": "<|end|>"}
 
+# The stand-in heads a worker keeps renders of: sessions, and characters of renders.
+HEAD_SESSIONS = 4096
+HEAD_CHARS = 16 * 1024 * 1024
+
 # How many trailing characters of the reply (whitespace aside) must read the same where the tail is
 # anchored in the re-rendered reply: enough that an anchor on the wrong end marker (one inside the reply's
 # text, or the end of a reasoning block the template kept) disagrees, few enough to tolerate what the
@@ -98,6 +102,8 @@ class TailRefusal:
 
 @dataclass(frozen=True, slots=True)
 class _Head:
+    """A session's stand-in head, what it was rendered with, and its two renders."""
+
     messages: list[Mapping[str, Any]]
     tools: Sequence[Mapping[str, Any]] | None
     template_kwargs: Mapping[str, Any] | None
@@ -111,12 +117,14 @@ class HeadRenders:
     In a tool-calling episode the head (the system message, the task, the last user message) is the same
     turn after turn: its two renders are reused while the head, the tools and the template arguments
     compare equal (equal dicts compare at C speed; nothing is hashed), which leaves one render per turn, of
-    the stand-in with the reply and the new messages. Thread-safe (tails are placed on the event loop's
+    the stand-in with the reply and the new messages. Equal is not identical (1 == True, and key order is
+    ignored, where the template writes both): a kept head that the new render does not begin with is
+    rendered again before the tail is refused (`linear_tail`). Thread-safe (tails are placed on the event loop's
     thread or the render thread); at most `max_sessions` sessions and `max_chars` characters of renders,
     the least recently used dropped first.
     """
 
-    def __init__(self, max_sessions: int = 4096, max_chars: int = 16 << 20) -> None:
+    def __init__(self, max_sessions: int = HEAD_SESSIONS, max_chars: int = HEAD_CHARS) -> None:
         self.max_sessions, self.max_chars = max_sessions, max_chars
         self._lock = threading.Lock()
         self._heads: OrderedDict[str, _Head] = OrderedDict()
@@ -132,13 +140,15 @@ class HeadRenders:
         head: list[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
         template_kwargs: Mapping[str, Any] | None,
+        fresh: bool = False,
     ) -> tuple[str, str]:
-        """The head's text without and with the generation prompt; raises RenderError."""
+        """The head's text without and with the generation prompt (`fresh`: rendered anew); raises RenderError."""
         with self._lock:
             kept = self._heads.get(session)
             if kept is not None:
                 self._heads.move_to_end(session)
-        if kept is not None and (kept.messages, kept.tools, kept.template_kwargs) == (head, tools, template_kwargs):
+        asked = (head, tools, template_kwargs)
+        if not fresh and kept is not None and (kept.messages, kept.tools, kept.template_kwargs) == asked:
             return kept.text, kept.prompted
         text, prompted = _head_renders(renderer, head, tools, template_kwargs)
         with self._lock:
@@ -196,6 +206,8 @@ def linear_tail(
         else:
             head_text, prompted = _head_renders(renderer, head, tools, template_kwargs)
         text = renderer.render_text([*head, response, *new_messages], tools, template_kwargs=template_kwargs)
+        if heads is not None and not (prompted.startswith(head_text) and text.startswith(head_text)):
+            head_text, prompted = heads[0].renders(renderer, heads[1], head, tools, template_kwargs, fresh=True)
     except RenderError as e:
         return TailRefusal("render_refused", str(e))
     if not prompted.startswith(head_text) or not text.startswith(head_text):

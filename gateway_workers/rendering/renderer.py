@@ -33,7 +33,7 @@ from gateway_workers.rendering.pieces import DEFAULT_CACHE_BYTES, Pieces, Segmen
 from gateway_workers.rendering.session_renders import LastRender, SessionRenders, shared_prefix
 from gateway_workers.rendering.twins.bpe import BpeTwin, TableDecoder, token_decoder
 from gateway_workers.rendering.twins.bpe import bpe_twin as _bpe_twin
-from gateway_workers.rendering.twins.checks import Twin
+from gateway_workers.rendering.twins.checks import Twin, checked_use
 from gateway_workers.rendering.twins.native_templates import NativeTemplate, native_template
 
 logger = logging.getLogger(__name__)
@@ -146,17 +146,18 @@ class Renderer:
         twin = self.encode_twin
         return twin is not None and twin.active
 
-    def inline(self, new_chars: int) -> bool:
-        """Whether a render that tokenizes about `new_chars` of new text is cheap enough for the event loop's
-        thread: both twins active, no check of either due, and at most INLINE_NEW_CHARS (`begin_render`'s rule,
-        for a caller that knows the size of what is new before rendering it)."""
+    def inline(self, new_chars: int, renders: int = 1) -> bool:
+        """Whether up to `renders` template renders that tokenize about `new_chars` of new text are cheap enough
+        for the event loop's thread: both twins active, no check of either due within them, and at most
+        INLINE_NEW_CHARS (`begin_render`'s rule, for a caller that knows the size of what is new before
+        rendering it)."""
         template, encoder = self.template_twin, self.encode_twin
         return (
             new_chars <= INLINE_NEW_CHARS
             and self._splitter is not None
             and template is not None
             and template.active
-            and not template.next_checked()
+            and not any(checked_use(template.uses + i) for i in range(renders))
             and encoder is not None
             and encoder.active
             and not encoder.next_checked()

@@ -41,8 +41,8 @@ from gateway_workers.rendering.renderer import RenderedPrompt, Renderer
 LINEAR_WAIT_S = 10.0
 LINEAR_ASK_FIRST_S = 0.005
 LINEAR_ASK_MAX_S = 0.2
-# How many distinct tool sets a worker keeps one copy of (the sessions of one run share theirs).
-TOOL_SETS_KEPT = 1024
+# The characters of distinct tool sets a worker keeps one copy of (the sessions of one run share theirs).
+TOOL_SETS_CHARS = 8 * 1024 * 1024
 
 
 def render_context(tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -98,14 +98,16 @@ class LinearHistory:
         self.backplane = backplane
         self.renderer = renderer
         self.end_markers = tuple(end_markers)
-        # Where held turns came from (this worker's commit base, or the broker), and how often a request
-        # waited for a commit still on its way: /metrics.
+        # Where held turns came from (this worker's commit base, or the broker), how many requests were
+        # matched to the head committed here without fingerprints, and how often one waited for a commit
+        # still on its way: /metrics.
         self.counters: Counter[str] = Counter()
         self.heads = HeadRenders()
         # Each linear session's last turn prompted here, with its tools context: (turn id, context). As many
         # sessions as have commit bases here: the match it serves needs the base too.
         self._prompted: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._tool_sets: dict[str, str] = {}  # one copy of each tools context
+        self._tool_chars = 0
 
     def forget_sessions(self, sessions: list[str]) -> None:
         """Sessions that ended: drop their stand-in heads' renders and their last prompted turn."""
@@ -134,6 +136,8 @@ class LinearHistory:
             if not opened.heads:
                 return LinearPrompt("first", None, opened, echo)
             return await self._fallback(session_id, messages, opened, echo, None)
+        if local:
+            self.counters["linear_matched_local"] += 1
         held = await self._held(session_id, found[0])
         if held is None or not (local or _same_messages(messages, [*held.prompt_messages, held.response])):
             # gone since the OPEN (the session is finishing), or a fingerprint that matched by chance
@@ -145,7 +149,7 @@ class LinearHistory:
 
         # As the tree path's renders: on the event loop's thread when it is cheap (no hand-off, and the loop's
         # warm tokenizer caches), else on the render thread.
-        inline = self.renderer.inline(message_chars(new))
+        inline = self.renderer.inline(message_chars(new), renders=3)  # a head not kept: three renders
         tail = place() if inline else await loop.run_in_executor(self.renderer.thread, place)
         if isinstance(tail, TailRefusal):
             return await self._fallback(session_id, messages, opened, echo, tail)
@@ -155,9 +159,15 @@ class LinearHistory:
         """The request's tools context, kept once per tool set; and the session's last turn prompted here before
         this one, with its context: `turn_id` takes its place."""
         context = render_context(tools)
-        context = self._tool_sets.setdefault(context, context)
-        if len(self._tool_sets) > TOOL_SETS_KEPT:
-            self._tool_sets.clear()
+        if context not in self._tool_sets:
+            if self._tool_chars + len(context) > TOOL_SETS_CHARS:
+                # Full: start over, and forget what referred to the old copies, so the bound holds
+                self._tool_sets.clear()
+                self._prompted.clear()
+                self._tool_chars = 0
+            self._tool_sets[context] = context
+            self._tool_chars += len(context)
+        context = self._tool_sets[context]
         prompted = self._prompted
         last = prompted.pop(session_id, None)
         prompted[session_id] = (turn_id, context)
@@ -240,8 +250,9 @@ def _local_head(
     head = next((h for h in heads if h[0] == base.turn_id), None)
     if head is None or head[1] != n or n >= len(messages) or type(head[2]) is not str:
         return None
-    longer = any(type(h[1]) is int and n < h[1] < len(messages) for h in heads)
-    if longer or not _same_messages(messages, base.messages):
+    # Another head as long or longer may be the one to extend (the fingerprints pick the newest of a tie)
+    rival = any(h[0] != base.turn_id and type(h[1]) is int and n <= h[1] < len(messages) for h in heads)
+    if rival or not _same_messages(messages, base.messages):
         return None
     try:
         crc = int(head[2], 16)
@@ -251,11 +262,17 @@ def _local_head(
 
 
 def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
-    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested). Messages echoed
-    unchanged compare equal as dicts, at C speed: only the others are keyed."""
-    return len(messages) > len(held) and all(
-        map(lambda a, b: a == b or message_key(a) == message_key(b), messages, held)
-    )
+    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested)."""
+    return len(messages) > len(held) and all(map(_same_message, messages, held))
+
+
+def _same_message(a: Any, b: Any) -> bool:
+    """Equal text messages have equal keys, and compare at C speed; anything else is keyed: equal dicts need
+    not have equal keys where values of other types compare equal (1 == 1.0 == True in tool-call arguments,
+    which the keys write as JSON)."""
+    if type(a) is dict and a == b and not a.get("tool_calls") and type(a.get("content")) in (str, type(None)):
+        return True
+    return message_key(a) == message_key(b)
 
 
 def _prompt(held: HeldTurn, tail: LinearTail) -> RenderedPrompt:

@@ -87,6 +87,29 @@ def test_a_follow_up_waits_for_the_commit_in_flight_and_extends_it(make_broker, 
     _run(make_broker, qwen3_tokenizer, scenario)
 
 
+def test_the_head_committed_here_is_matched_without_fingerprints(make_broker, qwen3_tokenizer):
+    """The usual case: the turn was prompted and committed through this worker, so its commit base holds it; the
+    follow-up is matched by comparing messages and gets the same prompt and the same echo digest as a match by
+    fingerprints would give."""
+
+    async def scenario(backplane: Backplane, renderer: Renderer, history: LinearHistory, sid: str) -> None:
+        first = await backplane.open_turn(sid, "t1")
+        assert (await history.prompt(sid, "t1", [*ASKED], TOOLS, first)).kind == "first"
+        commit = _first_commit(backplane, renderer, sid)
+        backplane.commit_in_background(commit)
+        while backplane.bases.get(sid) is None:  # the commit's ACK makes it this worker's base
+            await asyncio.sleep(0.01)
+        opened = await backplane.open_turn(sid, "t2")
+        prompt = await history.prompt(sid, "t2", FOLLOW_UP, TOOLS, opened)
+        assert prompt.kind == "linear" and prompt.rendered is not None
+        assert history.counters["linear_matched_local"] == 1 and history.counters["linear_held_local"] == 1
+        assert list(prompt.rendered.prompt_ids) == list(renderer.render(FOLLOW_UP, TOOLS).prompt_ids)
+        full = EchoDigest(render_context(TOOLS)).add(FOLLOW_UP)
+        assert (prompt.echo.count, prompt.echo.hexdigest()) == (full.count, full.hexdigest())
+
+    _run(make_broker, qwen3_tokenizer, scenario)
+
+
 def test_the_wait_ends_when_nothing_is_in_flight_or_at_its_bound(make_broker, qwen3_tokenizer, monkeypatch):
     monkeypatch.setattr(history_module, "LINEAR_WAIT_S", 0.3)
 

@@ -632,6 +632,11 @@ def test_the_head_renders_are_reused_while_the_head_and_tools_are_the_same():
     assert place("b") == whole
     heads.forget(["b"])
     assert len(heads) == 0 and place("b") > whole
+    # the same tools with their keys in another order compare equal but render otherwise: rendered again,
+    # not refused
+    reordered = [{"function": dict(reversed(list(t["function"].items()))), "type": t["type"]} for t in kit.tools]
+    assert reordered == kit.tools
+    assert place("b", tools=reordered) > whole
 
 
 def test_the_stand_in_keeps_the_last_user_query():

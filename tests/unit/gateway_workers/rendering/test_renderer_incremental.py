@@ -26,7 +26,7 @@ from gateway_workers.rendering.messages import template_messages
 from gateway_workers.rendering.pieces import SegmentCache, special_splitter
 from gateway_workers.rendering.renderer import INLINE_NEW_CHARS, Renderer
 from gateway_workers.rendering.session_renders import LastRender, shared_prefix
-from gateway_workers.rendering.twins.checks import VERIFY_FIRST
+from gateway_workers.rendering.twins.checks import VERIFY_EVERY, VERIFY_FIRST
 
 
 def expected_ids(tokenizer, messages, tools, **kwargs) -> list[int]:
@@ -264,6 +264,8 @@ def test_inline_follows_begin_renders_rule(builtin_tokenizer):
     assert not renderer.inline(10)
     renderer.encode_twin.uses = VERIFY_FIRST + 1
     assert renderer.inline(10) and renderer.inline(INLINE_NEW_CHARS) and not renderer.inline(INLINE_NEW_CHARS + 1)
+    renderer.template_twin.uses = 2 * VERIFY_EVERY - 2  # the third use from here is a checked one
+    assert renderer.inline(10, renders=2) and not renderer.inline(10, renders=3)
     assert not Renderer(builtin_tokenizer, native_templates=False).inline(10)
 
 

@@ -8,8 +8,12 @@ from gateway_workers.turns.history import _extended_head, _local_head, echo_flag
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
 ASKED = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find news."}]
-REPLY = {"role": "assistant", "content": "", "reasoning": "Search first.",
-         "tool_calls": [{"name": "search", "arguments": {"query": "news", "n": 3}}]}
+REPLY = {
+    "role": "assistant",
+    "content": "",
+    "reasoning": "Search first.",
+    "tool_calls": [{"name": "search", "arguments": {"query": "news", "n": 3}}],
+}
 
 
 def _head(turn_id, messages, response, tools=TOOLS):
@@ -19,8 +23,13 @@ def _head(turn_id, messages, response, tools=TOOLS):
 
 def test_a_request_extends_the_turn_it_echoes_whatever_the_client_changed_on_the_way():
     heads = [_head("t0", ASKED, REPLY)]
-    echoed = {"role": "assistant", "content": None, "tool_calls": [  # no reasoning, call ids, keys reordered
-        {"id": "call_1", "type": "function", "name": "search", "arguments": {"n": 3, "query": "news"}}]}
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [  # no reasoning, call ids, keys reordered
+            {"id": "call_1", "type": "function", "name": "search", "arguments": {"n": 3, "query": "news"}}
+        ],
+    }
     request = [*ASKED, echoed, {"role": "tool", "name": "search", "content": "none"}]
     assert _extended_head(heads, request, render_context(TOOLS))[0] == ("t0", 3)
 
@@ -75,3 +84,32 @@ def test_the_head_committed_here_is_matched_by_comparing_messages_and_its_digest
     both = [_head("t1", request, longer[-1]), *heads]
     assert _local_head(base, ("t0", context), both, follow, context) is None
     assert _extended_head(both, follow, context)[0] == ("t1", 5)
+
+
+def test_equal_dicts_with_other_json_are_keyed_not_taken_as_echoes():
+    """1 == 1.0 == True, so a re-serialised argument compares equal as a dict but is another message to the keys
+    (and to the fingerprint other workers check): the head committed here is not matched by it either."""
+    reply = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "search", "arguments": {"x": 1.0, "ok": True}}],
+    }
+    echoed = {"role": "assistant", "content": "", "tool_calls": [{"name": "search", "arguments": {"x": 1, "ok": 1}}]}
+    assert echoed == reply
+    base = CommitBase("t0", b"", [*ASKED, reply])
+    request = [*ASKED, echoed, {"role": "tool", "content": "none"}]
+    context = render_context(TOOLS)
+    heads = [_head("t0", ASKED, reply)]
+    assert _local_head(base, ("t0", context), heads, request, context) is None
+    assert _extended_head(heads, request, context)[0] is None
+
+
+def test_a_tie_between_heads_goes_to_the_fingerprints():
+    """Two continuations of one turn with the same keys (the same call, other reasoning): the newest wins, as
+    the fingerprints decide it, not the one committed here."""
+    base = CommitBase("t1", b"", [*ASKED, REPLY])
+    request = [*ASKED, REPLY, {"role": "tool", "content": "none"}]
+    context = render_context(TOOLS)
+    heads = [_head("t2", ASKED, REPLY), _head("t1", ASKED, REPLY)]  # newest first
+    assert _local_head(base, ("t1", context), heads, request, context) is None
+    assert _extended_head(heads, request, context)[0] == ("t2", 3)
