@@ -19,7 +19,7 @@ import threading
 import weakref
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -215,7 +215,8 @@ def linear_tail(
     start = len(head_text)  # where the previous reply's rendering starts
     generation_prompt = prompted[start:]
     tokenizer = renderer.tokenizer
-    output = token_decoder(tokenizer)(output_ids)
+    decode = token_decoder(tokenizer)
+    output = decode(output_ids)
     markers = tuple(end_markers)
     last = tokenizer.convert_ids_to_tokens(int(output_ids[-1]))
     stop = last if isinstance(last, str) and last in markers and output.endswith(last) else None
@@ -228,7 +229,7 @@ def linear_tail(
         at = start + len(generation_prompt) + len(output)
     else:
         found = _anchor(
-            text, start, generation_prompt, response, _ending(tokenizer, output_ids, stop, added), stop, markers
+            text, start, generation_prompt, response, _ending(decode, output_ids, stop, added), stop, markers
         )
         if isinstance(found, TailRefusal):
             return found
@@ -335,15 +336,15 @@ def _squeezed(text: str) -> str:
 
 
 def _ending(
-    tokenizer: PreTrainedTokenizerBase, output_ids: Sequence[int], stop: str | None, added: frozenset[int]
+    decode: Callable[[Sequence[int]], str], output_ids: Sequence[int], stop: str | None, added: frozenset[int]
 ) -> str:
     """The output's text after its last added token (the stop left out), or from that token if nothing follows."""
     body = output_ids[:-1] if stop is not None else output_ids
     last = next((i for i in range(len(body) - 1, -1, -1) if int(body[i]) in added), -1)
-    after = token_decoder(tokenizer)(body[last + 1 :])
+    after = decode(body[last + 1 :])
     if after.strip() or last < 0:
         return after
-    return token_decoder(tokenizer)(body[last:])
+    return decode(body[last:])
 
 
 def _reply_texts(response: Mapping[str, Any]) -> list[str]:
