@@ -27,7 +27,7 @@ import msgpack
 
 from broker.codec import fast, frames, generic
 from broker.codec.wire import is_packed_map, pack_message
-from broker.messages.common import FinishAccepted, Message, Refused, RequestFinish
+from broker.messages.common import FinishAccepted, GetMetrics, Message, MetricsText, Refused, RequestFinish
 from broker.messages.trainer import (
     HISTORY_MODES,
     LINEAR_FALLBACKS,
@@ -47,6 +47,7 @@ from broker.messages.trainer import (
 )
 from broker.messages.worker import (
     NOT_LINEAR,
+    SECONDS_BUCKETS,
     AbortTurn,
     CommitTurn,
     GetTurn,
@@ -65,7 +66,7 @@ __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_CONTROL_ENDPOINT", "DEFAULT_WORKER_ENDPOINT", "session_tag",
     "ErrorCode", "ProtocolError", "VersionMismatch",
     "ids_array", "logprobs_array", "pack_message", "is_packed_map", "unpack_messages",
-    "Message", "RequestFinish", "FinishAccepted", "Refused",
+    "Message", "RequestFinish", "FinishAccepted", "Refused", "GetMetrics", "MetricsText", "SECONDS_BUCKETS",
     "OpenTurn", "CommitTurn", "AbortTurn", "NOT_LINEAR", "GetTurn", "Heartbeat",
     "TurnOpened", "TurnReplayed", "TurnCommitted", "TurnAborted", "TurnFound", "SessionsEnded",
     "OpenSession", "HISTORY_MODES", "LINEAR_FALLBACKS", "check_history",
@@ -145,13 +146,15 @@ def logprobs_array(values: Iterable[float] = ()) -> array:
 
 # --- the messages, by direction (defined in `broker.messages`) ------------------------------------
 
-WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | Heartbeat | RequestFinish
+WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | Heartbeat | RequestFinish | GetMetrics
 BrokerToWorker = (
     TurnOpened | TurnReplayed | TurnCommitted | TurnAborted | TurnFound | SessionsEnded | FinishAccepted | Refused
+    | MetricsText
 )
-TrainerToBroker = OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes
+TrainerToBroker = OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes | GetMetrics
 BrokerToTrainer = (
     SessionOpened | SessionFinished | SessionDropped | Stats | FinishAccepted | EpisodesDelivered | Refused
+    | MetricsText
 )
 
 

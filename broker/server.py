@@ -34,6 +34,8 @@ from broker.durability.store import DurableState
 from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
+from broker.metrics import exposition
+from broker.metrics.gateway import GatewayMetrics
 from broker.protocol import session_tag
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
 from broker.sessions.history import wire_heads
@@ -119,6 +121,8 @@ class BrokerServer:
         )
         self.finishes = Finishes(self.registry, self._rows, self.outbox, config.max_wait_timeout)
         self.workers = WorkerLiveness(config.worker_silence_s)
+        self.metrics = GatewayMetrics()  # the workers' reports (heartbeats), and the commit latency
+        self._commits_received: list[float] = []  # when each commit of the batch being handled arrived
         self._refusals: Counter[str] = Counter()
         self._counters: Counter[str] = Counter()
         self._last_protocol_log = 0.0
@@ -311,6 +315,11 @@ class BrokerServer:
             self.durable.commit()
         for envelope, reply in replies:
             self._send(sock, envelope, reply)
+        if self._commits_received:
+            sent = time.perf_counter()
+            for received in self._commits_received:
+                self.metrics.commit_seconds.observe(sent - received)
+            self._commits_received.clear()
         more = waiting(probe)  # after the sends: a send may have taken the command that announced a frame
         if sock is self._control:
             self._control_sent = False
@@ -380,6 +389,7 @@ class BrokerServer:
             match msg:
                 # worker side, the hot cases first (a commit and an open per turn)
                 case protocol.CommitTurn():
+                    self._commits_received.append(time.perf_counter())
                     outcome = self.registry.commit_turn(msg)
                     if self._journal is not None and outcome == "stored":
                         self._journal.worker_frame(payload)  # the frame as received: replayed as it was stored
@@ -425,6 +435,7 @@ class BrokerServer:
                     return self.handle_get_turn(msg)
                 case protocol.Heartbeat():
                     self.workers.hear(msg.worker_id, time.monotonic())
+                    self.metrics.heard(msg.worker_id, msg.metrics, self.workers.heard)
                     ended = self.workers.ended_since(msg.worker_id, self.registry)
                     return protocol.SessionsEnded(0, ended) if ended else None
                 # either side: an agent's finish comes through its worker
@@ -457,6 +468,10 @@ class BrokerServer:
                     return protocol.SessionDropped(msg.request_id, msg.session_id, existed)
                 case protocol.GetStats():
                     return protocol.Stats(msg.request_id, self.stats())
+                case protocol.GetMetrics():  # either side: a worker's /metrics scrape sends its own counts along
+                    if msg.worker_id:
+                        self.metrics.heard(msg.worker_id, msg.metrics, self.workers.heard)
+                    return protocol.MetricsText(msg.request_id, self.metrics_text())
             raise TypeError(f"no handler for {type(msg).__name__}")
         except Refusal as r:
             return protocol.Refused(msg.request_id, r.code, r.message)
@@ -483,14 +498,44 @@ class BrokerServer:
 
     # --- stats / shutdown --------------------------------------------------------------
 
+    def metrics_text(self) -> str:
+        """The whole gateway's metrics, Prometheus text (`broker.metrics.exposition`)."""
+        return exposition.render(self.stats(), self.metrics, self.workers.heard, time.monotonic())
+
+    def worker_stats(self) -> dict[str, dict[str, Any]]:
+        """Each live worker: seconds since its last heartbeat, its pid, and the turns it has in flight."""
+        in_flight: Counter[str] = Counter()
+        for session in self.registry.sessions():
+            in_flight.update(session.owners.values())
+        now = time.monotonic()
+        return {
+            worker_id: {
+                "heard_s_ago": round(now - heard, 3),
+                "pid": report.pid if (report := self.metrics.reports.get(worker_id)) is not None else None,
+                "turns_in_flight": in_flight[worker_id],
+            }
+            for worker_id, heard in self.workers.heard.items()
+        }
+
     def stats(self) -> dict[str, Any]:
-        """Registry gauges and counters plus the loop's own: refusals by code, protocol errors, drops."""
+        """Registry gauges and counters plus the loop's own: refusals by code, protocol errors, drops; the
+        workers (`worker_stats`) and the sums of their metrics (`gateway`: `broker.metrics.gateway`)."""
+        totals = self.metrics.totals()
         return {
             **self.registry.stats(),
             **self.outbox.stats(),
             **self.finishes.stats(),
             **self.trimmer.stats(self.registry.counters["bytes_freed"]),
             "workers_heard": len(self.workers.heard),
+            "workers": self.worker_stats(),
+            **self._rows.stats(),
+            "broker_commit_seconds": self.metrics.commit_seconds.wire(),
+            "gateway": {
+                "counters": [[name, list(labels), value] for (name, labels), value in totals.counters.items()],
+                "histograms": [[name, list(labels), counts, total]
+                               for (name, labels), (counts, total) in totals.histograms.items()],
+                "seconds_buckets": list(protocol.SECONDS_BUCKETS),
+            },
             **(self.durable.stats() if self.durable is not None else {"state_dir": None}),
             "refusals": dict(self._refusals),
             "protocol_errors": self._counters["protocol_errors"],

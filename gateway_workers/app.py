@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import Counter
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, TypedDict
 
@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from broker.protocol import session_tag
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
 from gateway_workers.adapters.base import Adapter
-from gateway_workers.capture.backplane import Backplane
+from gateway_workers.capture.backplane import Backplane, BrokerUnavailable
 from gateway_workers.capture.commit_bases import CommitBases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
@@ -41,9 +41,9 @@ from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session
 from gateway_workers.http.limits import RequestLimits, check_headers, check_strings, read_body
 from gateway_workers.lifetime import tie_to_parent
+from gateway_workers.metrics import WorkerMetrics
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
-from gateway_workers.rendering.twins.checks import twin_stats
 from gateway_workers.turns.live import start_live_turn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline
 from gateway_workers.turns.replay import IDEMPOTENCY_HEADER, RETRY_COUNT_HEADER, Replayed, ReplayedLive, retry_key
@@ -53,10 +53,14 @@ logger = logging.getLogger(__name__)
 ENGINE_CLOSE_TIMEOUT_S = 5.0
 
 
+METRICS_TIMEOUT_S = 2.0  # a scrape waits this long for the broker, which aggregates every worker's metrics
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
 class WorkerState(TypedDict):
     pipeline: TurnPipeline
     config: WorkerConfig
-    counters: Counter[str]
+    metrics: WorkerMetrics
 
 
 class ReplySource(Protocol):
@@ -80,16 +84,50 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache
 _JSON_TYPE = (b"content-type", b"application/json")
 
 
+class TurnLabels:
+    """What a turn's metrics are labelled with, and when its request arrived."""
+
+    __slots__ = ("dialect", "stream", "t0")
+
+    def __init__(self, dialect: str, t0: float) -> None:
+        self.dialect, self.stream, self.t0 = dialect, "unknown", t0  # the stream flag is known once parsed
+
+
+def _count_turn(metrics: WorkerMetrics, labels: TurnLabels, outcome: str) -> None:
+    metrics.count("turns", (labels.dialect, labels.stream, outcome))
+
+
+def _record(metrics: WorkerMetrics, source: ReplySource, labels: TurnLabels, outcome: str, t_reply: float) -> None:
+    """A settled turn's outcome, its tokens and how long each stage took (a replay's: only the reply's)."""
+    _count_turn(metrics, labels, outcome)
+    now = time.perf_counter()
+    metrics.observe("turn_duration_seconds", ("reply",), now - t_reply)
+    metrics.observe("turn_duration_seconds", ("total",), now - labels.t0)
+    turn = source if isinstance(source, CapturedTurn) else getattr(source, "turn", None)
+    if turn is None or outcome == "replayed":
+        return
+    metrics.count("tokens", ("prompt",), len(turn.prompt_ids))
+    metrics.count("tokens", ("output",), len(turn.result.output_ids))
+    timings = turn.timings
+    for stage in ("render", "engine", "parse"):
+        metrics.observe("turn_duration_seconds", (stage,), timings[stage + "_s"])
+    if outcome == "committed" and turn.parsed.ill_formed:
+        metrics.count("ill_formed_turns", (labels.dialect,))
+
+
 async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]],
-                     send: Send, connection: AgentConnection, counters: Counter[str]) -> None:
+                     send: Send, connection: AgentConnection, metrics: WorkerMetrics, labels: TurnLabels,
+                     replayed: bool = False) -> None:
     """Send a turn's reply, one body or SSE events as they are produced, then commit the turn.
 
     uvicorn's `send` silently drops data once the client is gone, so a disconnect cancels the
     sending (and with it the engine stream) and the turn is aborted, never trained on. An
     `ApiError` from the body (the engine failed mid-stream, after the adapter sent its error
-    event) ends the stream and aborts the turn.
+    event) ends the stream and aborts the turn. A `replayed` reply (a retry's) commits nothing.
     """
     sent = False
+    failed: ApiError | None = None
+    t_reply = time.perf_counter()
     try:
         with connection.cancelled_on_disconnect():
             await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -102,7 +140,8 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
             raise
     except ApiError as e:
         # The adapter already sent the error event; end the stream so the agent is not left waiting.
-        counters[f"stream_{e.status}"] += 1
+        failed = e
+        metrics.count("http_errors", (labels.dialect, str(e.status)))
         with contextlib.suppress(Exception):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
     except Exception:
@@ -117,15 +156,18 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
         await source.close()
         if sent:
             source.commit()
-            counters["turns_committed"] += 1
+            outcome = "replayed" if replayed else "committed"
         else:
             source.abort("client disconnected before the reply was sent")
-            counters["turns_aborted"] += 1
+            outcome = "aborted" if failed is None else "failed" if failed.status >= 500 else "refused"
+        _record(metrics, source, labels, outcome, t_reply)
 
 
-def _error(adapter: Adapter[Any], error: ApiError, counters: Counter[str]) -> Response:
+def _error(adapter: Adapter[Any], error: ApiError, metrics: WorkerMetrics, labels: TurnLabels) -> Response:
     # Not logged here: whoever raises a 5xx logs its cause once, with the turn and session tag it knows.
-    counters[f"http_{error.status}"] += 1
+    metrics.count("http_errors", (labels.dialect, str(error.status)))
+    if labels.stream != "none":  # a turn route's (count_tokens is not a turn)
+        _count_turn(metrics, labels, "failed" if error.status >= 500 else "refused")
     headers = dict(error.headers)
     # After a 413/431 the rest of the request is unread: closing the connection keeps uvicorn from buffering it.
     if error.status in (413, 431):
@@ -165,16 +207,16 @@ def _check_tools_parseable(parser: ResponseParser, tools: list[dict[str, Any]] |
     raise ApiError(400, "invalid_request", reason, code="tools_unsupported", param="tools")
 
 
-async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapter[Any]) -> None:
+async def serve_turn(scope: Scope, receive: Receive, send: Send, dialect: str, adapter: Adapter[Any]) -> None:
     """One turn in any dialect: validate, run (live when streaming), reply, commit.
 
     A plain ASGI handler: turns are nearly all of a worker's requests, and Starlette's
     middleware and routing cost more per request than the rest of this function.
     """
+    labels = TurnLabels(dialect, time.perf_counter())
     state: WorkerState = scope["state"]
-    counters = state["counters"]
+    metrics = state["metrics"]
     pipeline = state["pipeline"]
-    counters["requests"] += 1
     limits = state["config"].limits
     try:
         check_headers(scope["headers"], limits)
@@ -182,10 +224,11 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapte
         sid = _key(request_headers)
         body = await read_body(request_headers.get("content-length"), receive, limits)
         parsed = adapter.parse_request(_json(body, limits), limits)
+        labels.stream = "true" if parsed.stream else "false"
         parsed = await adapter.load_history(parsed, sid, pipeline)
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
-        return await _error(adapter, e, counters)(scope, receive, send)
+        return await _error(adapter, e, metrics, labels)(scope, receive, send)
     key = retry_key(scope["path"], request_headers.get(IDEMPOTENCY_HEADER), request_headers.get(RETRY_COUNT_HEADER),
                     body)
     connection = AgentConnection(receive)
@@ -196,46 +239,49 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, adapter: Adapte
             if parsed.stream:
                 live = await start_live_turn(pipeline, sid, parsed.turn, connection, key)
                 events = adapter.stream_events(live, parsed, model)
-                return await send_reply(live, events, _SSE_HEADERS, send, connection, counters)
+                return await send_reply(live, events, _SSE_HEADERS, send, connection, metrics, labels)
             turn = await pipeline.run(sid, parsed.turn, connection, key)
         except Replayed as r:
-            counters["turns_replayed"] += 1
             turn = pipeline.replayed_turn(sid, parsed.turn, r.recorded)
             if parsed.stream:
                 replay = ReplayedLive(turn)
                 # ReplayedLive has what the adapters read of a LiveTurn (ids, created, prompt_ids, deltas, turn)
                 events = adapter.stream_events(replay, parsed, model)  # type: ignore[arg-type]
-                return await send_reply(replay, events, _SSE_HEADERS, send, connection, counters)
+                return await send_reply(replay, events, _SSE_HEADERS, send, connection, metrics, labels, True)
+            body = adapter.response_body(turn, parsed, model)
+            headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
+            return await send_reply(turn, _once(body), headers, send, connection, metrics, labels, True)
         body = adapter.response_body(turn, parsed, model)
     except ApiError as e:
         connection.stop()
-        return await _error(adapter, e, counters)(scope, receive, send)
+        return await _error(adapter, e, metrics, labels)(scope, receive, send)
     except Exception:
         connection.stop()
         if turn is not None:
             turn.abort("the reply could not be built")
         logger.exception("turn of session %s failed", session_tag(sid))
         error = ApiError(500, "internal", "internal error in the gateway worker")
-        return await _error(adapter, error, counters)(scope, receive, send)
+        return await _error(adapter, error, metrics, labels)(scope, receive, send)
     headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
-    await send_reply(turn, _once(body), headers, send, connection, counters)
+    await send_reply(turn, _once(body), headers, send, connection, metrics, labels)
 
 
-TURN_ROUTES: dict[str, Adapter[Any]] = {
-    "/v1/chat/completions": openai_chat,
-    "/v1/messages": anthropic_messages,
-    "/v1/responses": openai_responses,
+# path -> (the dialect's name in metrics, its adapter)
+TURN_ROUTES: dict[str, tuple[str, Adapter[Any]]] = {
+    "/v1/chat/completions": ("chat", openai_chat),
+    "/v1/messages": ("messages", anthropic_messages),
+    "/v1/responses": ("responses", openai_responses),
 }
 
 
 class TurnEndpoint:
     """A turn route as Starlette sees it (for what the fast path does not take: 405s, redirects)."""
 
-    def __init__(self, adapter: Adapter[Any]) -> None:
-        self.adapter = adapter
+    def __init__(self, dialect: str, adapter: Adapter[Any]) -> None:
+        self.dialect, self.adapter = dialect, adapter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await serve_turn(scope, receive, send, self.adapter)
+        await serve_turn(scope, receive, send, self.dialect, self.adapter)
 
 
 class GatewayApp:
@@ -246,9 +292,9 @@ class GatewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            adapter = TURN_ROUTES.get(scope["path"])
-            if adapter is not None:
-                return await serve_turn(scope, receive, send, adapter)
+            route = TURN_ROUTES.get(scope["path"])
+            if route is not None:
+                return await serve_turn(scope, receive, send, *route)
         await self.routes(scope, receive, send)
 
 
@@ -264,7 +310,9 @@ async def count_tokens(request: Request) -> Response:
         await state.pipeline.check_session(sid)
         count = await state.pipeline.count_tokens(parsed.turn)
     except ApiError as e:
-        return _error(anthropic_messages, e, state.counters)
+        labels = TurnLabels("count_tokens", 0.0)
+        labels.stream = "none"  # not a turn: counted among the HTTP errors only
+        return _error(anthropic_messages, e, state.metrics, labels)
     return JSONResponse({"input_tokens": count})
 
 
@@ -279,36 +327,22 @@ async def healthz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """The whole gateway's metrics (Prometheus text), from the broker, which sums every worker's; this
+    worker's counts are sent along, so they are current, the others' are as of their last heartbeat."""
     pipeline: TurnPipeline = request.state.pipeline
-    cache = pipeline.renderer.cache.stats()
-    counters: Counter[str] = Counter(request.state.counters)
-    counters.update(pipeline.backplane.counters)  # commits sent full / as deltas, deltas refused
-    counters.update(pipeline.history.counters)  # linear sessions' held turns: local or fetched; waits
-    counters.update({"render_cache_hits": cache.hits, "render_cache_misses": cache.misses,
-                     "render_cache_forgotten": cache.forgotten})
-    pid = os.getpid()
-    lines = [f'rollout_gateway_{name}_total{{pid="{pid}"}} {value}' for name, value in sorted(counters.items())]
-    # What this worker holds per session (dropped when the broker says a session ended), and its piece cache
-    held = {"commit_bases": len(pipeline.backplane.bases), "session_renders": pipeline.renderer.sessions_held,
-            "render_cache_pieces": cache.entries, "render_cache_bytes": cache.bytes}
-    lines += [f'rollout_gateway_{name}{{pid="{pid}"}} {value}' for name, value in held.items()]
-    # 1 while new prompt text is encoded by the tiktoken twin (0: never had one, or it diverged and was dropped)
-    lines.append(f'rollout_gateway_render_bpe_twin{{pid="{pid}"}} {int(pipeline.renderer.bpe_twin)}')
-    for twin in twin_stats():  # every fast twin: how often it ran, was checked, differed, and whether it is on
-        labels = f'pid="{pid}",twin="{twin.kind}",name="{twin.name}"'
-        lines += [f"rollout_gateway_twin_uses_total{{{labels}}} {twin.uses}",
-                  f"rollout_gateway_twin_checks_total{{{labels}}} {twin.checks}",
-                  f"rollout_gateway_twin_mismatches_total{{{labels}}} {twin.mismatches}",
-                  f"rollout_gateway_twin_active{{{labels}}} {int(twin.active)}"]
-    for (replica, kind), count in sorted(pipeline.engine.faults.items()):  # failed engine calls, per replica
-        lines.append(f'rollout_gateway_engine_faults_total{{pid="{pid}",replica="{_label(replica)}",kind="{kind}"}} '
-                     f"{count}")
-    return PlainTextResponse("\n".join(lines) + "\n")
+    snapshot = request.state.metrics.snapshot(pipeline.metric_rows)
+    try:
+        text = await pipeline.backplane.metrics_text(snapshot, METRICS_TIMEOUT_S)
+    except BrokerUnavailable:
+        return PlainTextResponse("the broker, which aggregates the gateway's metrics, did not answer; this "
+                                 "worker's own counts: GET /metrics/worker\n", status_code=503)
+    return Response(text, media_type=PROMETHEUS_TEXT)
 
 
-def _label(value: str) -> str:
-    """A Prometheus label value: backslash, double quote and newline escaped."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+async def worker_metrics(request: Request) -> Response:
+    """This worker's own snapshot (what its heartbeats carry), as JSON: for looking at one process."""
+    pipeline: TurnPipeline = request.state.pipeline
+    return JSONResponse(request.state.metrics.snapshot(pipeline.metric_rows))
 
 
 def create_app(config: WorkerConfig) -> GatewayApp:
@@ -317,8 +351,8 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         tokenizer = load_tokenizer(config.tokenizer, chat_template_path=config.chat_template)
         engine = create_engine(config.engine, tokenizer)
         bases = CommitBases(config.commit_base_sessions, config.commit_base_mib << 20)
-        backplane = Backplane(config.broker_endpoint, bases, curve_keys=config.curve_keys)
-        backplane.start()
+        metrics = WorkerMetrics()
+        backplane = Backplane(config.broker_endpoint, bases, curve_keys=config.curve_keys, metrics=metrics)
         # The CLI ran the same decision before spawning us; an unknown template fails here only if it did not.
         parser = detect_parser(tokenizer, config.response_format, config.allow_plain_text)
         renderer = Renderer(tokenizer)
@@ -327,16 +361,17 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         pipeline = TurnPipeline(backplane, renderer, parser, engine, config.default_max_tokens,
                                 config.max_context_tokens)
         backplane.ended_listeners += [pipeline.history.forget_sessions, engine.forget_sessions]
+        backplane.start(lambda: metrics.snapshot(pipeline.metric_rows))
         logger.info("worker %d ready: broker %s, engine %s", os.getpid(), config.broker_endpoint, config.engine.kind)
         try:
-            yield {"pipeline": pipeline, "config": config, "counters": Counter()}
+            yield {"pipeline": pipeline, "config": config, "metrics": metrics}
         finally:
             renderer.thread.shutdown(wait=False, cancel_futures=True)
             await backplane.drain(config.commit_drain_s)
             await backplane.close()
             await asyncio.wait_for(engine.aclose(), ENGINE_CLOSE_TIMEOUT_S)
 
-    turn_routes = [Route(path, TurnEndpoint(adapter), methods=["POST"]) for path, adapter in TURN_ROUTES.items()]
+    turn_routes = [Route(path, TurnEndpoint(*route), methods=["POST"]) for path, route in TURN_ROUTES.items()]
     return GatewayApp(Starlette(
         routes=[
             *turn_routes,
@@ -344,6 +379,7 @@ def create_app(config: WorkerConfig) -> GatewayApp:
             Route("/v1/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/metrics/worker", worker_metrics, methods=["GET"]),
             Route(FINISH_PATH, finish_session, methods=["POST"]),  # 404 unless --allow-agent-finish
         ],
         lifespan=lifespan,

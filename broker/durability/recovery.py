@@ -121,8 +121,8 @@ class Replay:
         return kept
 
     def _worker_frame(self, pos: int, msg: protocol.WorkerToBroker) -> None:
-        if isinstance(msg, protocol.Heartbeat):
-            raise records.RecordError("a logged heartbeat (only turns' frames are logged)")
+        if isinstance(msg, (protocol.Heartbeat, protocol.GetMetrics)):
+            raise records.RecordError(f"a logged {msg.TAG} (only turns' frames are logged)")
         sid = msg.session_id
         if self._skip_session(sid, pos):
             return

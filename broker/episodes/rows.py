@@ -23,23 +23,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker import protocol, token_ids
-from broker.episodes.trajectory import Row, build_rows
+from broker.episodes.trajectory import DECISIONS, Row, build_rows
+from broker.metrics.catalog import ROWS_BUCKETS
+from broker.metrics.gateway import Histogram
 from broker.sessions.registry import FinishedSession
 
 logger = logging.getLogger(__name__)
 
 
 class RowBuilder:
-    """Builds a finished session's `TraceRow`s; holds the (lazily loaded) response tokenizer."""
+    """Builds a finished session's `TraceRow`s; holds the (lazily loaded) response tokenizer, and counts the
+    rows per episode and each turn's place in them (`stats`)."""
 
     def __init__(self, tokenizer_path: str | None) -> None:
         self._path = tokenizer_path
         self._tokenizer: Any = None
         self._token_bytes: _ByteTable | None = None  # id -> bytes, for byte-level BPE tokenizers
+        self.rows_per_episode = Histogram(ROWS_BUCKETS)
+        self.decisions = dict.fromkeys(DECISIONS, 0)
 
     def build(self, finished: FinishedSession, msg: protocol.FinishSession) -> tuple[list[protocol.TraceRow], str]:
         """The session's rows and its finish status (`FinishedSession.status`)."""
         rows = build_rows(finished.turns, max_context_tokens=finished.max_context_tokens)
+        self.rows_per_episode.observe(len(rows))
+        if rows:  # every row carries the session-wide decisions
+            for decision, n in rows[0].metadata["decisions"].items():
+                self.decisions[decision] = self.decisions.get(decision, 0) + n
         status = finished.status
         return [self._trace_row(row, msg, finished, status) for row in rows], status
 
@@ -65,6 +74,9 @@ class RowBuilder:
             status="truncated" if row.metadata.get("truncated") else "completed",
             metadata=metadata,
         )
+
+    def stats(self) -> dict[str, Any]:
+        return {"rows_per_episode": self.rows_per_episode.wire(), "row_decisions": dict(self.decisions)}
 
     def decode(self, ids: array) -> str:
         """Response text, special tokens kept; "" without a configured tokenizer."""

@@ -2,13 +2,14 @@
 
 `Message` (the request id every message starts with, and its wire `TAG`); `RequestFinish`, which a
 trainer sends on the control socket and a worker relays for an agent on the worker socket; and the
-two replies the broker sends on either socket, `FinishAccepted` and `Refused`. Import them from
+two replies the broker sends on either socket, `FinishAccepted` and `Refused`; and `GetMetrics`, which
+either side may send for the whole gateway's Prometheus exposition (`MetricsText`). Import them from
 `broker.protocol`, the wire contract. Imports only the stdlib; nothing of `broker`, no msgpack.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 
@@ -53,3 +54,24 @@ class Refused(Message):
     TAG: ClassVar[str] = "refused"
     code: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetMetrics(Message):
+    """Ask for the whole gateway's metrics in the Prometheus text format (`broker.metrics`).
+
+    A worker asking for its `/metrics` scrape sends its own fresh snapshot (`Heartbeat.metrics`), so that
+    the answer counts everything it did up to now; the other workers are counted as of their last beat.
+    """
+
+    TAG: ClassVar[str] = "get_metrics"
+    worker_id: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsText(Message):
+    """The Prometheus text exposition (version 0.0.4) of the whole gateway."""
+
+    TAG: ClassVar[str] = "metrics_text"
+    text: str

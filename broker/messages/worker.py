@@ -23,6 +23,18 @@ from broker.messages.common import Message
 
 NOT_LINEAR = "not_linear"
 
+# A worker's metrics snapshot (`Heartbeat.metrics`, `GetMetrics.metrics`) is a map:
+#   "seq": a number that grows with every snapshot the process takes (an older one arriving late is ignored),
+#   "pid": the worker's process id,
+#   "counters": [[name, [label values...], value], ...]   cumulative since the worker started,
+#   "histograms": [[name, [label values...], [count per bucket..., count above the last], sum], ...]  cumulative,
+#   "gauges": [[name, [label values...], value], ...]     what the worker holds now.
+# Label names and help text are the broker's (`broker.metrics.catalog`); every histogram's buckets are these
+# upper bounds (seconds), so that the workers' counts add up.
+SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+
 
 @dataclass(frozen=True, slots=True)
 class OpenTurn(Message):
@@ -123,10 +135,13 @@ class GetTurn(Message):
 class Heartbeat(Message):
     """A worker is alive (sent every second or so); its turns outlive it by a bounded silence.
 
-    Answered only when sessions ended since the worker's last beat (`SessionsEnded`)."""
+    `metrics` is the worker's snapshot of what it counted since it started (`WorkerSnapshot`): the broker
+    sums the workers' snapshots into the gateway's metrics. Answered only when sessions ended since the
+    worker's last beat (`SessionsEnded`)."""
 
     TAG: ClassVar[str] = "heartbeat"
     worker_id: str
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 # Broker -> worker

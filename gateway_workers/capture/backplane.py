@@ -37,6 +37,7 @@ from broker import curve, protocol
 from broker.protocol import session_tag
 from gateway_workers.capture.commit_bases import CommitBases
 from gateway_workers.capture.heartbeat import HeartbeatThread
+from gateway_workers.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 _Reply = TypeVar("_Reply", bound=protocol.BrokerToWorker)
@@ -93,7 +94,13 @@ class Backplane:
     without it, a non-loopback endpoint raises `curve.CurveError`.
     """
 
-    def __init__(self, endpoint: str, bases: CommitBases | None = None, curve_keys: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        bases: CommitBases | None = None,
+        curve_keys: str | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         curve.require_keys_off_loopback(endpoint, curve_keys, "the broker endpoint")
         keys = curve.load_client_keys(curve_keys, "worker") if curve_keys is not None else None
         self._ctx = zmq.Context()
@@ -125,8 +132,10 @@ class Backplane:
         self.counters: dict[str, int] = dict.fromkeys(
             ("commits_full", "commits_delta", "delta_refused", "sessions_ended"), 0
         )
+        self.metrics = metrics if metrics is not None else WorkerMetrics()  # the commits' latency goes there
 
-    def start(self) -> None:
+    def start(self, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Start reading replies, and the heartbeats, each carrying `snapshot()` (this worker's metrics)."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.FD, self._read_replies)
         try:  # on this socket, so the broker hears it before this worker's first OPEN
@@ -134,7 +143,8 @@ class Backplane:
         except zmq.Again:
             pass
         self._heartbeats = HeartbeatThread(
-            self._ctx, self.endpoint, self._keys, self.worker_id, HEARTBEAT_INTERVAL_S, self._ended_elsewhere
+            self._ctx, self.endpoint, self._keys, self.worker_id, HEARTBEAT_INTERVAL_S, self._ended_elsewhere,
+            snapshot,
         )
         self._heartbeats.start()
         if self._handshakes is not None:
@@ -313,6 +323,13 @@ class Backplane:
             protocol.FinishAccepted,
         )
 
+    async def metrics_text(self, snapshot: dict[str, Any], timeout: float) -> str:
+        """The whole gateway's metrics in the Prometheus text format, this worker's as of `snapshot`;
+        BrokerUnavailable if the broker does not answer within `timeout`."""
+        reply = await self._call(lambda rid: protocol.GetMetrics(rid, self.worker_id, snapshot), protocol.MetricsText,
+                                 timeout)
+        return reply.text
+
     def commit_in_background(self, commit: protocol.CommitTurn) -> None:
         """Hand a (full) COMMIT to a task that sends it, as a delta where it can, until ACKed.
 
@@ -331,6 +348,7 @@ class Backplane:
 
     async def _commit(self, full: protocol.CommitTurn) -> None:
         """Send the delta (if any), fall back to the full turn if it is refused, and remember ACKed turns as bases."""
+        t_sent = time.perf_counter()
         prompt_crc32: int | None = None
         try:
             delta, prompt_crc32 = self.bases.delta_and_crc(full, next(self._ids))
@@ -358,6 +376,7 @@ class Backplane:
             self.counters["commits_full"] += 1
             reply = await self._retry(full)
         if isinstance(reply, protocol.TurnCommitted):
+            self.metrics.observe("turn_duration_seconds", ("commit",), time.perf_counter() - t_sent)
             if reply.outcome in ("stored", "duplicate"):
                 self.bases.remember(full, prompt_crc32)
             else:  # discarded: the session is gone

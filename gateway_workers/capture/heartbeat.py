@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -29,8 +30,8 @@ _WAIT_SLICE_S = 0.1
 
 
 class HeartbeatThread:
-    """Sends `Heartbeat(worker_id)` to `endpoint` every `interval_s` until `stop()`; passes each `SessionsEnded`
-    answer's session ids to `on_ended`."""
+    """Sends `Heartbeat(worker_id, snapshot())` to `endpoint` every `interval_s` until `stop()`; passes each
+    `SessionsEnded` answer's session ids to `on_ended`. `snapshot` (the worker's metrics) runs on this thread."""
 
     def __init__(
         self,
@@ -40,9 +41,12 @@ class HeartbeatThread:
         worker_id: str,
         interval_s: float,
         on_ended: Callable[[list[str]], None],
+        snapshot: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self._ctx, self._endpoint, self._keys = ctx, endpoint, keys
-        self._frame = protocol.encode(protocol.Heartbeat(0, worker_id))
+        self._worker_id = worker_id
+        self._snapshot = snapshot
+        self._snapshot_failed = False
         self._interval_s = interval_s
         self._on_ended = on_ended
         self._stopping = threading.Event()
@@ -66,13 +70,26 @@ class HeartbeatThread:
                 elif (now := time.monotonic()) >= next_beat:
                     next_beat = now + self._interval_s  # after a stall, one beat, not the missed ones
                     try:
-                        sock.send(self._frame, zmq.NOBLOCK)
+                        sock.send(self._beat(), zmq.NOBLOCK)
                     except zmq.Again:
                         pass  # the broker is not reading: it will not miss this beat
         except Exception:
             logger.exception("heartbeats to the broker at %s stopped: its turns will be given up", self._endpoint)
         finally:
             sock.close(linger=0)
+
+    def _beat(self) -> bytes:
+        """A heartbeat frame with the worker's metrics; without them if taking them failed (logged once): the
+        beat itself, which keeps the worker's turns alive, must go out."""
+        metrics: dict[str, Any] = {}
+        if self._snapshot is not None:
+            try:
+                metrics = self._snapshot()
+            except Exception:
+                if not self._snapshot_failed:
+                    logger.exception("this worker's metrics could not be taken; heartbeats go without them")
+                    self._snapshot_failed = True
+        return protocol.encode(protocol.Heartbeat(0, self._worker_id, metrics))
 
     def _answered(self, frame: bytes) -> None:
         try:

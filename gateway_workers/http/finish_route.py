@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
 from typing import Any
 
 import orjson
@@ -25,6 +24,7 @@ from gateway_workers.capture.backplane import BrokerUnavailable, TurnRefused
 from gateway_workers.http.connection import session_key
 from gateway_workers.http.errors import ApiError, broker_unavailable
 from gateway_workers.http.limits import read_body
+from gateway_workers.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ _REFUSALS = {
 }
 
 
-def _error(error: ApiError, counters: Counter[str]) -> Response:
-    counters[f"finish_http_{error.status}"] += 1
+def _error(error: ApiError, metrics: WorkerMetrics) -> Response:
+    metrics.count("http_errors", ("finish", str(error.status)))
     if error.status >= 500:
         logger.error("agent finish failed with %d: %s", error.status, error.message)
     body = orjson.dumps(openai_chat.error_body(error))
@@ -90,7 +90,7 @@ def parse_finish_body(raw: bytes) -> tuple[float | None, str | None, dict[str, A
 async def finish_session(request: Request) -> Response:
     """Finish the caller's session with its reward; the episode goes to the trainer's episode stream."""
     state = request.state
-    counters: Counter[str] = state.counters
+    metrics: WorkerMetrics = state.metrics
     if not state.config.allow_agent_finish:
         return _error(
             ApiError(
@@ -99,16 +99,16 @@ async def finish_session(request: Request) -> Response:
                 "agent-side finish is disabled on this gateway (the trainer finishes sessions); "
                 "start it with --allow-agent-finish to enable it",
             ),
-            counters,
+            metrics,
         )
     sid = session_key(request.headers)
     if sid is None:
-        return _error(ApiError(401, "authentication", "missing API key (the session key)", "invalid_api_key"), counters)
+        return _error(ApiError(401, "authentication", "missing API key (the session key)", "invalid_api_key"), metrics)
     try:
         body = await read_body(request.headers.get("content-length"), request.receive, state.config.limits)
         reward, rollout_id, metadata = parse_finish_body(body)
     except ApiError as e:
-        return _error(e, counters)
+        return _error(e, metrics)
     try:
         await state.pipeline.backplane.request_finish(sid, reward, rollout_id, metadata, AGENT_FINISH_WAIT_S)
     except TurnRefused as e:
@@ -117,9 +117,9 @@ async def finish_session(request: Request) -> Response:
         if status == 410:
             message = f"{e.message}; a session finishes once, and its episode went to that finish"
         headers = {"retry-after": str(BUSY_RETRY_AFTER_S)} if status == 503 else None
-        return _error(ApiError(status, kind, message, code, headers=headers), counters)
+        return _error(ApiError(status, kind, message, code, headers=headers), metrics)
     except BrokerUnavailable as e:
         logger.error("agent finish of session %s: %s", session_tag(sid), e)
-        return _error(broker_unavailable(), counters)
-    counters["sessions_finished_by_agent"] += 1
+        return _error(broker_unavailable(), metrics)
+    metrics.count("agent_finishes")
     return JSONResponse({"object": "rollout.session.finish", "status": "accepted"})

@@ -39,6 +39,7 @@ from gateway_workers.http.errors import ApiError, broker_unavailable
 from gateway_workers.rendering.budget import PromptOverBudget
 from gateway_workers.rendering.messages import message_chars
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
+from gateway_workers.rendering.twins.checks import twin_stats
 from gateway_workers.turns.history import LinearHistory, echo_flag
 from gateway_workers.turns.replay import Replayed, RetryKey
 
@@ -331,6 +332,36 @@ class TurnPipeline:
             echo=prepared.echo,
             _backplane=self.backplane,
         )
+
+    def metric_rows(self) -> tuple[list[list[Any]], list[list[Any]]]:
+        """What the worker's parts count themselves, as (counters, gauges) snapshot rows: commits by form, linear
+        history, the render cache, the fast twins, engine failures, and what the worker holds per session."""
+        cache = self.renderer.cache.stats()
+        backplane, history = dict(self.backplane.counters), dict(self.history.counters)
+        counters: list[list[Any]] = [
+            ["commits_sent", ["full"], backplane.get("commits_full", 0)],
+            ["commits_sent", ["delta"], backplane.get("commits_delta", 0)],
+            ["commit_deltas_refused", [], backplane.get("delta_refused", 0)],
+            ["sessions_ended_told", [], backplane.get("sessions_ended", 0)],
+            *(["linear_history", [name.removeprefix("linear_")], value] for name, value in history.items()),
+            ["render_cache", ["hit"], cache.hits],
+            ["render_cache", ["miss"], cache.misses],
+            ["render_cache", ["forgotten"], cache.forgotten],
+            *([["engine_errors", [replica, kind], n] for (replica, kind), n in dict(self.engine.faults).items()]),
+        ]
+        gauges: list[list[Any]] = [
+            ["worker_sessions_held", ["commit_bases"], len(self.backplane.bases)],
+            ["worker_sessions_held", ["session_renders"], self.renderer.sessions_held],
+            ["render_cache_pieces", [], cache.entries],
+            ["render_cache_bytes", [], cache.bytes],
+            ["render_bpe_twin", [], int(self.renderer.bpe_twin)],
+        ]
+        for twin in twin_stats():
+            labels = [twin.kind, twin.name]
+            counters += [["twin_uses", labels, twin.uses], ["twin_checks", labels, twin.checks],
+                         ["twin_mismatches", labels, twin.mismatches]]  # fmt: skip
+            gauges.append(["twin_active", labels, int(twin.active)])
+        return counters, gauges
 
     def replayed_turn(self, session_id: str, request: TurnRequest, recorded: protocol.TurnReplayed) -> CapturedTurn:
         """A recorded turn (`Replayed`) as a reply to send again; it commits nothing: it is recorded already."""

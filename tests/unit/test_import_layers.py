@@ -100,6 +100,8 @@ SUBPACKAGES = {
         forbid=("zmq", "asyncio", "numpy", "msgpack", "tokenizers"), broker_only=("broker.token_ids",)
     ),
     "broker.message_keys": Layer(forbid=("zmq", "asyncio", "msgpack"), broker_only=("broker.message_keys",)),
+    "broker.metrics": Layer(forbid=("zmq", "asyncio", "broker.server", "broker.sessions", "broker.episodes",
+                                    "broker.durability", "gateway_workers", "trainer_client")),
 }
 _GW = "gateway_workers."
 _TURN_PATH = tuple(_GW + p for p in ("adapters", "turns", "rendering", "formats", "engines", "capture"))
@@ -114,6 +116,7 @@ SUBPACKAGES.update({
     "gateway_workers.http.connection": Layer(forbid=(*_TURN_PATH, _GW + "app", "starlette", "zmq")),
     "gateway_workers.http.errors": Layer(forbid=(*_TURN_PATH, _GW + "app", "starlette", "zmq")),
     "gateway_workers.http.limits": Layer(forbid=(*_TURN_PATH, _GW + "app", "starlette", "zmq")),
+    "gateway_workers.metrics": Layer(forbid=(*_TURN_PATH, _GW + "app", "starlette", "zmq", "transformers")),
     "gateway_workers.rendering": _gateway_layer("adapters", "turns", "formats", "engines", "capture", "http",
                                                 also=("zmq", "starlette", "broker.protocol")),
     "gateway_workers.formats": _gateway_layer("adapters", "turns", "engines", "capture", "http",
