@@ -33,7 +33,6 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
-import re
 import signal
 import socket
 import statistics
@@ -77,7 +76,6 @@ CLIENT_TIMEOUT_S = 30.0
 ERROR_PAUSE_S = 0.2
 LAG_TICK_S = 0.01
 METRICS_TRIES = 40
-_COUNTER = re.compile(r'^rollout_gateway_(?P<name>requests|http_413)_total\{pid="(?P<pid>\d+)"\} (?P<value>\d+)$', re.M)
 
 
 # --- the hostile agent (its own process) ------------------------------------------------------------
@@ -364,7 +362,7 @@ async def healthz_probe(root: str, rec: Recorder, stop: asyncio.Event, every_s: 
 
 
 async def worker_counters(root: str, workers: int) -> dict[str, dict[str, int]]:
-    """Each worker's request and 413 counters (its own /metrics): which worker took whose requests.
+    """Each worker's request and 413 counts (its own snapshot, /metrics/worker): which worker took whose requests.
 
     New connections reach whichever worker accepts first, so it asks until it has heard every worker
     or gives up after a bounded number of tries.
@@ -374,12 +372,16 @@ async def worker_counters(root: str, workers: int) -> dict[str, dict[str, int]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=timeout) as http:
         for _ in range(METRICS_TRIES):
             try:
-                async with http.get(root + "/metrics") as resp:
-                    text = await resp.text()
+                async with http.get(root + "/metrics/worker") as resp:
+                    snapshot = await resp.json()
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
-            for match in _COUNTER.finditer(text):
-                seen.setdefault(match["pid"], {})[match["name"]] = int(match["value"])
+            counters = snapshot["counters"]
+            seen[str(snapshot["pid"])] = {
+                "requests": int(sum(value for name, _, value in counters if name == "turns")),
+                "http_413": int(sum(value for name, labels, value in counters
+                                    if name == "http_errors" and labels[1] == "413")),
+            }
             if len(seen) >= workers:
                 break
     return seen

@@ -11,7 +11,6 @@ and that it stays healthy.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ import pytest
 from assets import TOOLS, FakeEngine, wait_until
 from dialects import engine_turns, fake_policy
 from fidelity import assert_fidelity
+from scrapes import scrape
 
 from broker.protocol import session_tag
 from gateway_workers.engines.routing import routing_key
@@ -40,7 +40,6 @@ LOG_WAIT_S = 10.0
 MID = 6  # mid-stream faults strike after this many tokens: the agent has had deltas by then
 TOKEN_DELAY_S = 0.02  # mid-stream: the engine is still generating when the fault strikes
 QUESTION = [{"role": "user", "content": "What is the capital of Peru?"}]
-FAULT_LINE = re.compile(r'rollout_gateway_engine_faults_total\{pid="\d+",replica="([^"]+)",kind="(\w+)"\} (\d+)')
 
 # Faults that strike before the first byte of the reply: (fault, stream, dialect, kind counted).
 BEFORE_REPLY: dict[str, tuple[dict[str, Any], bool, str, str]] = {
@@ -191,8 +190,9 @@ def _under_load(gateway: Any, fake_engine: FakeEngine, qwen3_tokenizer_dir: str)
 
 
 def _faults(gateway: Any) -> Counter[tuple[str, str]]:
-    text = httpx.get(gateway.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
-    return Counter({(replica, kind): int(n) for replica, kind, n in FAULT_LINE.findall(text)})
+    samples = scrape(gateway.base_url.removesuffix("/v1"))
+    return Counter({(labels["replica"], labels["kind"]): int(v) for (name, pairs), v in samples.items()
+                    if name == "rollout_gateway_engine_errors_total" and (labels := dict(pairs))})
 
 
 def _assert_healthy(gateway: Any) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from assets import TOOLS, FakeEngine, wait_until
 from dialects import ANTHROPIC_TOOLS, RESPONSES_TOOLS, SYSTEM, tool_output
 from fake_formats import FAMILIES
 from fidelity import assert_fidelity
+from scrapes import worker_snapshots
 from test_families import _engine_turns, _policy, _run_agent, serve_family
 from test_serve_durability import RESTART_WITHIN_S, broker_pid
 
@@ -48,18 +48,12 @@ def _client(gw: Any, sid: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60, http_client=http)
 
 
-def _held_counts(gw: Any) -> dict[str, dict[str, float]]:
-    """Each worker's linear_held_local / linear_held_fetched counters, scraped until both workers answered."""
-    root, seen = gw.base_url.removesuffix("/v1"), {}
-    for _ in range(200):
-        with httpx.Client(headers={"Connection": "close"}) as http:
-            text = http.get(f"{root}/metrics").text
-        pid = re.search(r'pid="(\d+)"', text).group(1)  # type: ignore[union-attr]
-        seen[pid] = {m[1]: float(m[2]) for m in re.finditer(r"^rollout_gateway_(linear_held_\w+)_total\{[^}]*\} (\S+)$",
-                                                             text, re.M)}
-        if len(seen) == 2:
-            break
-    return seen
+def _held_counts(gw: Any) -> dict[int, dict[str, float]]:
+    """Each worker's linear_held_local / linear_held_fetched counters (its own snapshot)."""
+    root = gw.base_url.removesuffix("/v1")
+    events = ("held_local", "held_fetched")
+    return {pid: {f"linear_{event}": values.get(f"linear_history:{event}", 0) for event in events}
+            for pid, values in worker_snapshots(root, 2).items()}
 
 
 def _episode(gw: Any, sid: str, tools: Any, **kwargs: Any) -> list[Any]:

@@ -199,12 +199,13 @@ def test_mock_engine_default_serve_and_clean_shutdown(qwen3_tokenizer_dir: str) 
         assert [m.id for m in client.models.list()] == [reply.model]
         root = gw.base_url.removesuffix("/v1")
         assert httpx.get(f"{root}/healthz").json()["status"] == "ok"
-        assert "rollout_gateway_turns_committed_total" in httpx.get(f"{root}/metrics").text
+        assert 'rollout_gateway_turns_total{dialect="chat",outcome="committed",stream="false"}' in httpx.get(
+            f"{root}/metrics").text
         answer = reply.choices[0].message.content
         follow_up = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer},
                      {"role": "user", "content": "and then?"}]  # fmt: skip
         second = client.chat.completions.create(model="x", messages=follow_up)
-        delta_sent = re.compile(r"rollout_gateway_commits_delta_total\{[^}]*\} [1-9]")
+        delta_sent = re.compile(r'rollout_gateway_commits_sent_total\{form="delta"\} [1-9]')
         # the second turn's commit extends the first: it travels as a delta
         assert wait_until(lambda: delta_sent.search(httpx.get(f"{root}/metrics").text), timeout=10)
         text = httpx.get(f"{root}/metrics").text

@@ -1,7 +1,7 @@
 """Session isolation on a real `serve` (2 workers, the fake vLLM engine): a session key is an API key.
 
 A key reaches only its own session on every route that reads one (`previous_response_id`, token counting,
-the agent finish route); the public routes (/metrics, /healthz, /v1/models) name no session; and the
+the agent finish route); the public routes (/metrics, /metrics/worker, /healthz, /v1/models) name no session; and the
 logs of a whole run, debug level, through engine faults, refusals and finishes, never hold a key: they
 name sessions by their tag (`protocol.session_tag`), the key engine routers see too.
 """
@@ -71,7 +71,7 @@ def test_public_routes_name_no_session(gateway: Any) -> None:
     key = gateway.client.open_session()
     with _openai(gateway, key) as agent:
         agent.chat.completions.create(model="qwen3", messages=USER)
-    for route in ("/metrics", "/healthz", "/v1/models"):
+    for route in ("/metrics", "/metrics/worker", "/healthz", "/v1/models"):
         body = httpx.get(gateway.base_url.removesuffix("/v1") + route, timeout=30).text
         assert key not in body and session_tag(key) not in body, route
     gateway.client.finish_session(key)

@@ -2,17 +2,15 @@
 
 A real `serve` (2 workers, mock engine, the official openai SDK): 8 agents run 3 turns each, then the trainer
 finishes 6 sessions (`finish_session` and `request_finish`) and drops one. Within a few heartbeats every worker
-says, on its own `/metrics`, that it was told all 7 ends and keeps commit bases and last renders for the one
-live session at most, its piece cache having let go of the ended sessions' own text.
+says, in its own snapshot (`/metrics/worker`), that it was told all 7 ends and keeps commit bases and last
+renders for the one live session at most, its piece cache having let go of the ended sessions' own text.
 """
 
 from __future__ import annotations
 
-import re
-
-import httpx
 import openai
 from assets import wait_until
+from scrapes import worker_snapshots
 
 from trainer_client import launch_gateway
 
@@ -29,19 +27,13 @@ def _agent(base_url: str, sid: str, k: int) -> None:
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
 
 
-def _metrics_by_worker(root: str) -> dict[str, dict[str, float]]:
-    """Each worker's gauges and counters, scraped over fresh connections until both workers answered."""
-    seen: dict[str, dict[str, float]] = {}
-    for _ in range(200):
-        with httpx.Client(headers={"Connection": "close"}) as http:
-            text = http.get(f"{root}/metrics").text
-        values = {m["name"]: float(m["value"]) for m in re.finditer(
-            r'^rollout_gateway_(?P<name>\w+)\{pid="(?P<pid>\d+)"\} (?P<value>\S+)$', text, re.M)}
-        pid = re.search(r'pid="(\d+)"', text).group(1)
-        seen[pid] = values
-        if len(seen) == 2:
-            return seen
-    return seen
+def _metrics_by_worker(root: str) -> dict[int, dict[str, float]]:
+    """Each worker's gauges and counters (its own snapshot), under the names this test reads."""
+    names = {"worker_sessions_held:commit_bases": "commit_bases", "worker_sessions_held:session_renders":
+             "session_renders", "sessions_ended_told": "sessions_ended", "render_cache:forgotten": "forgotten",
+             "render_cache_bytes": "render_cache_bytes"}  # fmt: skip
+    return {pid: {short: values.get(name, 0) for name, short in names.items()}
+            for pid, values in worker_snapshots(root, 2).items()}
 
 
 def test_a_worker_drops_what_it_keeps_of_ended_sessions():
@@ -60,9 +52,9 @@ def test_a_worker_drops_what_it_keeps_of_ended_sessions():
         assert gw.client.drop_session(sids[6])
         ended = AGENTS - 1
 
-        def told() -> dict[str, dict[str, float]] | None:
+        def told() -> dict[int, dict[str, float]] | None:
             workers = _metrics_by_worker(root)
-            done = len(workers) == 2 and all(w.get("sessions_ended_total") == ended for w in workers.values())
+            done = len(workers) == 2 and all(w["sessions_ended"] == ended for w in workers.values())
             return workers if done else None
 
         assert wait_until(told, timeout=TOLD_WITHIN_S, interval=0.5), _metrics_by_worker(root)
@@ -71,6 +63,6 @@ def test_a_worker_drops_what_it_keeps_of_ended_sessions():
         for pid, worker in after.items():
             assert worker["commit_bases"] <= 1 and worker["session_renders"] <= 1, (pid, worker)
             if before[pid]["session_renders"] > 1:  # it rendered ended sessions: their own pieces went with them
-                assert worker["render_cache_forgotten_total"] > 0 and worker["render_cache_bytes"] < before[pid][
+                assert worker["forgotten"] > 0 and worker["render_cache_bytes"] < before[pid][
                     "render_cache_bytes"], (pid, before[pid], worker)
         assert sum(w["commit_bases"] for w in after.values()) >= 1  # the live session's base is kept
