@@ -503,7 +503,8 @@ class BrokerServer:
         return exposition.render(self.stats(), self.metrics, self.workers.heard, time.monotonic())
 
     def worker_stats(self) -> dict[str, dict[str, Any]]:
-        """Each live worker: seconds since its last heartbeat, its pid, and the turns it has in flight."""
+        """Each live worker: seconds since its last heartbeat, its pid, the turns it has in flight and the engine
+        replicas it sends to."""
         in_flight: Counter[str] = Counter()
         for session in self.registry.sessions():
             in_flight.update(session.owners.values())
@@ -513,6 +514,9 @@ class BrokerServer:
                 "heard_s_ago": round(now - heard, 3),
                 "pid": report.pid if (report := self.metrics.reports.get(worker_id)) is not None else None,
                 "turns_in_flight": in_flight[worker_id],
+                "replicas": [labels[0] for name, labels in report.gauges if name == "engine_replica"]
+                if report is not None
+                else [],
             }
             for worker_id, heard in self.workers.heard.items()
         }

@@ -159,6 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     workers.add_argument("--broker", default=protocol.DEFAULT_WORKER_ENDPOINT, metavar="ENDPOINT",
                          help="the broker's worker endpoint (default %(default)s)")
     sub.add_parser("broker", help="the broker alone (flags: see `rollout-gateway broker --help`)", add_help=False)
+    sub.add_parser("status", help="a live view of the gateway from its broker (flags: see `rollout-gateway status "
+                                  "--help`)", add_help=False)
     keys = sub.add_parser("keys", help="write CURVE key pairs for the broker, a worker and a trainer into DIR")
     keys.add_argument("directory", metavar="DIR", help="created if missing; existing keys are never overwritten")
     return parser
@@ -320,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["broker"]:
         os.execv(sys.executable, [sys.executable, "-m", "broker", *argv[1:]])
+    if argv[:1] == ["status"]:  # blocking trainer-side code: nothing of the workers is loaded
+        os.execv(sys.executable, [sys.executable, "-m", "trainer_client.status", *argv[1:]])
     args = _parser().parse_args(argv)
     if args.command == "keys":
         _write_keys(args.directory)

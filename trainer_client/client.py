@@ -239,6 +239,10 @@ class TrainerClient:
         broker restart."""
         return self._call(lambda rid: protocol.GetStats(rid), protocol.Stats, self.timeout, resend=True).stats
 
+    def metrics(self) -> str:
+        """The whole gateway's metrics in the Prometheus text format (what any worker's `/metrics` answers)."""
+        return self._call(lambda rid: protocol.GetMetrics(rid), protocol.MetricsText, self.timeout, resend=True).text
+
     def close(self) -> None:
         """Close every socket and the context. Call it once no other thread is inside a call."""
         with self._lock:

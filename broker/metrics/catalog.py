@@ -98,6 +98,7 @@ WORKER_METRICS = _catalog(
     Metric("render_cache_bytes", "gauge", "bytes a worker's render cache holds"),
     Metric("render_bpe_twin", "gauge", "1 while a worker encodes new prompt text with its tiktoken twin"),
     Metric("twin_active", "gauge", "1 while a fast twin is in use on a worker", ("twin", "name")),
+    Metric("engine_replica", "gauge", "1 per engine replica a worker sends to", ("replica",)),
 )
 
 # By the key of `BrokerServer.stats()`: the metric it is a sample of, and that sample's label values.

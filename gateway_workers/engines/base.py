@@ -143,10 +143,12 @@ class Engine(Protocol):
     Cancelling `generate`, or cancelling or closing a `stream` iterator before its last
     chunk, must stop the engine's work (best effort). A stream's chunks concatenate to
     exactly what `generate` would have returned; its last chunk carries the finish reason.
-    `faults` counts the calls that failed with an EngineError, by (replica url, kind).
+    `faults` counts the calls that failed with an EngineError, by (replica url, kind); `replicas` are the
+    base URLs it sends to (none for the mock).
     """
 
     faults: Counter[tuple[str, FaultKind]]
+    replicas: tuple[str, ...]
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
@@ -243,7 +245,7 @@ class HttpEngineBase:
         if not config.urls:
             raise ValueError(f"{config.kind} engine needs at least one URL")
         self._config = config
-        self._urls = tuple(url.rstrip("/") for url in config.urls)
+        self._urls = self.replicas = tuple(url.rstrip("/") for url in config.urls)
         tls = [parse_url(url).tls for url in self._urls]
         # Built here, at worker startup, so an unusable CA file fails the start rather than each request.
         self._tls = tls_context(config.ca_file) if any(tls) else None

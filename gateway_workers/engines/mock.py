@@ -72,6 +72,7 @@ class MockEngine:
         self._turn_marker = (im_start, assistant[0]) if isinstance(im_start, int) and len(assistant) == 1 else None
         self._tools_cache: OrderedDict[bytes, list[dict[str, Any]]] = OrderedDict()
         self.faults: Counter[tuple[str, FaultKind]] = Counter()  # the mock never fails: always empty
+        self.replicas: tuple[str, ...] = ()
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str

@@ -355,6 +355,7 @@ class TurnPipeline:
             ["render_cache_pieces", [], cache.entries],
             ["render_cache_bytes", [], cache.bytes],
             ["render_bpe_twin", [], int(self.renderer.bpe_twin)],
+            *(["engine_replica", [url], 1] for url in self.engine.replicas),
         ]
         for twin in twin_stats():
             labels = [twin.kind, twin.name]

@@ -6,11 +6,17 @@ per request so that both workers serve them, run turns in every dialect, streame
 the gateway refuses; the trainer finishes every session. Then each worker, scraped, says (within two
 heartbeats) exactly: the turns by dialect, stream and outcome, the prompt and output tokens the agents were
 billed, one observation per stage per turn, the broker's stored commits, sessions opened and finished, the
-rows the trainer got, and both workers alive.
+rows the trainer got, and both workers alive. `rollout-gateway status` shows the same from the broker,
+once as JSON and live on screen.
 """
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -138,3 +144,57 @@ def test_one_scrape_of_any_worker_counts_the_whole_gateway() -> None:
         for _ in range(6):
             again = scrape(root)
             assert {key: again.get(key) for key in counts} == counts
+
+
+def _status(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "gateway_workers.cli", "status", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def test_status_shows_the_gateway_once_as_json_and_live_on_screen() -> None:
+    with launch_gateway(workers=1, extra_args=["--log-level", "warning"]) as gw:
+        finished, _open = gw.client.open_session(), gw.client.open_session()
+        chat = openai.OpenAI(base_url=gw.base_url, api_key=finished, max_retries=0)
+        for k in range(3):
+            chat.chat.completions.create(model="x", messages=[{"role": "user", "content": f"question {k}"}])
+        rows = len(gw.client.finish_session(finished))
+        control = gw.client.endpoint
+
+        def committed() -> float:  # as of the worker's last heartbeat
+            counters = gw.client.stats()["gateway"]["counters"]
+            return sum(v for name, labels, v in counters if name == "turns" and labels[2] == "committed")
+
+        assert wait_until(lambda: committed() == 3, timeout=SETTLE_S)
+
+        done = _status("--control", control, "--once", "--json")
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout)
+        assert summary["sessions_open"] == 1 and summary["episodes"] == 1
+        assert summary["rows_per_episode"] == rows
+        assert summary["turns_per_s"]["committed"] > 0 and summary["turns_per_s"]["refused"] == 0
+        assert 0 < summary["turn_seconds"]["p50"] <= summary["turn_seconds"]["p99"]
+        (worker,) = summary["workers"].values()
+        assert worker["heard_s_ago"] < 5 and worker["pid"] > 0 and worker["turns_in_flight"] == 0
+
+        # live: a screen per refresh, rates over the last interval (none: the gateway is idle)
+        view = subprocess.Popen(
+            [sys.executable, "-m", "gateway_workers.cli", "status", "--control", control, "--interval", "0.3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(2.0)
+            view.send_signal(signal.SIGINT)
+            out, err = view.communicate(timeout=10)
+        finally:
+            view.kill()
+        assert view.returncode == 0, err
+        screens = out.count(f"rollout-gateway at {control}")
+        assert screens >= 3, out
+        last = out.rsplit(f"rollout-gateway at {control}", 1)[1]
+        assert "turns/s     0.0 committed" in last and "workers (1)" in last, last
+
+    # the broker gone: a clear error, fast, and a failing exit
+    gone = _status("--control", control, "--once", "--timeout", "1")
+    assert gone.returncode == 1 and "did not answer" in gone.stderr, gone
