@@ -89,40 +89,60 @@ def decode_snapshot(snapshot: Mapping[str, Any]) -> WorkerReport:
 
 
 class GatewayMetrics:
-    """The newest report of each worker, and the sums over all of them."""
+    """The newest report of each worker, and the sums over all of them.
+
+    A heartbeat only keeps its snapshot (a sequence check and a reference): snapshots are decoded when the
+    metrics are read (a scrape, `stats`), so the loop's steady cost does not grow with what workers count.
+    """
 
     def __init__(self) -> None:
-        self.reports: dict[str, WorkerReport] = {}  # by worker id, oldest report first
+        self._seq: dict[str, int] = {}  # by worker id: the newest snapshot's seq
+        self._pending: dict[str, Mapping[str, Any]] = {}  # snapshots not decoded yet
+        self._reports: dict[str, WorkerReport] = {}  # each worker's newest report that decoded, oldest first
         self._retired = WorkerReport(0, 0)  # the sums of reports folded away (`MAX_REPORTS`)
         self._malformed: set[str] = set()  # workers whose malformed snapshot was logged
         self.commit_seconds = Histogram(SECONDS_BUCKETS)  # the broker's own, from receipt to acknowledgement
 
     def heard(self, worker_id: str, snapshot: Mapping[str, Any], live: Iterable[str] = ()) -> None:
-        """Take `worker_id`'s snapshot, unless it is older than the one held (a beat that arrived late)."""
+        """Keep `worker_id`'s snapshot, unless it is older than the one held (a beat that arrived late)."""
         if not snapshot:
             return
-        held = self.reports.get(worker_id)
-        try:
-            if held is not None and int(snapshot.get("seq", 0)) <= held.seq:
-                return
-            report = decode_snapshot(snapshot)
-        except (ValueError, TypeError) as e:
-            if worker_id not in self._malformed:
-                self._malformed.add(worker_id)
-                logger.warning("worker %s sent malformed metrics (ignored): %s", worker_id, e)
+        seq = snapshot.get("seq", 0)
+        if type(seq) is not int or seq <= self._seq.get(worker_id, 0):
             return
-        self.reports.pop(worker_id, None)
-        self.reports[worker_id] = report  # newest last
-        if len(self.reports) > MAX_REPORTS:
+        self._seq[worker_id] = seq
+        self._pending[worker_id] = snapshot
+        if len(self._seq) > MAX_REPORTS:
             self._retire(set(live))
+
+    @property
+    def reports(self) -> dict[str, WorkerReport]:
+        """Each worker's newest report that decoded (a malformed snapshot is logged once and leaves the
+        worker's previous report in place)."""
+        for worker_id, snapshot in self._pending.items():
+            try:
+                report = decode_snapshot(snapshot)
+            except (ValueError, TypeError) as e:
+                if worker_id not in self._malformed:
+                    self._malformed.add(worker_id)
+                    logger.warning("worker %s sent malformed metrics (ignored): %s", worker_id, e)
+                continue
+            self._reports.pop(worker_id, None)
+            self._reports[worker_id] = report  # newest last
+        self._pending.clear()
+        return self._reports
 
     def _retire(self, live: set[str]) -> None:
         """Fold the oldest reports of workers not live into the retired sums."""
-        for worker_id in list(self.reports):
-            if len(self.reports) <= MAX_REPORTS:
+        reports = self.reports
+        for worker_id in list(reports):
+            if len(self._seq) <= MAX_REPORTS:
                 return
             if worker_id not in live:
-                _add(self._retired, self.reports.pop(worker_id))
+                _add(self._retired, reports.pop(worker_id))
+                del self._seq[worker_id]
+        for worker_id in [w for w in self._seq if w not in reports and w not in live]:  # never decoded
+            del self._seq[worker_id]
 
     def totals(self) -> WorkerReport:
         """Counters and histograms summed over every worker that reported (gauges left empty)."""
