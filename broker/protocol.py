@@ -41,8 +41,10 @@ from broker.messages.trainer import (
     SessionDropped,
     SessionFinished,
     SessionOpened,
+    SetWeightVersion,
     Stats,
     TraceRow,
+    WeightVersionSet,
     check_history,
 )
 from broker.messages.worker import (
@@ -70,7 +72,7 @@ __all__ = [
     "OpenTurn", "CommitTurn", "AbortTurn", "NOT_LINEAR", "GetTurn", "Heartbeat",
     "TurnOpened", "TurnReplayed", "TurnCommitted", "TurnAborted", "TurnFound", "SessionsEnded",
     "OpenSession", "HISTORY_MODES", "LINEAR_FALLBACKS", "check_history",
-    "FinishSession", "DropSession", "GetStats", "FetchEpisodes",
+    "FinishSession", "DropSession", "GetStats", "FetchEpisodes", "SetWeightVersion", "WeightVersionSet",
     "TraceRow", "SessionOpened", "SessionFinished", "SessionDropped", "Stats", "DeliveredEpisode", "EpisodesDelivered",
     "WorkerToBroker", "BrokerToWorker", "TrainerToBroker", "BrokerToTrainer",
     "encode", "frame_encoder",
@@ -151,10 +153,12 @@ BrokerToWorker = (
     TurnOpened | TurnReplayed | TurnCommitted | TurnAborted | TurnFound | SessionsEnded | FinishAccepted | Refused
     | MetricsText
 )
-TrainerToBroker = OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes | GetMetrics
+TrainerToBroker = (
+    OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes | GetMetrics | SetWeightVersion
+)
 BrokerToTrainer = (
     SessionOpened | SessionFinished | SessionDropped | Stats | FinishAccepted | EpisodesDelivered | Refused
-    | MetricsText
+    | MetricsText | WeightVersionSet
 )
 
 

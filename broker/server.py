@@ -422,6 +422,7 @@ class BrokerServer:
                         linear_fallback=session.linear_fallback if linear else "",
                         heads=wire_heads(session.heads) if linear else [],
                         pending=len(session.in_flight) - 1 if linear else 0,
+                        weight_version=self.registry.weight_version,
                     )
                 case protocol.AbortTurn():
                     aborted = self.registry.abort_turn(msg.session_id, msg.turn_id, msg.reason)
@@ -468,6 +469,14 @@ class BrokerServer:
                     return protocol.SessionDropped(msg.request_id, msg.session_id, existed)
                 case protocol.GetStats():
                     return protocol.Stats(msg.request_id, self.stats())
+                case protocol.SetWeightVersion():
+                    version = msg.version
+                    if type(version) is not int or not 0 <= version < 2**31:
+                        raise Refusal("bad_request", f"a weight version is an int in [0, 2**31), not {version!r}")
+                    previous, self.registry.weight_version = self.registry.weight_version, version
+                    if self._journal is not None:
+                        self._journal.weight_version_set(version)
+                    return protocol.WeightVersionSet(msg.request_id, version, previous)
                 case protocol.GetMetrics():  # either side: a worker's /metrics scrape sends its own counts along
                     if msg.worker_id:
                         self.metrics.heard(msg.worker_id, msg.metrics, self.workers.heard)
@@ -531,6 +540,7 @@ class BrokerServer:
             **self.finishes.stats(),
             **self.trimmer.stats(self.registry.counters["bytes_freed"]),
             "workers_heard": len(self.workers.heard),
+            "weight_version": self.registry.weight_version,
             "workers": self.worker_stats(),
             **self._rows.stats(),
             "broker_commit_seconds": self.metrics.commit_seconds.wire(),

@@ -116,6 +116,7 @@ class State:
     streamed: list[dict[str, Any]] = field(default_factory=list)  # streams sent to their end
     running: dict[str, asyncio.Event] = field(default_factory=dict)  # rid -> set on abort
     format: str | None = None  # a tests/fake_formats.py writer; None: the Qwen3 policy below
+    weight_version: str = "default"  # what SGLang reports in meta_info (its --weight-version; set by /_fake/config)
 
 
 def _routing_key(request: Request) -> str | None:
@@ -263,7 +264,7 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     fault = _fault_for(state, key)
     state.requests.append(
         {"api": api, "rid": rid, "key": key, "headers": dict(request.headers), "body": body, "at": time.time(),
-         "fault": fault.name()}
+         "fault": fault.name(), "weight_version": state.weight_version}
     )
     if fault.status is not None:
         return JSONResponse({"error": "injected fault"}, status_code=fault.status)
@@ -366,6 +367,7 @@ def _sglang_body(
         "completion_tokens": len(ids),
         "cached_tokens": 0,
         "e2e_latency": 0.0,
+        "weight_version": state.weight_version,
     }
     if body.get("return_logprob"):
         meta["input_token_logprobs"] = []
@@ -507,6 +509,8 @@ def build_app(state: State) -> Starlette:
             state.streamed.clear()
         if "tool_rounds" in body:
             state.tool_rounds = int(body["tool_rounds"])
+        if "weight_version" in body:
+            state.weight_version = str(body["weight_version"])
         if "fault" in body:
             fault = Fault(**body["fault"])
             state.faults[:] = [f for f in state.faults if f.key != fault.key] + [fault]

@@ -35,6 +35,7 @@ from broker.protocol import (
     SessionFinished,
     SessionOpened,
     SessionsEnded,
+    SetWeightVersion,
     Stats,
     TraceRow,
     TurnAborted,
@@ -42,6 +43,7 @@ from broker.protocol import (
     TurnFound,
     TurnOpened,
     TurnReplayed,
+    WeightVersionSet,
 )
 
 IDS = protocol.ids_array([1, 151_643, 0, 2**31 - 1, -1])
@@ -95,6 +97,7 @@ MESSAGES: dict[str, list] = {
         TurnOpened(5, "turn-1", 7, {"temperature": 1.0, "stop": ["x"]}, 32_768),
         TurnOpened(6, "turn-1", 0, {}, None),
         TurnOpened(31, "turn-3", 2, {}, None, "linear", "fork", [["turn-2", 4, "ab" * 16], ["turn-1", 2, "cd"]], 1),
+        TurnOpened(37, "turn-4", 3, {}, None, "tree", "", [], 0, 12),
         TurnCommitted(7, "turn-1", "stored"),
         TurnAborted(8, "turn-2"),
         Refused(9, "turn_cap", "no more"),
@@ -119,6 +122,7 @@ MESSAGES: dict[str, list] = {
         DropSession(14, "sess"),
         GetStats(15),
         GetMetrics(35),
+        SetWeightVersion(36, 7),
         OpenSession(26, None, {}, None, None, {}, "client-1", "step-3"),
         OpenSession(33, None, {}, None, None, {}, "client-1", None, "linear", "reject"),
         RequestFinish(27, "sess", None, "ep-8", {}, 0.0),
@@ -132,7 +136,7 @@ MESSAGES: dict[str, list] = {
             "sess",
             [
                 TraceRow(IDS, array("B", [1, 0, 1]), LPS[:3], 3, "text", "ep-7", 1.0, "completed", {"use_tool": True}),
-                TraceRow(IDS[:1], array("B", [1]), LPS[:1], 1, "", None, None, "truncated", {}),
+                TraceRow(IDS[:1], array("B", [1]), LPS[:1], 1, "", None, None, "truncated", {}, IDS[:1]),
             ],
             "complete",
             2,
@@ -143,6 +147,7 @@ MESSAGES: dict[str, list] = {
         Stats(20, {"sessions_open": 3, "refusals": {"protocol": 1}}),
         Refused(-1, "protocol", "garbage"),
         MetricsText(35, ""),
+        WeightVersionSet(36, 7, -1),
         FinishAccepted(30, "sess"),
         EpisodesDelivered(31, "e" * 16, [], [], 0),
         EpisodesDelivered(

@@ -239,6 +239,18 @@ class TrainerClient:
         broker restart."""
         return self._call(lambda rid: protocol.GetStats(rid), protocol.Stats, self.timeout, resend=True).stats
 
+    def set_weight_version(self, version: int) -> int:
+        """The policy version the engines serve from now on (an int >= 0, e.g. the training step whose weights
+        they loaded); returns the previous one (-1: none). Every turn the broker opens after this call records
+        `version`, and its sampled tokens carry it (`TraceRecord.weight_versions`); a turn already generating
+        keeps the version it opened with. Durable with the broker's `--state-dir`; resent through a restart."""
+        if type(version) is not int or not 0 <= version < 2**31:
+            raise ValueError(f"version must be an int in [0, 2**31), got {version!r}")
+        reply = self._call(
+            lambda rid: protocol.SetWeightVersion(rid, version), protocol.WeightVersionSet, self.timeout, resend=True
+        )
+        return reply.previous
+
     def metrics(self) -> str:
         """The whole gateway's metrics in the Prometheus text format (what any worker's `/metrics` answers)."""
         return self._call(lambda rid: protocol.GetMetrics(rid), protocol.MetricsText, self.timeout, resend=True).text

@@ -21,8 +21,12 @@ class TraceRecord:
     """One loss-masked training row of an episode; rows sharing `rollout_id` form one episode.
 
     `status` is "completed" or "truncated" (the row hit the session's context budget).
-    `metadata` holds the builder's verdicts (`truncated`, `use_tool`, `ill_formed`) and the
-    caller's metadata from `open_session` and `finish_session`.
+    `metadata` holds the builder's verdicts (`truncated`, `use_tool`, `ill_formed`), the policy versions
+    of its turns (`weight_version_min`, `weight_version_max`, and `engine_weight_versions` when the engine
+    reported its own) and the caller's metadata from `open_session` and `finish_session`.
+    `weight_versions` is aligned with `loss_mask`: each sampled token's policy version (the one
+    `TrainerClient.set_weight_version` had set when its turn opened), -1 for context tokens and for turns
+    opened before any version was set (empty from a broker older than this field).
     """
 
     token_ids: list[int]
@@ -34,10 +38,15 @@ class TraceRecord:
     reward: float | None = None
     status: str = "completed"
     metadata: dict[str, Any] = field(default_factory=dict)
+    weight_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.loss_mask) != len(self.logprobs):
             raise ValueError(f"TraceRecord: {len(self.loss_mask)} loss_mask entries but {len(self.logprobs)} logprobs")
+        if self.weight_versions and len(self.weight_versions) != len(self.loss_mask):
+            raise ValueError(
+                f"TraceRecord: {len(self.weight_versions)} weight_versions but {len(self.loss_mask)} loss_mask entries"
+            )
         if self.response_length != len(self.loss_mask) or self.response_length > len(self.token_ids):
             raise ValueError(
                 f"TraceRecord: response_length {self.response_length} does not fit "
@@ -67,6 +76,7 @@ class TraceRecord:
             reward=row.reward,
             status=row.status,
             metadata=dict(row.metadata),
+            weight_versions=row.weight_versions.tolist(),
         )
 
 

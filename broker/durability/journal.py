@@ -53,6 +53,9 @@ class Journal:
     def session_dropped(self, sid: str) -> None:
         self._state(records.DropRecord(sid))
 
+    def weight_version_set(self, version: int) -> None:
+        self._state(records.VersionRecord(version))
+
     # --- EpisodeJournal ----------------------------------------------------------------------
 
     def finish_requested(self, msg: protocol.RequestFinish, origin: str) -> None:

@@ -119,6 +119,14 @@ class DropRecord(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class VersionRecord(Record):
+    """The trainer set the policy version (`protocol.SetWeightVersion`): turns opened after it record it."""
+
+    TAG: ClassVar[str] = "weight_version"
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class EpisodeRecord(Record):
     """A finished-by-request session's episode entered the outbox (and the session is over).
 
@@ -177,6 +185,7 @@ class SnapshotHeader(Record):
     answer_ids: list[str] = field(default_factory=list)
     answer_request_ids: list[int] = field(default_factory=list)
     answer_frames: list[bytes] = field(default_factory=list)
+    weight_version: int = -1  # the policy version in force (`VersionRecord`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +226,7 @@ class SnapshotTrailer(Record):
 
 LogRecord = (
     OpenRecord | CloseRecord | FinishRecord | DropRecord | EpisodeRecord | LeaseRecord | AckRecord | RequeueRecord
+    | VersionRecord
 )
 SnapshotRecord = SnapshotHeader | SessionImage | EpisodeImage | SnapshotTrailer
 

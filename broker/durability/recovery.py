@@ -77,6 +77,7 @@ class Replay:
         self.outbox.restore_ids(header.epoch, header.next_delivery_id)
         origins: list[FinishOrigin] = header.finished_origins  # type: ignore[assignment]
         self.registry.restore_finished(list(zip(header.finished_ids, origins, strict=True)))
+        self.registry.weight_version = header.weight_version
         answers = zip(header.answer_ids, header.answer_request_ids, header.answer_frames, strict=True)
         self.answers.restore(list(answers), self.now)
         for image in snap.sessions:
@@ -194,6 +195,8 @@ class Replay:
                 outbox.restore_ack(self._episode_ids(record.delivery_ids, pos))
             case records.RequeueRecord():
                 outbox.restore_requeue(self._episode_ids(record.delivery_ids, pos), record.redelivered)
+            case records.VersionRecord():
+                registry.weight_version = record.version
             case _:
                 raise records.RecordError(f"a {type(record).__name__} in the log")
 

@@ -157,6 +157,7 @@ class DurableState:
             position(seq, 0), sys.byteorder, self._outbox.epoch, self._outbox.next_delivery_id,
             [sid for sid, _ in finished], [origin for _, origin in finished],
             [sid for sid, _, _ in answers], [rid for _, rid, _ in answers], [frame for _, _, frame in answers],
+            self._registry.weight_version,
         )  # fmt: skip
 
     # --- serving -------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ class RowBuilder:
             reward=msg.reward,
             status="truncated" if row.metadata.get("truncated") else "completed",
             metadata=metadata,
+            weight_versions=row.weight_versions,
         )
 
     def stats(self) -> dict[str, Any]:

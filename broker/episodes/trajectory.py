@@ -5,11 +5,12 @@ session registry materializes at finish, and `broker.message_keys` (the message 
 turns its rows into wire rows.
 Fidelity rule (DESIGN.md): every kept sampled token is trained once, with its float32 logprob, right after
 exactly its turn's prompt_ids -- so a turn joins a row only when the row's ids are a prefix of its prompt.
+Row.weight_versions: each response-region token's policy version (its turn's; -1 for context and unversioned turns).
 Row.metadata: truncated, use_tool, ill_formed (bools); turn_ids (trained here, in order); row_start ("first" |
 "branch": its parent's row went on elsewhere | "realign": the prompt re-rendered its parent's reply | "rewrite":
 the client replayed an earlier reply rewritten | "fork": anything else); parent_turn_id (the turn it continues
 per the message tree, or None); decisions (session-wide: each turn counted once as clean, a row_start, empty or
-dropped).
+dropped); weight_version_min / _max (over its turns); engine_weight_versions (per turn, when the engine reported it).
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ DECISIONS: tuple[str, ...] = ("clean", "first", "branch", "realign", "rewrite", 
 
 @dataclass(slots=True)
 class Row:
-    """One training row; `loss_mask`/`logprobs` cover the last `response_length` ids."""
+    """One training row; `loss_mask`/`logprobs`/`weight_versions` cover the last `response_length` ids."""
 
     token_ids: array
     loss_mask: array  # typecode "B"
     logprobs: array  # typecode "f"
     response_length: int
     metadata: dict[str, Any]
+    weight_versions: array = field(default_factory=lambda: array("i"))  # per token: its turn's version, -1: context
 
 
 @dataclass(slots=True)
@@ -209,13 +211,17 @@ def _materialize(c: _Chain, start: str, parent: _Turn | None, decisions: dict[st
     first = len(c.turns[0].prompt)
     mask = array("B")
     lps = array("f")
+    versions = array("i")
+    turn_versions = [_weight_version(t.rec.flags) for t in c.turns]
     pos = first
-    for t in c.turns:
+    for t, version in zip(c.turns, turn_versions, strict=True):
         gap = len(t.prompt) - pos  # prompt tail between the previous output and this one: context, loss 0
         mask.frombytes(bytes(gap))
         lps.frombytes(bytes(gap * lps.itemsize))
+        versions.extend((-1,) * gap)
         mask.frombytes(b"\x01" * t.keep)
         lps.extend(t.logprobs[: t.keep])
+        versions.extend((version,) * t.keep)
         pos = len(t.prompt) + t.keep
     metadata = {
         "truncated": not c.open,
@@ -225,8 +231,19 @@ def _materialize(c: _Chain, start: str, parent: _Turn | None, decisions: dict[st
         "row_start": start,
         "parent_turn_id": parent.rec.turn_id if parent is not None else None,
         "decisions": dict(decisions),
+        "weight_version_min": min(turn_versions),
+        "weight_version_max": max(turn_versions),
     }
-    return Row(token_ids, mask, lps, len(token_ids) - first, metadata)
+    engine_versions = [(t.rec.flags or {}).get("engine_weight_version") for t in c.turns]
+    if any(v is not None for v in engine_versions):  # what the engine said it served, per turn (SGLang reports it)
+        metadata["engine_weight_versions"] = engine_versions
+    return Row(token_ids, mask, lps, len(token_ids) - first, metadata, versions)
+
+
+def _weight_version(flags: dict[str, Any] | None) -> int:
+    """The policy version a turn's commit recorded (`protocol.TurnOpened.weight_version`); -1 if none."""
+    version = (flags or {}).get("weight_version", -1)
+    return version if type(version) is int and -1 <= version < 2**31 else -1
 
 
 def _has_tool_calls(message: Any) -> bool:

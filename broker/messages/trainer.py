@@ -86,6 +86,15 @@ class GetStats(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class SetWeightVersion(Message):
+    """The policy version the engines serve from now on (an int >= 0): every turn opened after it records it,
+    and its sampled tokens carry it in their rows (`TraceRow.weight_versions`). Answered with `WeightVersionSet`."""
+
+    TAG: ClassVar[str] = "set_weight_version"
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class FetchEpisodes(Message):
     """A subscriber's one request: acknowledge, renew its lease, hand back, and ask for more episodes.
 
@@ -119,7 +128,9 @@ class TraceRow:
     """One loss-masked training row; `trainer_client.TraceRecord` is its public face.
 
     `loss_mask` and `logprobs` cover the response region only: the last
-    `response_length` entries of `token_ids` (the row's first prompt is stripped).
+    `response_length` entries of `token_ids` (the row's first prompt is stripped). So does
+    `weight_versions`: each sampled token's policy version (`SetWeightVersion` in force when its turn
+    opened), -1 for context tokens and for turns opened before any version was set.
     """
 
     token_ids: array = field(metadata=IDS)
@@ -131,6 +142,7 @@ class TraceRow:
     reward: float | None
     status: str
     metadata: dict[str, Any]
+    weight_versions: array = field(metadata=IDS, default_factory=lambda: array("i"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +175,15 @@ class SessionDropped(Message):
 class Stats(Message):
     TAG: ClassVar[str] = "stats"
     stats: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightVersionSet(Message):
+    """The version is in force (`previous`: the one before it, -1 if none was set)."""
+
+    TAG: ClassVar[str] = "weight_version_set"
+    version: int
+    previous: int
 
 
 @dataclass(frozen=True, slots=True)

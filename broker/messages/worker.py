@@ -156,6 +156,8 @@ class TurnOpened(Message):
     none of its heads gets), its `heads`, `[turn_id, message_count, echo_digest]` of the committed turns a
     request may extend, newest first (see `CommitTurn` flags), and `pending`: its other turns in flight,
     one of which may be the turn whose reply this request echoes (re-send the OPEN, same turn id, to ask again).
+    `weight_version`: the policy version in force (`SetWeightVersion`; -1: none set), which its commit
+    records (`flags["weight_version"]`).
     """
 
     TAG: ClassVar[str] = "turn_opened"
@@ -167,6 +169,7 @@ class TurnOpened(Message):
     linear_fallback: str = ""
     heads: list[list[Any]] = field(default_factory=list)
     pending: int = 0
+    weight_version: int = -1
 
 
 @dataclass(frozen=True, slots=True)

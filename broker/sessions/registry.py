@@ -162,6 +162,9 @@ class SessionRegistry:
         # A session opened with "" for either takes these.
         self.history_mode = history_mode
         self.linear_fallback = linear_fallback
+        # The policy version the trainer last set (`protocol.SetWeightVersion`; -1: none): each OPEN hands it to
+        # the worker, whose commit records it.
+        self.weight_version = -1
         self._sessions: dict[str, Session] = {}
         self._serials = itertools.count()  # each opening's `Session.serial`
         # Appended to every unknown_session refusal: why a key the caller had may be gone (a broker that

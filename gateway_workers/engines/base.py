@@ -73,20 +73,24 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class EngineResult:
-    """One generation: the sampled ids, one logprob per id, and why it ended."""
+    """One generation: the sampled ids, one logprob per id, and why it ended; `weight_version`: the weights the
+    engine says it sampled with (SGLang's `meta_info.weight_version`), None when it does not say."""
 
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    weight_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class EngineChunk:
-    """Ids sampled since the previous chunk, one logprob each; `finish_reason` is set on the last chunk only."""
+    """Ids sampled since the previous chunk, one logprob each; `finish_reason` is set on the last chunk only
+    (`weight_version` as `EngineResult`'s, on any chunk that carries it)."""
 
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason | None = None
+    weight_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

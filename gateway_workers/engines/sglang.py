@@ -166,7 +166,8 @@ def parse_answer(url: str, answer: Any) -> EngineResult:
     output_ids = answer.get("output_ids")
     if output_ids is not None and output_ids != ids:
         raise bad_answer(url, "output_ids disagree with output_token_logprobs")
-    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=_finish(url, meta.get("finish_reason")))
+    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=_finish(url, meta.get("finish_reason")),
+                        weight_version=_weight_version(meta))
 
 
 def parse_stream_event(url: str, event: Any, have: int) -> EngineChunk:
@@ -186,7 +187,14 @@ def parse_stream_event(url: str, event: Any, have: int) -> EngineChunk:
         raise bad_answer(url, f"a stream event holds {len(entries)} ids; {have} came before, total {total!r}")
     ids, logprobs = _tokens(url, entries)
     raw = meta.get("finish_reason")
-    return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=None if raw is None else _finish(url, raw))
+    return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=None if raw is None else _finish(url, raw),
+                       weight_version=_weight_version(meta))
+
+
+def _weight_version(meta: dict[str, Any]) -> str | None:
+    """The engine's own weight version (`--weight-version`, updated with its weights), if it reports one."""
+    version = meta.get("weight_version")
+    return str(version)[:_REASON_SNIPPET] if version is not None else None
 
 
 def _finish(url: str, finish: Any) -> FinishReason:

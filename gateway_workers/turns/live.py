@@ -107,10 +107,12 @@ class LiveTurn:
         logprobs: list[float] = []
         chunk = self._first
         finish: FinishReason | None = None
+        version: str | None = None
         try:
             while True:
                 ids += chunk.output_ids
                 logprobs += chunk.logprobs
+                version = chunk.weight_version or version
                 for delta in self._split(self._decoder.feed(chunk.output_ids), ids):
                     yield delta
                 if chunk.finish_reason is not None:
@@ -124,7 +126,7 @@ class LiveTurn:
         for delta in self._split(self._decoder.flush(), ids):
             yield delta
         t_engine = time.perf_counter()
-        result = EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=finish)
+        result = EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=finish, weight_version=version)
         parsed = self.pipeline.parser.parse(ids, self.prepared.prompt_text, self.request.tools)
         turn = self.pipeline.captured(self.prepared, result, parsed, t_engine)
         turn.created = self.created

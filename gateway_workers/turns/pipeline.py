@@ -178,6 +178,13 @@ class PreparedTurn:
     echo: EchoDigest | None = None  # a linear session's: its messages' running digest
 
 
+
+def _with_engine_version(flags: dict[str, Any], result: EngineResult) -> dict[str, Any]:
+    """The prepared turn's verdicts, and the engine's own weight version when it reported one."""
+    if result.weight_version is None:
+        return dict(flags)
+    return {**flags, "engine_weight_version": result.weight_version}
+
 class TurnPipeline:
     """Runs turns against one backplane, renderer, parser and engine (one per worker)."""
 
@@ -252,6 +259,8 @@ class TurnPipeline:
                         logger.error("the held turn of linear session %s: %s", session_tag(session_id), e)
                         raise broker_unavailable() from None
                     opened, flags["history"], echo = linear.opened, linear.kind, linear.echo
+                if opened.weight_version >= 0:  # the policy version in force: its tokens carry it in the rows
+                    flags["weight_version"] = opened.weight_version
                 budget, loop = self._budget(opened), asyncio.get_running_loop()
                 if linear is not None and linear.rendered is not None:
                     rendered = linear.rendered
@@ -328,7 +337,7 @@ class TurnPipeline:
                 "engine_s": t_engine - prepared.t_render,
                 "parse_s": time.perf_counter() - t_engine,
             },
-            flags=dict(prepared.flags),
+            flags=_with_engine_version(prepared.flags, result),
             echo=prepared.echo,
             _backplane=self.backplane,
         )

@@ -2,7 +2,8 @@
 
 A real `BrokerServer` with a state directory runs in a thread on port-0 sockets. With small snapshot
 bounds, commits from a raw worker peer make it write snapshots as it serves; older segments go, and a
-second server on the directory recovers every turn from the snapshot plus the log after it. When the
+second server on the directory recovers every turn (and the policy version) from the snapshot plus the
+log after it. When the
 log cannot be written (its descriptor pulled from under it), the broker acknowledges nothing more:
 the commit gets no ACK and the loop ends with `LogFailure`, and what the directory holds is what had
 been acknowledged.
@@ -59,6 +60,7 @@ def test_snapshots_are_written_while_serving_and_a_restart_loads_them(tmp_path, 
     sessions = {f"served-session-key-{i:02d}-xxxx": conversation(40 + i, 8, first_prompt=400) for i in range(6)}
     try:
         with TrainerClient(broker.control_endpoint, timeout=10) as client:
+            assert client.set_weight_version(7) == -1  # logged in the first segment, which a snapshot replaces
             worker = WorkerPeer(zctx, broker.worker_endpoint)
             for sid in sessions:
                 client.open_session(session_id=sid)
@@ -80,6 +82,7 @@ def test_snapshots_are_written_while_serving_and_a_restart_loads_them(tmp_path, 
         assert again.server.durable is not None and again.server.durable.recovered is not None
         assert again.server.durable.recovered.snapshot_bytes > 0
         with TrainerClient(again.control_endpoint, timeout=10) as client:
+            assert client.stats()["weight_version"] == 7  # from the snapshot: the segment that logged it is gone
             for sid, turns in sessions.items():
                 assert_linear_rows(client.finish_session(sid), turns)
     finally:

@@ -1,6 +1,6 @@
 """`POST /rollout/v1/sessions/finish` in-process: the real route, a real `Backplane`, a real broker on port 0.
 
-The app here mounts only the finish route, with the state it reads (config, counters and a
+The app here mounts only the finish route, with the state it reads (config, metrics and a
 pipeline holding the backplane); the worker's full app is exercised through `serve` in
 tests/process/test_serve_episode_stream.py. Covers the flag (404), auth (401), body validation
 (400), exactly-once (410 after any other finish), a full outbox (503 with Retry-After, the
@@ -10,7 +10,6 @@ session left open) and the accepted episode reaching the trainer's stream.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -25,6 +24,7 @@ from gateway_workers.config import WorkerConfig
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session, parse_finish_body
 from gateway_workers.http.limits import RequestLimits
+from gateway_workers.metrics import WorkerMetrics
 from trainer_client import SessionClosed, TrainerClient
 
 
@@ -36,7 +36,7 @@ def finish_app(broker_endpoint: str, allow: bool) -> Starlette:
         backplane = Backplane(broker_endpoint)
         backplane.start()
         try:
-            yield {"config": config, "counters": Counter(), "pipeline": SimpleNamespace(backplane=backplane)}
+            yield {"config": config, "metrics": WorkerMetrics(), "pipeline": SimpleNamespace(backplane=backplane)}
         finally:
             await backplane.close()
 

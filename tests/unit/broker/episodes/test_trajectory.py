@@ -186,6 +186,16 @@ def expected_row(chain: list[TurnRecord]) -> tuple[list[int], list[int], list[fl
     return ids, mask, lps
 
 
+def expected_versions(chain: list[TurnRecord]) -> list[int]:
+    """Each response-region id's policy version: its turn's `flags["weight_version"]` where sampled, else -1."""
+    first, total = len(chain[0].prompt_ids), len(chain[-1].prompt_ids) + len(chain[-1].output_ids)
+    versions = [-1] * (total - first)
+    for t in chain:
+        for k in range(len(t.output_ids)):
+            versions[len(t.prompt_ids) - first + k] = (t.flags or {}).get("weight_version", -1)
+    return versions
+
+
 def check(
     turns: list[TurnRecord], rows: list[Row], chains: list[list[str]], starts: list[str], budget: int | None = None
 ) -> None:
@@ -200,6 +210,7 @@ def check(
         assert list(row.logprobs) == lps
         assert row.response_length == len(mask)
         assert (row.token_ids.typecode, row.loss_mask.typecode, row.logprobs.typecode) == ("i", "B", "f")
+        assert list(row.weight_versions) == expected_versions([by_id[i] for i in chain])
     assert_fidelity(turns, rows, max_context_tokens=budget)
     for row in rows:
         assert sum(row.metadata["decisions"].values()) == len(turns)
@@ -236,6 +247,29 @@ def test_clean_tool_loop_is_one_row(qwen: Any) -> None:
     assert meta["decisions"]["clean"] == 2 and meta["parent_turn_id"] is None
     # the first prompt is stripped: the response region starts at the first sampled id (<think>)
     assert rows[0].token_ids[len(rows[0].token_ids) - rows[0].response_length] == THINK
+
+
+def test_each_sampled_token_carries_its_turns_weight_version(qwen: Any) -> None:
+    """A version set mid-episode shows per token: context -1, each turn's output its own; min/max and the engine's
+    own versions in the row's metadata."""
+    turns = []
+    for t, version, engine in zip(tool_loop(qwen, reasoning=True), (3, 3, 4), ("step-3", None, "step-4"), strict=True):
+        flags = {**(t.flags or {}), "weight_version": version}
+        if engine is not None:
+            flags["engine_weight_version"] = engine
+        turns.append(dataclasses.replace(t, flags=flags))
+    (row,) = build_rows(turns)
+    check(turns, [row], [[t.turn_id for t in turns]], ["first"])
+    versions = list(row.weight_versions)
+    assert set(versions) == {-1, 3, 4} and versions.index(4) > versions.index(3)
+    context = [v for v, m in zip(versions, row.loss_mask, strict=True) if not m]
+    assert context == [-1] * (len(versions) - sum(row.loss_mask))
+    meta = row.metadata
+    assert (meta["weight_version_min"], meta["weight_version_max"]) == (3, 4)
+    assert meta["engine_weight_versions"] == ["step-3", None, "step-4"]
+    unversioned = build_rows(tool_loop(qwen, reasoning=True))[0]
+    assert set(unversioned.weight_versions) == {-1} and "engine_weight_versions" not in unversioned.metadata
+    assert unversioned.metadata["weight_version_max"] == -1
 
 
 def test_commits_out_of_order_build_the_same_rows(qwen: Any) -> None:
