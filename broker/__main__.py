@@ -118,6 +118,17 @@ def _parser() -> argparse.ArgumentParser:
         "message that differs)",
     )
     p.add_argument(
+        "--engine-url",
+        action="append",
+        dest="engine_urls",
+        default=None,
+        metavar="URL",
+        help="an engine replica sessions are routed to (repeat it): a new session goes to the least-loaded healthy "
+        "one and stays there until it ends; replicas failing their /health check are taken out "
+        f"(env {ENV_PREFIX}ENGINE_URLS, space- or comma-separated; default none: the workers route by their own "
+        "--engine-url lists)",
+    )
+    p.add_argument(
         "--restarted",
         action="store_true",
         default=None,
@@ -244,6 +255,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         fsync=args.fsync,
         history_mode=args.history_mode,
         linear_fallback=args.linear_fallback,
+        engine_urls=tuple(args.engine_urls) if args.engine_urls else None,
         restarted=args.restarted,
     )
     return dataclasses.replace(config, curve_keys=None) if args.curve_keys == "" else config

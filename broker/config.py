@@ -74,6 +74,9 @@ SNAPSHOT_MAX_BYTES = 128 * 1024**2
 # up for lost and its in-flight turns abandoned: three missed beats, so a stalled event loop or a burst of
 # load does not cost live turns, and a finish waits at most this (plus a check interval) for a dead worker.
 WORKER_SILENCE_S = 3.0
+# Engine replicas are checked this often (`broker.health`); a failed check takes one out of routing at once.
+ENGINE_HEALTH_INTERVAL_S = 1.0
+ENGINE_HEALTH_TIMEOUT_S = 1.0
 FsyncPolicy = Literal["always", "interval", "never"]
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
 
@@ -131,6 +134,11 @@ class BrokerConfig:
         linear_fallback: what a linear session's request that extends none of its turns gets: "fork" (a full
             render that starts a new line; later requests may extend either), "rerender" (a full render that
             becomes the session's one line) or "reject" (a 400 naming the first message that differs).
+        engine_urls: the engine replicas sessions are routed to (`broker.sessions.replicas`: least-loaded
+            healthy, sticky until the session ends); `SetEngines` replaces them at run time. Empty: the
+            workers route by their own --engine-url lists.
+        engine_health_interval_s, engine_health_timeout_s: how often each replica's /health is checked, and
+            how long one check may take (`broker.health`).
         restarted: this broker replaces one that ran before (`serve`'s supervisor sets it); without a
             state directory, refusals of unknown sessions then say the earlier sessions were lost.
     """
@@ -167,6 +175,9 @@ class BrokerConfig:
     worker_silence_s: float = WORKER_SILENCE_S
     history_mode: str = "tree"
     linear_fallback: str = "fork"
+    engine_urls: tuple[str, ...] = ()
+    engine_health_interval_s: float = ENGINE_HEALTH_INTERVAL_S
+    engine_health_timeout_s: float = ENGINE_HEALTH_TIMEOUT_S
     restarted: bool = False
 
     def __post_init__(self) -> None:
@@ -185,6 +196,8 @@ class BrokerConfig:
             "snapshot_min_bytes",
             "snapshot_max_bytes",
             "worker_silence_s",
+            "engine_health_interval_s",
+            "engine_health_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -200,6 +213,9 @@ class BrokerConfig:
         ):
             if not getattr(self, name) >= 0:  # `not >=`: NaN fails too
                 raise ValueError(f"BrokerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"BrokerConfig.engine_urls: {url!r} is not an http:// or https:// URL")
         if self.fsync not in FSYNC_POLICIES:
             raise ValueError(f"BrokerConfig.fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
         problem = protocol.check_history(self.history_mode, self.linear_fallback)
@@ -268,6 +284,9 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "worker_silence_s": float,
     "history_mode": str,
     "linear_fallback": str,
+    "engine_urls": lambda text: tuple(url for url in text.replace(",", " ").split() if url),
+    "engine_health_interval_s": float,
+    "engine_health_timeout_s": float,
     "restarted": _flag,
 }
 

@@ -33,6 +33,7 @@ from broker.messages.trainer import (
     LINEAR_FALLBACKS,
     DeliveredEpisode,
     DropSession,
+    EnginesSet,
     EpisodesDelivered,
     FetchEpisodes,
     FinishSession,
@@ -41,6 +42,7 @@ from broker.messages.trainer import (
     SessionDropped,
     SessionFinished,
     SessionOpened,
+    SetEngines,
     SetWeightVersion,
     Stats,
     TraceRow,
@@ -73,6 +75,7 @@ __all__ = [
     "TurnOpened", "TurnReplayed", "TurnCommitted", "TurnAborted", "TurnFound", "SessionsEnded",
     "OpenSession", "HISTORY_MODES", "LINEAR_FALLBACKS", "check_history",
     "FinishSession", "DropSession", "GetStats", "FetchEpisodes", "SetWeightVersion", "WeightVersionSet",
+    "SetEngines", "EnginesSet",
     "TraceRow", "SessionOpened", "SessionFinished", "SessionDropped", "Stats", "DeliveredEpisode", "EpisodesDelivered",
     "WorkerToBroker", "BrokerToWorker", "TrainerToBroker", "BrokerToTrainer",
     "encode", "frame_encoder",
@@ -155,10 +158,11 @@ BrokerToWorker = (
 )
 TrainerToBroker = (
     OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes | GetMetrics | SetWeightVersion
+    | SetEngines
 )
 BrokerToTrainer = (
     SessionOpened | SessionFinished | SessionDropped | Stats | FinishAccepted | EpisodesDelivered | Refused
-    | MetricsText | WeightVersionSet
+    | MetricsText | WeightVersionSet | EnginesSet
 )
 
 

@@ -34,12 +34,14 @@ from broker.durability.store import DurableState
 from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
+from broker.health import HealthChecker
 from broker.metrics import exposition
 from broker.metrics.gateway import GatewayMetrics
 from broker.protocol import session_tag
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
 from broker.sessions.history import wire_heads
 from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry, check_chosen_key
+from broker.sessions.replicas import ReplicaTable
 from broker.sessions.workers import WorkerLiveness, abandon_turns_of
 from broker.sockets import MORE_NOBLOCK, NOBLOCK, POLLIN, RouterSocket, bind_routers, send_part, waiting
 from broker.zap import ZapHandler
@@ -56,6 +58,8 @@ LOST_ON_RESTART = (
     " (the broker restarted without a state directory (--state-dir), so sessions opened before the restart "
     "are lost: open a new session and rerun the episode)"
 )
+# SetEngines takes at most this many replicas.
+MAX_REPLICAS = 1024
 # Protocol errors are logged individually up to this many, then at most once per interval.
 PROTOCOL_LOG_BURST = 20
 PROTOCOL_LOG_INTERVAL_S = 5.0
@@ -121,6 +125,10 @@ class BrokerServer:
         )
         self.finishes = Finishes(self.registry, self._rows, self.outbox, config.max_wait_timeout)
         self.workers = WorkerLiveness(config.worker_silence_s)
+        self.replicas = ReplicaTable(config.engine_urls)  # which engine replica each session samples from
+        self.registry.end_listeners.append(self.replicas.release)
+        self.health = HealthChecker(config.engine_health_interval_s, config.engine_health_timeout_s)
+        self.health.watch(self.replicas.urls)
         self.metrics = GatewayMetrics()  # the workers' reports (heartbeats), and the commit latency
         self._commits_received: list[float] = []  # when each commit of the batch being handled arrived
         self._refusals: Counter[str] = Counter()
@@ -211,12 +219,16 @@ class BrokerServer:
             workers_ready = control_ready = True  # whatever arrived before the loop: look once
             # Recovered turns' workers get the silence bound from now, after the start-up's slow parts.
             self.workers.expect(self.registry, time.monotonic())
+            self.health.start()
+            health = self.health.results
             while not self.should_exit:
                 if workers_ready:
                     workers_ready = self._drain(workers, protocol.decode_worker_to_broker, "worker")
                 if control_ready:
                     control_ready = self._drain(control, protocol.decode_trainer_to_broker, "trainer")
                 now = time.monotonic()
+                if not health.empty():
+                    self._health_checked()
                 if not workers_ready and now >= self.workers.next_check:
                     # Only with the worker socket drained: a heartbeat waiting behind a backlog is not silence.
                     self._abandon_silent_workers(now)
@@ -253,6 +265,18 @@ class BrokerServer:
                         control_ready = True
         finally:
             self._shutdown()
+
+    def _health_checked(self) -> None:
+        """Take the health checks' verdicts: a replica that failed takes no new sessions, and its sessions move."""
+        results = self.health.results
+        while not results.empty():
+            url, healthy, error = results.get_nowait()
+            if self.replicas.health(url, healthy, error):
+                if healthy:
+                    logger.info("engine replica %s is healthy again: it takes sessions", url)
+                else:
+                    logger.warning("engine replica %s failed its health check (%s): its sessions move to the "
+                                   "others at their next turn", url, error)  # fmt: skip
 
     def _abandon_silent_workers(self, now: float) -> None:
         """Give up the in-flight turns of workers unheard for `worker_silence_s` (logged as aborts), and release
@@ -423,6 +447,7 @@ class BrokerServer:
                         heads=wire_heads(session.heads) if linear else [],
                         pending=len(session.in_flight) - 1 if linear else 0,
                         weight_version=self.registry.weight_version,
+                        replica=self.replicas.assign(msg.session_id),
                     )
                 case protocol.AbortTurn():
                     aborted = self.registry.abort_turn(msg.session_id, msg.turn_id, msg.reason)
@@ -469,6 +494,16 @@ class BrokerServer:
                     return protocol.SessionDropped(msg.request_id, msg.session_id, existed)
                 case protocol.GetStats():
                     return protocol.Stats(msg.request_id, self.stats())
+                case protocol.SetEngines():
+                    urls = msg.urls
+                    if not isinstance(urls, list) or len(urls) > MAX_REPLICAS or not all(
+                        isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) <= 2048 for u in urls
+                    ):
+                        raise Refusal("bad_request", f"engines are at most {MAX_REPLICAS} http(s):// base URLs")
+                    self.replicas.set(urls)
+                    self.health.watch(self.replicas.urls)
+                    logger.info("engine replicas set: %s", ", ".join(self.replicas.urls) or "none")
+                    return protocol.EnginesSet(msg.request_id, list(self.replicas.urls))
                 case protocol.SetWeightVersion():
                     version = msg.version
                     if type(version) is not int or not 0 <= version < 2**31:
@@ -541,6 +576,7 @@ class BrokerServer:
             **self.trimmer.stats(self.registry.counters["bytes_freed"]),
             "workers_heard": len(self.workers.heard),
             "weight_version": self.registry.weight_version,
+            **self.replicas.stats(),
             "workers": self.worker_stats(),
             **self._rows.stats(),
             "broker_commit_seconds": self.metrics.commit_seconds.wire(),
@@ -559,6 +595,7 @@ class BrokerServer:
         }
 
     def _shutdown(self) -> None:
+        self.health.stop()
         if self.durable is None or not self.durable.failed:  # else nothing more may be acknowledged
             # Parked finishers get what was committed (drain_timeout) instead of a dead socket.
             self._send_all(self.finishes.shutdown(time.monotonic()))

@@ -261,6 +261,9 @@ def _broker_supervisor(args: argparse.Namespace, tokenizer_dir: str | None, curv
         flags += ["--history-mode", args.history_mode]
     if args.linear_fallback:
         flags += ["--linear-fallback", args.linear_fallback]
+    if args.engine_kind != "mock":  # the broker routes sessions over the replicas (and checks their health)
+        for url in args.engine_url:
+            flags += ["--engine-url", url]
     return BrokerSupervisor(flags, args.worker_endpoint, args.control)
 
 

@@ -117,6 +117,7 @@ class State:
     running: dict[str, asyncio.Event] = field(default_factory=dict)  # rid -> set on abort
     format: str | None = None  # a tests/fake_formats.py writer; None: the Qwen3 policy below
     weight_version: str = "default"  # what SGLang reports in meta_info (its --weight-version; set by /_fake/config)
+    healthy: bool = True  # GET /health answers 200, else 503 (set by /_fake/config)
 
 
 def _routing_key(request: Request) -> str | None:
@@ -511,6 +512,8 @@ def build_app(state: State) -> Starlette:
             state.tool_rounds = int(body["tool_rounds"])
         if "weight_version" in body:
             state.weight_version = str(body["weight_version"])
+        if "healthy" in body:
+            state.healthy = bool(body["healthy"])
         if "fault" in body:
             fault = Fault(**body["fault"])
             state.faults[:] = [f for f in state.faults if f.key != fault.key] + [fault]
@@ -527,8 +530,12 @@ def build_app(state: State) -> Starlette:
              "streamed": pick(state.streamed)}
         )
 
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if state.healthy else 503)
+
     return Starlette(
         routes=[
+            Route("/health", health, methods=["GET"]),
             Route("/inference/v1/generate", vllm_generate, methods=["POST"]),
             Route("/generate", sglang_generate, methods=["POST"]),
             Route("/abort_request", abort_request, methods=["POST"]),

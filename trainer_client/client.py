@@ -239,6 +239,19 @@ class TrainerClient:
         broker restart."""
         return self._call(lambda rid: protocol.GetStats(rid), protocol.Stats, self.timeout, resend=True).stats
 
+    def set_engines(self, urls: list[str]) -> list[str]:
+        """Route sessions over these engine replicas from now on (base URLs), e.g. after a weight sync restarted
+        them; returns the list as the broker keeps it. A new session goes to the least-loaded healthy replica and
+        stays there until it ends; a replica no longer listed (or failing its /health check) gives its sessions
+        to the others at their next turn. An empty list hands routing back to the workers' --engine-url lists.
+        Not kept across a broker restart (it starts from its --engine-url list again). Resent through a restart."""
+        if isinstance(urls, str) or not all(isinstance(u, str) for u in urls):
+            raise ValueError("urls must be a list of base URLs")
+        reply = self._call(
+            lambda rid: protocol.SetEngines(rid, list(urls)), protocol.EnginesSet, self.timeout, resend=True
+        )
+        return reply.urls
+
     def set_weight_version(self, version: int) -> int:
         """The policy version the engines serve from now on (an int >= 0, e.g. the training step whose weights
         they loaded); returns the previous one (-1: none). Every turn the broker opens after this call records

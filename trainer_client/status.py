@@ -85,13 +85,16 @@ def summarize(stats: Mapping[str, Any], previous: Mapping[str, Any] | None, seco
     rows_counts, rows_sum = stats.get("rows_per_episode", [[0], 0.0])
     prev_rows = (previous or {}).get("rows_per_episode", [[0] * len(rows_counts), 0.0])
     episodes = sum(rows_counts) - sum(prev_rows[0])
-    replicas: dict[str, dict[str, float]] = {
-        url: {} for worker in stats.get("workers", {}).values() for url in worker.get("replicas", ())
-    }
+    # Each replica: the broker's routing view when it routes (health, sessions), and the workers' error counts.
+    routed = stats.get("replicas", {})
+    replicas: dict[str, dict[str, Any]] = {url: {"errors": {}, **routed.get(url, {})} for url in routed}
+    for worker in stats.get("workers", {}).values():
+        for url in worker.get("replicas", ()):
+            replicas.setdefault(url, {"errors": {}})
     for (name, labels), value in counters.items():
         if name == "engine_errors":
             replica, kind = labels
-            replicas.setdefault(replica, {})[kind] = value
+            replicas.setdefault(replica, {"errors": {}})["errors"][kind] = value
     return {
         "interval_s": round(seconds, 3),
         "sessions_open": stats.get("sessions_open", 0),
@@ -114,6 +117,7 @@ def summarize(stats: Mapping[str, Any], previous: Mapping[str, Any] | None, seco
         },
         "workers": stats.get("workers", {}),
         "replicas": replicas,
+        "sessions_moved": stats.get("sessions_moved", 0),
         "durable": stats.get("state_dir") is not None,
         "uptime_s": stats.get("uptime_s", 0.0),
     }
@@ -154,10 +158,14 @@ def render(summary: Mapping[str, Any], endpoint: str) -> str:
             f"{worker['turns_in_flight']} turns in flight"
         )
     replicas = summary["replicas"]
-    lines.append(f"engine replicas ({len(replicas)}; errors since start)")
-    for replica, kinds in sorted(replicas.items()):
-        errors = ", ".join(f"{kind} {n:.0f}" for kind, n in sorted(kinds.items())) or "no errors"
-        lines.append(f"  {replica:<40} {errors}")
+    lines.append(f"engine replicas ({len(replicas)}; {summary['sessions_moved']} sessions moved; errors since start)")
+    for url, replica in sorted(replicas.items()):
+        errors = ", ".join(f"{kind} {n:.0f}" for kind, n in sorted(replica["errors"].items())) or "no errors"
+        routing = ""
+        if "healthy" in replica:  # the broker routes over it
+            health = "healthy" if replica["healthy"] else f"UNHEALTHY ({replica['last_error']})"
+            routing = f"{health}, {replica['sessions']} sessions; "
+        lines.append(f"  {url:<40} {routing}{errors}")
     return "\n".join(lines)
 
 

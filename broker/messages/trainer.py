@@ -86,6 +86,16 @@ class GetStats(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class SetEngines(Message):
+    """Replace the engine replicas sessions are routed to (base URLs, http:// or https://; an empty list gives
+    routing back to the workers' own --engine-url lists). Kept replicas keep their sessions; a removed one's
+    sessions move at their next turn. Answered with `EnginesSet`."""
+
+    TAG: ClassVar[str] = "set_engines"
+    urls: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class SetWeightVersion(Message):
     """The policy version the engines serve from now on (an int >= 0): every turn opened after it records it,
     and its sampled tokens carry it in their rows (`TraceRow.weight_versions`). Answered with `WeightVersionSet`."""
@@ -175,6 +185,14 @@ class SessionDropped(Message):
 class Stats(Message):
     TAG: ClassVar[str] = "stats"
     stats: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class EnginesSet(Message):
+    """The replicas now routed to, as the broker keeps them (in order, duplicates and trailing slashes folded)."""
+
+    TAG: ClassVar[str] = "engines_set"
+    urls: list[str]
 
 
 @dataclass(frozen=True, slots=True)

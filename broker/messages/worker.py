@@ -157,7 +157,8 @@ class TurnOpened(Message):
     request may extend, newest first (see `CommitTurn` flags), and `pending`: its other turns in flight,
     one of which may be the turn whose reply this request echoes (re-send the OPEN, same turn id, to ask again).
     `weight_version`: the policy version in force (`SetWeightVersion`; -1: none set), which its commit
-    records (`flags["weight_version"]`).
+    records (`flags["weight_version"]`). `replica`: the engine replica the session is routed to
+    (`broker.sessions.replicas`); "" leaves the choice to the worker.
     """
 
     TAG: ClassVar[str] = "turn_opened"
@@ -170,6 +171,7 @@ class TurnOpened(Message):
     heads: list[list[Any]] = field(default_factory=list)
     pending: int = 0
     weight_version: int = -1
+    replica: str = ""
 
 
 @dataclass(frozen=True, slots=True)

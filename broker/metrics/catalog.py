@@ -131,6 +131,13 @@ _TURNS = Metric(
 _HELD = Metric(
     "held", "gauge", "what open sessions hold in the broker: committed turns, their tokens and bytes", ("what",)
 )
+_ROUTING = Metric(
+    "engine_sessions_routed",
+    "counter",
+    "sessions given an engine replica by the broker: routed (a new session) "
+    "or moved (its replica failed or was removed)",
+    ("how",),
+)
 _WAL = Metric(
     "wal", "counter", "a durable broker's log: bytes written, syncs, snapshots written, snapshot failures", ("what",)
 )
@@ -188,6 +195,13 @@ BROKER_STATS: dict[str, tuple[Metric, tuple[str, ...]]] = {
     "protocol_errors": (_counter("protocol_errors", "undecodable frames the broker refused"), ()),
     "replies_dropped": (_counter("replies_dropped", "replies the broker could not send (peer gone or full)"), ()),
     "uptime_s": (_gauge("broker_uptime_seconds", "seconds since the broker started"), ()),
+    "weight_version": (_gauge("weight_version", "the policy version set last (set_weight_version; -1: none)"), ()),
+    "sessions_routed": (_ROUTING, ("routed",)),
+    "sessions_moved": (_ROUTING, ("moved",)),
+    "replicas_down": (
+        _counter("engine_replicas_down", "times a replica failed its health check and was taken out"),
+        (),
+    ),
     "wal_bytes_written": (_WAL, ("bytes_written",)),
     "wal_syncs": (_WAL, ("syncs",)),
     "snapshots_written": (_WAL, ("snapshots_written",)),
@@ -209,6 +223,10 @@ ROW_DECISIONS = Metric(
     "dropped",
     ("decision",),
 )
+REPLICA_HEALTHY = Metric(
+    "engine_replica_healthy", "gauge", "1 while an engine replica passes its health checks", ("replica",)
+)
+REPLICA_SESSIONS = Metric("engine_replica_sessions", "gauge", "sessions routed to each engine replica", ("replica",))
 HEARTBEAT_AGE = Metric("worker_heartbeat_age_seconds", "gauge", "seconds since each live worker's last heartbeat")
 WORKER_INFO = Metric("worker_info", "gauge", "1 per live worker, labelled with its process id", ("pid",))
 

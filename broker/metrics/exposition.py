@@ -24,6 +24,8 @@ from broker.metrics.catalog import (
     HEARTBEAT_AGE,
     PREFIX,
     REFUSALS,
+    REPLICA_HEALTHY,
+    REPLICA_SESSIONS,
     ROW_DECISIONS,
     ROWS_BUCKETS,
     ROWS_PER_EPISODE,
@@ -114,6 +116,9 @@ def render(stats: Mapping[str, Any], gateway: GatewayMetrics, heard: Mapping[str
             families.sample(metric, labels, float(value))
     for code, count in stats.get("refusals", {}).items():
         families.sample(REFUSALS, (code,), count)
+    for url, replica in stats.get("replicas", {}).items():
+        families.sample(REPLICA_HEALTHY, (url,), int(replica["healthy"]))
+        families.sample(REPLICA_SESSIONS, (url,), replica["sessions"])
     families.histogram(COMMIT_SECONDS, (), SECONDS_BUCKETS, *gateway.commit_seconds.wire())
     rows = stats.get("rows_per_episode")
     if rows is not None:

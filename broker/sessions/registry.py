@@ -175,6 +175,7 @@ class SessionRegistry:
         # was last told and drops what it caches of those sessions (`workers.WorkerLiveness.ended_since`).
         self.ended: deque[str] = deque(maxlen=ENDED_KEPT)
         self.ended_total = 0
+        self.end_listeners: list[Callable[[str], None]] = []  # told of every session's end (e.g. its replica slot)
         self._max_sessions = max_sessions
         self._max_turns_cap = max_turns_cap
         self._finished_memory = finished_memory
@@ -325,6 +326,8 @@ class SessionRegistry:
     def _remember_finished(self, sid: str, origin: FinishOrigin) -> None:
         self.ended.append(sid)
         self.ended_total += 1
+        for listener in self.end_listeners:
+            listener(sid)
         self._finished[sid] = origin
         if len(self._finished) > self._finished_memory:
             self._finished.popitem(last=False)

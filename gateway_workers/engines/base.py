@@ -146,7 +146,8 @@ class Engine(Protocol):
 
     Cancelling `generate`, or cancelling or closing a `stream` iterator before its last
     chunk, must stop the engine's work (best effort). A stream's chunks concatenate to
-    exactly what `generate` would have returned; its last chunk carries the finish reason.
+    exactly what `generate` would have returned; its last chunk carries the finish reason. `replica`, when
+    given, is the base URL to call (the broker routes sessions); else the engine picks one of its own.
     `faults` counts the calls that failed with an EngineError, by (replica url, kind); `replicas` are the
     base URLs it sends to (none for the mock).
     """
@@ -155,11 +156,11 @@ class Engine(Protocol):
     replicas: tuple[str, ...]
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult: ...
 
     def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]: ...
 
     async def aclose(self) -> None: ...
@@ -250,9 +251,9 @@ class HttpEngineBase:
             raise ValueError(f"{config.kind} engine needs at least one URL")
         self._config = config
         self._urls = self.replicas = tuple(url.rstrip("/") for url in config.urls)
-        tls = [parse_url(url).tls for url in self._urls]
-        # Built here, at worker startup, so an unusable CA file fails the start rather than each request.
-        self._tls = tls_context(config.ca_file) if any(tls) else None
+        # Built here, at worker startup, so an unusable CA file fails the start rather than each request; also
+        # without an https:// URL given, since the broker may route sessions to one (`SetEngines`).
+        self._tls = tls_context(config.ca_file)
         self._pool: HttpPool | None = None
         self.faults: Counter[tuple[str, FaultKind]] = Counter()
         self.prompt_json = PromptJson()
@@ -260,10 +261,11 @@ class HttpEngineBase:
     def forget_sessions(self, sessions: list[str]) -> None:
         self.prompt_json.forget(sessions)
 
-    def route(self, session_id: str) -> tuple[str, dict[str, str]]:
-        """(replica base url, routing headers) for a session."""
+    def route(self, session_id: str, replica: str = "") -> tuple[str, dict[str, str]]:
+        """(replica base url, routing headers) for a session: the broker's choice (`replica`), else this worker's
+        own, by rendezvous hashing over its --engine-url list."""
         key = routing_key(session_id)
-        return choose_replica(self._urls, key), routing_headers(key)
+        return replica or choose_replica(self._urls, key), routing_headers(key)
 
     def pool(self) -> HttpPool:
         if self._pool is None:

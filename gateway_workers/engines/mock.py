@@ -75,7 +75,7 @@ class MockEngine:
         self.replicas: tuple[str, ...] = ()
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
         ids = prompt_ids if isinstance(prompt_ids, array) and prompt_ids.typecode == "i" else array("i", prompt_ids)
         result = self.reply(ids, params)
@@ -85,7 +85,7 @@ class MockEngine:
         return result
 
     async def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]:
         ids = prompt_ids if isinstance(prompt_ids, array) and prompt_ids.typecode == "i" else array("i", prompt_ids)
         result = self.reply(ids, params)

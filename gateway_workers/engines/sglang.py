@@ -58,9 +58,9 @@ class SglangEngine(HttpEngineBase):
         self._aborts: set[asyncio.Task[None]] = set()
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
-        base, headers = self.route(session_id)
+        base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
         body = {
             "input_ids": self.prompt_json(session_id, prompt_ids),
@@ -83,9 +83,9 @@ class SglangEngine(HttpEngineBase):
             raise
 
     async def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]:
-        base, headers = self.route(session_id)
+        base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
         body = {
             "input_ids": self.prompt_json(session_id, prompt_ids),

@@ -46,9 +46,9 @@ class VllmEngine(HttpEngineBase):
     """A vLLM server (or a vllm-router in front of several) speaking the tokens-in/tokens-out API."""
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
-        base, headers = self.route(session_id)
+        base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
         body: dict[str, Any] = {
             "request_id": request_id,
@@ -65,9 +65,9 @@ class VllmEngine(HttpEngineBase):
             raise
 
     async def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]:
-        base, headers = self.route(session_id)
+        base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
         body: dict[str, Any] = {
             "request_id": request_id,

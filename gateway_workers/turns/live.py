@@ -75,8 +75,9 @@ class LiveTurn:
             self._first = EngineChunk([], [], "length")
             return
         self._stream = self.pipeline.engine.stream(
-            prepared.prompt_ids, prepared.params, session_id=self.session_id, request_id=self.turn_id
-        ).__aiter__()
+            prepared.prompt_ids, prepared.params, session_id=self.session_id, request_id=self.turn_id,
+            replica=prepared.replica,
+        ).__aiter__()  # fmt: skip
         try:
             with connection.cancelled_on_disconnect():
                 self._first = await self._next()

@@ -176,6 +176,7 @@ class PreparedTurn:
     t_render: float
     flags: dict[str, Any] = field(default_factory=dict)  # verdicts of the prompt, committed with the turn
     echo: EchoDigest | None = None  # a linear session's: its messages' running digest
+    replica: str = ""  # the engine replica the broker routes the session to ("": the engine's own choice)
 
 
 
@@ -290,7 +291,7 @@ class TurnPipeline:
             raise
         return PreparedTurn(
             session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0, time.perf_counter(),
-            flags, echo,
+            flags, echo, opened.replica,
         )  # fmt: skip
 
     def _note_linear(self, session_id: str) -> None:
@@ -422,8 +423,9 @@ class TurnPipeline:
             # An agent that leaves cancels the call, which makes the engine backend abort the request.
             with connection.cancelled_on_disconnect():
                 return await self.engine.generate(
-                    prepared.prompt_ids, prepared.params, session_id=session_id, request_id=turn_id
-                )
+                    prepared.prompt_ids, prepared.params, session_id=session_id, request_id=turn_id,
+                    replica=prepared.replica,
+                )  # fmt: skip
         except asyncio.CancelledError:
             if connection.took_cancel():
                 raise ApiError(499, "invalid_request", "client disconnected") from None

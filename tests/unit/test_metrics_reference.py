@@ -12,7 +12,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 def _exposed() -> dict[str, str]:
     metrics = [*catalog.WORKER_METRICS.values(), *(m for m, _ in catalog.BROKER_STATS.values())]
-    metrics += [catalog.REFUSALS, catalog.COMMIT_SECONDS, catalog.ROWS_PER_EPISODE, catalog.ROW_DECISIONS,
+    metrics += [catalog.REFUSALS, catalog.REPLICA_HEALTHY, catalog.REPLICA_SESSIONS, catalog.COMMIT_SECONDS,
+                catalog.ROWS_PER_EPISODE, catalog.ROW_DECISIONS,
                 catalog.HEARTBEAT_AGE, catalog.WORKER_INFO]  # fmt: skip
     return {catalog.PREFIX + m.name + ("_total" if m.kind == "counter" else ""): m.kind for m in metrics}
 

@@ -41,6 +41,7 @@ def test_quantile_lies_in_the_bucket_that_holds_its_rank(counts: list[int], q: f
 def _stats(uptime: float, committed: int, seconds: list[int], rows: tuple[list[int], float]) -> dict[str, Any]:
     return {
         "uptime_s": uptime, "sessions_open": 2, "turns_in_flight": 1, "rows_per_episode": list(rows),
+        "replicas": {"http://e:2": {"healthy": False, "sessions": 0, "last_error": "refused"}},
         "workers": {"w1": {"heard_s_ago": 0.5, "pid": 7, "turns_in_flight": 1, "replicas": ["http://e:1"]}},
         "gateway": {
             "counters": [["turns", ["chat", "false", "committed"], committed],
@@ -70,10 +71,12 @@ def test_rates_and_percentiles_are_over_the_interval_and_a_restart_starts_again(
     assert window["turns_per_s"]["committed"] == 10.0 and window["turns_per_s"]["refused"] == 0.0
     assert window["turn_seconds"]["p99"] <= 0.01  # only the last interval's turns
     assert window["episodes"] == 2 and window["rows_per_episode"] == 3.0
-    assert window["replicas"] == {"http://e:1": {"timeout": 2}}
+    down = {"errors": {}, "healthy": False, "sessions": 0, "last_error": "refused"}
+    assert window["replicas"] == {"http://e:1": {"errors": {"timeout": 2}}, "http://e:2": down}
 
     restarted = summarize(_stats(1.0, 150, fast, ([0] * 14, 0.0)), after, 5.0)  # uptime went back
     assert restarted["turns_per_s"]["committed"] == 150.0
 
     screen = render(window, "tcp://h:1")
     assert "10.0 committed" in screen and "w1" in screen and "pid 7" in screen and "timeout 2" in screen
+    assert "UNHEALTHY (refused)" in screen

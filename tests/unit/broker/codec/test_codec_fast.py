@@ -142,10 +142,12 @@ def test_frame_encoder_writes_the_frame_of_the_built_message():
     assert committed(request_id=7, turn_id="t-1", outcome="stored") == protocol.encode(
         protocol.TurnCommitted(7, "t-1", "stored")
     )
-    opened = protocol.TurnOpened(8, "t-2", 3, {"temperature": 0.7}, None, "linear", "fork", [["t-1", 2, "ab"]], 1, 4)
+    heads = [["t-1", 2, "ab"]]
+    opened = protocol.TurnOpened(8, "t-2", 3, {"temperature": 0.7}, None, "linear", "fork", heads, 1, 4, "http://e:1")
     frame = protocol.frame_encoder(protocol.TurnOpened)(
         request_id=8, turn_id="t-2", seq=3, sampling_defaults={"temperature": 0.7}, max_context_tokens=None,
         history_mode="linear", linear_fallback="fork", heads=[["t-1", 2, "ab"]], pending=1, weight_version=4,
+        replica="http://e:1",
     )
     assert frame == protocol.encode(opened)
     aborted = protocol.frame_encoder(protocol.TurnAborted)(request_id=9, turn_id="t-3")
