@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -210,19 +212,21 @@ def main(argv: list[str] | None = None) -> int:
     previous: dict[str, Any] | None = None
     taken = 0.0
     screen = sys.stdout.isatty() and not args.json
+    # Ctrl-C or SIGTERM ends the view between two refreshes: an interrupt inside a call would leave its socket
+    # open, and closing the client would then wait for it.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
     try:
-        while True:
+        while not stop.is_set():
             try:
                 stats, now = client.stats(), time.monotonic()
             except GatewayError as e:
-                print(
-                    f"rollout-gateway status: the broker at {args.control} did not answer: {e}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(f"rollout-gateway status: the broker at {args.control} did not answer: {e}", file=sys.stderr,
+                      flush=True)  # fmt: skip
                 if args.once:
                     return 1
-                time.sleep(args.interval)
+                stop.wait(args.interval)
                 continue
             summary = summarize(stats, previous, now - taken)
             previous, taken = stats, now
@@ -232,12 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                 print((_CLEAR if screen else "") + render(summary, args.control), flush=True)
             if args.once:
                 return 0
-            time.sleep(args.interval)
-    except KeyboardInterrupt:
+            stop.wait(args.interval)
         return 0
     finally:
         client.close()
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -79,17 +79,16 @@ class HeartbeatThread:
             sock.close(linger=0)
 
     def _beat(self) -> bytes:
-        """A heartbeat frame with the worker's metrics; without them if taking them failed (logged once): the
-        beat itself, which keeps the worker's turns alive, must go out."""
-        metrics: dict[str, Any] = {}
+        """A heartbeat frame with the worker's metrics; without them if taking or encoding them failed (logged
+        once): the beat itself, which keeps the worker's turns alive, must go out."""
         if self._snapshot is not None:
             try:
-                metrics = self._snapshot()
+                return protocol.encode(protocol.Heartbeat(0, self._worker_id, self._snapshot()))
             except Exception:
                 if not self._snapshot_failed:
                     logger.exception("this worker's metrics could not be taken; heartbeats go without them")
                     self._snapshot_failed = True
-        return protocol.encode(protocol.Heartbeat(0, self._worker_id, metrics))
+        return protocol.encode(protocol.Heartbeat(0, self._worker_id))
 
     def _answered(self, frame: bytes) -> None:
         try:

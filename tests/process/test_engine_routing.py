@@ -14,6 +14,7 @@ import os
 import signal
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -24,6 +25,9 @@ from gateway_workers.engines.routing import routing_key
 from trainer_client import launch_gateway
 
 HEALTH_INTERVAL_S = "0.3"
+LOAD_TURNS = 3
+SLOW_S = 1.0  # the killed replica's answers take this long: the kill finds them in flight
+LOAD_JOIN_S = 60.0
 
 
 def _turn(gw: Any, sid: str, k: int) -> int:
@@ -75,21 +79,32 @@ def test_sessions_stick_to_the_least_loaded_replica_fail_over_and_follow_set_eng
         replicas = gw.client.stats()["replicas"]
         assert {url: r["sessions"] for url, r in replicas.items()} == {e1.url: 0, e2.url: 0}
 
-        # failover: kill a replica under its sessions; they go on on the other one, no turn lost
+        # failover under load: the agents run on while a replica is killed with requests in flight on it; they
+        # go on on the other one, no turn lost
         sids = [gw.client.open_session() for _ in range(4)]
         billed = Counter({sid: _turn(gw, sid, 0) for sid in sids})
         on_e1 = [sid for sid in sids if _replicas_of([e1], sid)]
         assert len(on_e1) == 2
-        os.killpg(os.getpgid(e1.process.pid), signal.SIGKILL)
-        for k in (1, 2):
-            for sid in sids:
-                billed[sid] += _turn(gw, sid, k)  # the SDK's own retries ride through the failed attempts
+        for sid in on_e1:  # slow answers: the kill finds requests in flight
+            e1.configure(fault={"delay": SLOW_S, "key": routing_key(sid)})
+
+        def agent(sid: str) -> int:
+            return sum(_turn(gw, sid, k) for k in range(1, 1 + LOAD_TURNS))
+
+        before = len(e1.log()["requests"])
+        with ThreadPoolExecutor(len(sids)) as pool:
+            running = {sid: pool.submit(agent, sid) for sid in sids}
+            # both of its sessions' slow requests are in flight on it
+            assert wait_until(lambda: len(e1.log()["requests"]) >= before + len(on_e1), timeout=10)
+            os.killpg(os.getpgid(e1.process.pid), signal.SIGKILL)
+            for sid, done in running.items():
+                billed[sid] += done.result(timeout=LOAD_JOIN_S)  # the SDK's own retries ride through the failures
         stats = gw.client.stats()
         assert stats["replicas"][e1.url]["healthy"] is False and stats["sessions_moved"] >= len(on_e1)
         assert all(e2.url in _replicas_of([e2], sid) for sid in sids)
         for sid in sids:
             rows = gw.client.finish_session(sid)
-            assert sum(len(r.metadata["turn_ids"]) for r in rows) == 3  # every reply the agent got, once
+            assert sum(len(r.metadata["turn_ids"]) for r in rows) == 1 + LOAD_TURNS  # every reply the agent got, once
             assert sum(sum(r.loss_mask) for r in rows) == billed[sid]
 
         # replicas changed at run time: an added one takes new sessions (the least loaded), a removed one's

@@ -16,7 +16,7 @@ import json
 import signal
 import subprocess
 import sys
-import time
+import threading
 from collections import Counter
 from typing import Any
 
@@ -132,10 +132,12 @@ def test_one_scrape_of_any_worker_counts_the_whole_gateway() -> None:
         decisions = {d: total(samples, "rollout_gateway_row_decisions_total", decision=d)
                      for d in ("clean", "first", "branch", "realign", "rewrite", "fork")}  # fmt: skip
         assert sum(decisions.values()) == turns, decisions  # every turn placed once
-        assert total(samples, "rollout_gateway_workers") == 2
-        pids = {dict(labels)["pid"] for (name, labels) in samples if name == "rollout_gateway_worker_info"}
+        # both workers alive (a worker that uvicorn restarted under a loaded machine is heard again in a beat)
+        assert wait_until(lambda: total(scrape(root), "rollout_gateway_workers") == 2, timeout=SETTLE_S)
+        live = scrape(root)
+        pids = {dict(labels)["pid"] for (name, labels) in live if name == "rollout_gateway_worker_info"}
         assert len(pids) == 2
-        ages = [v for (name, _), v in samples.items() if name == "rollout_gateway_worker_heartbeat_age_seconds"]
+        ages = [v for (name, _), v in live.items() if name == "rollout_gateway_worker_heartbeat_age_seconds"]
         assert len(ages) == 2 and all(0 <= age < 5 for age in ages), ages
 
         # every scrape (each a new connection, so either worker answers) is the gateway's, not one worker's
@@ -183,15 +185,24 @@ def test_status_shows_the_gateway_once_as_json_and_live_on_screen() -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
+        lines: list[str] = []
+        assert view.stdout is not None
+        reader = threading.Thread(target=lambda: lines.extend(view.stdout), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        header = f"rollout-gateway at {control}"
         try:
-            time.sleep(2.0)
-            view.send_signal(signal.SIGINT)
-            out, err = view.communicate(timeout=10)
+            assert wait_until(lambda: sum(line.startswith(header) for line in lines) >= 3, timeout=SETTLE_S), lines
+            view.send_signal(signal.SIGINT)  # ends the view between two refreshes
+            view.wait(10)
+            reader.join(10)
+            err = view.stderr.read() if view.stderr is not None else ""
         finally:
             view.kill()
+            for pipe in (view.stdout, view.stderr):
+                if pipe is not None:
+                    pipe.close()
         assert view.returncode == 0, err
-        screens = out.count(f"rollout-gateway at {control}")
-        assert screens >= 3, out
+        out = "".join(lines)
         last = out.rsplit(f"rollout-gateway at {control}", 1)[1]
         assert "turns/s     0.0 committed" in last and "workers (1)" in last, last
 
