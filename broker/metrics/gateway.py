@@ -97,7 +97,8 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self._seq: dict[str, int] = {}  # by worker id: the newest snapshot's seq
-        self._pending: dict[str, Mapping[str, Any]] = {}  # snapshots not decoded yet
+        # Snapshots not decoded yet: the newest, after the one it replaced (which stands in if the newest is malformed).
+        self._pending: dict[str, list[Mapping[str, Any]]] = {}
         self._reports: dict[str, WorkerReport] = {}  # each worker's newest report that decoded, oldest first
         self._retired = WorkerReport(0, 0)  # the sums of reports folded away (`MAX_REPORTS`)
         self._malformed: set[str] = set()  # workers whose malformed snapshot was logged
@@ -111,7 +112,8 @@ class GatewayMetrics:
         if type(seq) is not int or seq <= self._seq.get(worker_id, 0):
             return
         self._seq[worker_id] = seq
-        self._pending[worker_id] = snapshot
+        pending = self._pending.get(worker_id)
+        self._pending[worker_id] = [pending[-1], snapshot] if pending else [snapshot]
         if len(self._seq) > MAX_REPORTS:
             self._retire(set(live))
 
@@ -119,16 +121,18 @@ class GatewayMetrics:
     def reports(self) -> dict[str, WorkerReport]:
         """Each worker's newest report that decoded (a malformed snapshot is logged once and leaves the
         worker's previous report in place)."""
-        for worker_id, snapshot in self._pending.items():
-            try:
-                report = decode_snapshot(snapshot)
-            except (ValueError, TypeError) as e:
-                if worker_id not in self._malformed:
-                    self._malformed.add(worker_id)
-                    logger.warning("worker %s sent malformed metrics (ignored): %s", worker_id, e)
-                continue
-            self._reports.pop(worker_id, None)
-            self._reports[worker_id] = report  # newest last
+        for worker_id, snapshots in self._pending.items():
+            for snapshot in reversed(snapshots):  # the newest that decodes
+                try:
+                    report = decode_snapshot(snapshot)
+                except (ValueError, TypeError) as e:
+                    if worker_id not in self._malformed:
+                        self._malformed.add(worker_id)
+                        logger.warning("worker %s sent malformed metrics (ignored): %s", worker_id, e)
+                    continue
+                self._reports.pop(worker_id, None)
+                self._reports[worker_id] = report  # newest last
+                break
         self._pending.clear()
         return self._reports
 
