@@ -16,6 +16,7 @@ dropped); weight_version_min / _max (over its turns); engine_weight_versions (pe
 from __future__ import annotations
 
 import logging
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -218,10 +219,12 @@ def _materialize(c: _Chain, start: str, parent: _Turn | None, decisions: dict[st
         gap = len(t.prompt) - pos  # prompt tail between the previous output and this one: context, loss 0
         mask.frombytes(bytes(gap))
         lps.frombytes(bytes(gap * lps.itemsize))
-        versions.extend((-1,) * gap)
+        # From repeated bytes, which copy in doubling blocks (an array repeats, or extends from a tuple, an item at
+        # a time); -1 is all ones.
+        versions.frombytes(b"\xff" * (gap * versions.itemsize))
         mask.frombytes(b"\x01" * t.keep)
         lps.extend(t.logprobs[: t.keep])
-        versions.extend((version,) * t.keep)
+        versions.frombytes(version.to_bytes(versions.itemsize, sys.byteorder, signed=True) * t.keep)
         pos = len(t.prompt) + t.keep
     metadata = {
         "truncated": not c.open,
