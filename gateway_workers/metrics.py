@@ -53,9 +53,9 @@ class WorkerMetrics:
     def snapshot(self, parts: Callable[[], tuple[list[list[Any]], list[list[Any]]]] | None = None) -> dict[str, Any]:
         """Everything counted so far, plus `parts()`: what the worker's parts count themselves (counter rows)
         and hold now (gauge rows), in the wire's shape."""
-        more_counters, gauges = parts() if parts is not None else ([], [])
         # One at a time: a later seq never carries older counts, so the broker can drop what arrives late.
         with self._snapshot_lock:
+            more_counters, gauges = parts() if parts is not None else ([], [])
             seq = next(self._seq)
             counts, histograms = dict(self.counts), dict(self.histograms)
             bucketed = [[name, list(labels), list(h[:-1]), h[-1]] for (name, labels), h in histograms.items()]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import threading
 from typing import Any
 from unittest import mock
 
@@ -49,28 +47,6 @@ def test_a_histogram_counts_each_value_in_the_first_bucket_at_or_above_it(values
     bounds = (*SECONDS_BUCKETS, float("inf"))
     expected = [sum(1 for v in values if (i == 0 or v > bounds[i - 1]) and v <= bounds[i]) for i in range(len(bounds))]
     assert counts == expected and total == pytest.approx(sum(values))
-
-
-def test_snapshots_taken_on_another_thread_while_counting_always_decode() -> None:
-    m = WorkerMetrics()
-    stop, seen, errors = threading.Event(), [], []
-
-    def take() -> None:
-        while not stop.is_set():
-            try:
-                seen.append(decode_snapshot(m.snapshot()))
-            except Exception as e:  # reported below
-                errors.append(e)
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    for k in range(20_000):
-        m.count("http_errors", ("chat", str(k % 500)))
-        m.observe("turn_duration_seconds", (str(k % 50),), 0.001)
-    stop.set()
-    thread.join()
-    assert not errors and seen
-    assert [r.seq for r in seen] == sorted(r.seq for r in seen) and seen[0].pid == os.getpid()
 
 
 def test_totals_take_each_workers_newest_snapshot_once_and_ignore_late_ones() -> None:
