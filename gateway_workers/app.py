@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypedDict
 
 import orjson
@@ -36,6 +37,7 @@ from gateway_workers.capture.commit_bases import CommitBases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
 from gateway_workers.formats import PLAIN_TEXT, ResponseParser, detect_parser
+from gateway_workers.http.bodies import BodyDecoder, DecodedBody, decode_whole
 from gateway_workers.http.connection import AgentConnection, session_key
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session
@@ -61,6 +63,8 @@ class WorkerState(TypedDict):
     pipeline: TurnPipeline
     config: WorkerConfig
     metrics: WorkerMetrics
+    bodies: BodyDecoder
+    snapshot: Callable[[], dict[str, Any]]  # this worker's metrics, its parts' counts included
 
 
 class ReplySource(Protocol):
@@ -176,14 +180,15 @@ def _error(adapter: Adapter[Any], error: ApiError, metrics: WorkerMetrics, label
                     headers=headers)
 
 
-def _json(raw: bytes, limits: RequestLimits) -> Any:
+def _json(decode: Callable[[bytes], DecodedBody], raw: bytes, limits: RequestLimits) -> DecodedBody:
     try:
-        body = orjson.loads(raw)
+        decoded = decode(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, "invalid_request", f"the body is not valid JSON: {e}") from None
-    if len(raw) > limits.max_string_chars:  # only such a body can hold a string over the limit
-        check_strings(body, limits)
-    return body
+    if decoded.fresh_bytes > limits.max_string_chars:  # only so much text can hold a string over the limit
+        for value, place in decoded.fresh:
+            check_strings(value, limits, place)
+    return decoded
 
 
 def _key(headers: Headers) -> str:
@@ -223,14 +228,16 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, dialect: str, a
         request_headers = Headers(scope=scope)
         sid = _key(request_headers)
         body = await read_body(request_headers.get("content-length"), receive, limits)
-        parsed = adapter.parse_request(_json(body, limits), limits)
+        decode = functools.partial(state["bodies"].decode, sid, scope["path"], adapter.HISTORY_FIELD)
+        decoded = _json(decode, body, limits)
+        parsed = adapter.parse_request(decoded.value, limits)
         labels.stream = "true" if parsed.stream else "false"
         parsed = await adapter.load_history(parsed, sid, pipeline)
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
         return await _error(adapter, e, metrics, labels)(scope, receive, send)
     key = retry_key(scope["path"], request_headers.get(IDEMPOTENCY_HEADER), request_headers.get(RETRY_COUNT_HEADER),
-                    body)
+                    len(body), decoded.crc32)
     connection = AgentConnection(receive)
     model = state["config"].model_name
     turn: CapturedTurn | None = None
@@ -306,7 +313,7 @@ async def count_tokens(request: Request) -> Response:
         check_headers(request.scope["headers"], limits)
         sid = _key(request.headers)
         body = await read_body(request.headers.get("content-length"), request.receive, limits)
-        parsed = anthropic_messages.parse_request(_json(body, limits), limits, counting=True)
+        parsed = anthropic_messages.parse_request(_json(decode_whole, body, limits).value, limits, counting=True)
         await state.pipeline.check_session(sid)
         count = await state.pipeline.count_tokens(parsed.turn)
     except ApiError as e:
@@ -330,7 +337,7 @@ async def metrics(request: Request) -> Response:
     """The whole gateway's metrics (Prometheus text), from the broker, which sums every worker's; this
     worker's counts are sent along, so they are current, the others' are as of their last heartbeat."""
     pipeline: TurnPipeline = request.state.pipeline
-    snapshot = request.state.metrics.snapshot(pipeline.metric_rows)
+    snapshot = request.state.snapshot()
     try:
         text = await pipeline.backplane.metrics_text(snapshot, METRICS_TIMEOUT_S)
     except BrokerUnavailable:
@@ -341,8 +348,7 @@ async def metrics(request: Request) -> Response:
 
 async def worker_metrics(request: Request) -> Response:
     """This worker's own snapshot (what its heartbeats carry), as JSON: for looking at one process."""
-    pipeline: TurnPipeline = request.state.pipeline
-    return JSONResponse(request.state.metrics.snapshot(pipeline.metric_rows))
+    return JSONResponse(request.state.snapshot())
 
 
 def create_app(config: WorkerConfig) -> GatewayApp:
@@ -360,11 +366,22 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         backplane.ended_listeners.append(renderer.forget_sessions)
         pipeline = TurnPipeline(backplane, renderer, parser, engine, config.default_max_tokens,
                                 config.max_context_tokens)
-        backplane.ended_listeners += [pipeline.history.forget_sessions, engine.forget_sessions]
-        backplane.start(lambda: metrics.snapshot(pipeline.metric_rows))
+        bodies = BodyDecoder()
+        backplane.ended_listeners += [pipeline.history.forget_sessions, engine.forget_sessions, bodies.forget]
+
+        def parts() -> tuple[list[list[Any]], list[list[Any]]]:
+            counters, gauges = pipeline.metric_rows()
+            counters += [["request_bodies", [how], n] for how, n in bodies.counts.items()]
+            return counters, [*gauges, ["worker_sessions_held", ["request_bodies"], len(bodies)]]
+
+        def snapshot() -> dict[str, Any]:
+            return metrics.snapshot(parts)
+
+        backplane.start(snapshot)
         logger.info("worker %d ready: broker %s, engine %s", os.getpid(), config.broker_endpoint, config.engine.kind)
         try:
-            yield {"pipeline": pipeline, "config": config, "metrics": metrics}
+            yield {"pipeline": pipeline, "config": config, "metrics": metrics, "bodies": bodies,
+                   "snapshot": snapshot}
         finally:
             renderer.thread.shutdown(wait=False, cancel_futures=True)
             await backplane.drain(config.commit_drain_s)

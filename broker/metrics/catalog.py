@@ -85,6 +85,13 @@ WORKER_METRICS = _catalog(
         ("event",),
     ),
     Metric("render_cache", "counter", "lookups in the workers' cache of rendered message pieces", ("result",)),
+    Metric(
+        "request_bodies",
+        "counter",
+        "agent request bodies by how they were decoded: extended (only what they added to the "
+        "session's previous body was decoded), repeated (the same body again: a retry), whole",
+        ("decoded",),
+    ),
     Metric("twin_uses", "counter", "calls served by a fast twin of a library function", ("twin", "name")),
     Metric("twin_checks", "counter", "twin results checked against the library's", ("twin", "name")),
     Metric(

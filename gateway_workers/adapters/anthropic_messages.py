@@ -46,6 +46,7 @@ from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
 # Accepted and without effect on a token-in/token-out turn (thinking is the chat template's business).
+HISTORY_FIELD = "messages"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _IGNORED = {"model", "metadata", "service_tier", "thinking", "context_management", "output_config"}
 _HANDLED = {
     "messages",

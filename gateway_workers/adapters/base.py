@@ -34,6 +34,10 @@ RequestT = TypeVar("RequestT", bound=ParsedRequest)
 class Adapter(Protocol[RequestT]):
     """One wire dialect, as `app.serve_turn` drives it."""
 
+    # The body's field that holds the conversation: an array an agent's next request extends at its end
+    # (`http.bodies` decodes only what it adds).
+    HISTORY_FIELD: str
+
     def parse_request(self, body: Any, limits: RequestLimits = ..., /) -> RequestT:
         """The validated request within `limits`, or an ApiError (400) naming the field."""
         ...

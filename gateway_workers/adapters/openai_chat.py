@@ -33,6 +33,7 @@ from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
 # Accepted and without effect on a token-in/token-out turn.
+HISTORY_FIELD = "messages"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 _HANDLED = {
     "messages",

@@ -43,6 +43,7 @@ from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_cou
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnRequest, tool_call_id
 
+HISTORY_FIELD = "input"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _IGNORED = {
     "model",
     "metadata",

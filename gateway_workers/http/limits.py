@@ -109,13 +109,14 @@ def check_string(text: str, limits: RequestLimits, param: str) -> None:
                        f"{limits.max_string_chars} are accepted", code="string_above_max_length", param=param)
 
 
-def check_strings(value: Any, limits: RequestLimits) -> None:
-    """Every string in a decoded body within `max_string_chars` (a walk of the whole body); the error names it.
+def check_strings(value: Any, limits: RequestLimits, path: str = "") -> None:
+    """Every string in a decoded body (or in its part at `path`) within `max_string_chars` (a walk of all of
+    it); the error names it.
 
     Only bodies longer than `max_string_chars` bytes need it: a JSON string takes at least a byte
     per character, so a shorter body cannot hold a longer string (`app` checks that first).
     """
-    stack: list[tuple[Any, str]] = [(value, "")]
+    stack: list[tuple[Any, str]] = [(value, path)]
     most = limits.max_string_chars
     while stack:
         node, path = stack.pop()

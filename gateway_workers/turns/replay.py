@@ -37,8 +37,13 @@ class RetryKey:
     retry: bool
 
 
-def retry_key(path: str, idempotency_key: str | None, retry_count: str | None, body: bytes) -> RetryKey | None:
-    """The key of a request that carries a retry signal; None for one that carries neither header."""
+def retry_key(path: str, idempotency_key: str | None, retry_count: str | None, body_bytes: int,
+              body_crc32: int) -> RetryKey | None:
+    """The key of a request that carries a retry signal; None for one that carries neither header.
+
+    `body_crc32`: zlib.crc32 of the body's `body_bytes` bytes, seeded with nothing, so that a session's next
+    body can continue it from the part it shares with this one (`http.bodies`); the route and key follow it.
+    """
     if idempotency_key is None and retry_count is None:
         return None
     # CRC-32 and the lengths, not a cryptographic hash: every SDK request pays this over its whole body, and
@@ -46,8 +51,8 @@ def retry_key(path: str, idempotency_key: str | None, retry_count: str | None, b
     # both are among the recent requests the broker keeps for one session, their parts have exactly the
     # same lengths and they share the CRC; then one is replayed to the very agent that sent both.
     key = (idempotency_key or "").encode("utf-8", "surrogateescape")
-    crc = zlib.crc32(body, zlib.crc32(key, zlib.crc32(path.encode())))
-    digest = f"{len(path)}.{len(key)}.{len(body)}.{crc:08x}"
+    crc = zlib.crc32(key, zlib.crc32(path.encode(), body_crc32))
+    digest = f"{len(path)}.{len(key)}.{body_bytes}.{crc:08x}"
     again = idempotency_key is not None or (retry_count or "0").strip() not in ("", "0")
     return RetryKey(digest, again)
 

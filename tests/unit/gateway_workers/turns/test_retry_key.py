@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from gateway_workers.turns.replay import retry_key
+import zlib
+
+from gateway_workers.turns import replay
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+
+
+def retry_key(path: str, idempotency_key: str | None, retry_count: str | None, body: bytes) -> replay.RetryKey | None:
+    return replay.retry_key(path, idempotency_key, retry_count, len(body), zlib.crc32(body))
 
 
 def test_a_request_without_either_header_has_no_key():
