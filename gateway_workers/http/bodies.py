@@ -137,12 +137,9 @@ def _extend(last: _Last, field: str, raw: bytes) -> tuple[_Last, DecodedBody] | 
             or not raw.endswith(memoryview(before)[end:])):
         return None
     inserted = memoryview(raw)[end + 1 : stop]
-    try:
-        added = orjson.loads(b"".join((b"[", inserted, b"]")))
-    except orjson.JSONDecodeError:
+    added = _elements(inserted)
+    if added is None:
         return None  # decoded whole, which names the error
-    if not added:
-        return None  # only whitespace after the comma: not JSON, and the whole decode says so
     history = last.value[field]
     value = {**last.value, field: [*history, *added]}
     end_crc = zlib.crc32(memoryview(raw)[end:stop], last.end_crc32)  # the comma and the inserted elements
@@ -165,13 +162,20 @@ def _end_learnt(last: _Last, field: str, raw: bytes, value: Any) -> int | None:
     stop = len(raw) - len(after)
     if stop <= at + 1 or not raw.endswith(after):
         return None
-    try:
-        added = orjson.loads(b"".join((b"[", memoryview(raw)[at + 1 : stop], b"]")))
-    except orjson.JSONDecodeError:
-        return None
-    if not added or value != {**last.value, field: [*before, *added]}:
+    added = _elements(memoryview(raw)[at + 1 : stop])
+    if added is None or value != {**last.value, field: [*before, *added]}:
         return None
     return stop
+
+
+def _elements(text: memoryview) -> list[Any] | None:
+    """The JSON values `text` lists, comma-separated; None unless it is one or more of them (a comma followed by
+    only whitespace is no JSON either)."""
+    try:
+        values = orjson.loads(b"".join((b"[", text, b"]")))
+    except orjson.JSONDecodeError:
+        return None
+    return values or None
 
 
 def _shared_prefix(a: bytes, b: bytes) -> int:
