@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from broker import protocol
 from broker.message_keys import EchoDigest, canonical_json, echo_digests, message_key
 from gateway_workers.capture.backplane import Backplane, TurnRefused
@@ -267,11 +269,19 @@ def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
 
 
 def _same_message(a: Any, b: Any) -> bool:
-    """Equal text messages have equal keys, and compare at C speed; anything else is keyed: equal dicts need
-    not have equal keys where values of other types compare equal (1 == 1.0 == True in tool-call arguments,
-    which the keys write as JSON)."""
-    if type(a) is dict and a == b and not a.get("tool_calls") and type(a.get("content")) in (str, type(None)):
-        return True
+    """Equal text messages have equal keys, and compare at C speed. Equal dicts with tool calls need not have
+    equal keys where values of other types compare equal (1 == 1.0 == True in tool-call arguments, which the
+    keys write as JSON), so theirs must also write the same JSON, which tells those types apart, in orjson's
+    time rather than the keys' (the one value orjson writes as another, NaN as null, never compares equal
+    to it). Anything else is keyed."""
+    if type(a) is dict and a == b:
+        if not a.get("tool_calls") and type(a.get("content")) in (str, type(None)):
+            return True
+        try:
+            if orjson.dumps(a, option=orjson.OPT_SORT_KEYS) == orjson.dumps(b, option=orjson.OPT_SORT_KEYS):
+                return True
+        except orjson.JSONEncodeError:  # keys that are not strings, integers past 64 bits: keyed
+            pass
     return message_key(a) == message_key(b)
 
 

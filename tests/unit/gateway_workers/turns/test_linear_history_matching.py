@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from broker.message_keys import EchoDigest
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker.message_keys import EchoDigest, message_key
 from gateway_workers.capture.commit_bases import CommitBase
-from gateway_workers.turns.history import _extended_head, _local_head, echo_flag, render_context
+from gateway_workers.turns.history import _extended_head, _local_head, _same_message, echo_flag, render_context
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
 ASKED = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find news."}]
@@ -102,6 +107,24 @@ def test_equal_dicts_with_other_json_are_keyed_not_taken_as_echoes():
     heads = [_head("t0", ASKED, reply)]
     assert _local_head(base, ("t0", context), heads, request, context) is None
     assert _extended_head(heads, request, context)[0] is None
+
+
+_scalar = st.sampled_from([0, 1, 1.0, True, False, None, math.nan, math.inf, "1", "", 2**70])
+_args = st.dictionaries(st.sampled_from(["a", "b", "c"]), st.one_of(_scalar, st.lists(_scalar, max_size=2)), max_size=3)
+
+
+@given(_args, _args, st.booleans(), st.sampled_from(["", " x ", None]))
+def test_same_message_is_the_keys_verdict_however_it_gets_there(first, second, reorder, content):
+    """The orjson shortcut for equal tool-call dicts says yes only where the keys would (1, 1.0 and True apart;
+    NaN against null; integers orjson cannot write)."""
+    def call(arguments):
+        if reorder:
+            arguments = dict(reversed(list(arguments.items())))
+        return {"role": "assistant", "content": content, "tool_calls": [{"name": "f", "arguments": arguments}]}
+
+    a = {"role": "assistant", "content": content, "tool_calls": [{"name": "f", "arguments": first}]}
+    for b in (call(first), call(second)):
+        assert _same_message(a, b) == (message_key(a) == message_key(b))
 
 
 def test_a_tie_between_heads_goes_to_the_fingerprints():
