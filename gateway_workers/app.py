@@ -180,15 +180,17 @@ def _error(adapter: Adapter[Any], error: ApiError, metrics: WorkerMetrics, label
                     headers=headers)
 
 
-def _json(decode: Callable[[bytes], DecodedBody], raw: bytes, limits: RequestLimits) -> DecodedBody:
+def _json(decode: Callable[[bytes, Callable[[DecodedBody], None]], DecodedBody], raw: bytes,
+          limits: RequestLimits) -> DecodedBody:
+    def check(decoded: DecodedBody) -> None:
+        if decoded.fresh_bytes > limits.max_string_chars:  # only so much text can hold a string over the limit
+            for value, place in decoded.fresh:
+                check_strings(value, limits, place)
+
     try:
-        decoded = decode(raw)
+        return decode(raw, check)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, "invalid_request", f"the body is not valid JSON: {e}") from None
-    if decoded.fresh_bytes > limits.max_string_chars:  # only so much text can hold a string over the limit
-        for value, place in decoded.fresh:
-            check_strings(value, limits, place)
-    return decoded
 
 
 def _key(headers: Headers) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,10 @@ class _Last:
     end_crc32: int = 0
 
 
+def _nothing(decoded: DecodedBody) -> None:
+    """A check that accepts every body."""
+
+
 class BodyDecoder:
     """Each recent session's last request body and its decode, so the next one decodes only what it adds.
 
@@ -78,31 +83,35 @@ class BodyDecoder:
     def __len__(self) -> int:
         return len(self._last)
 
-    def decode(self, session_id: str, path: str, field: str, raw: bytes) -> DecodedBody:
+    def decode(self, session_id: str, path: str, field: str, raw: bytes,
+               check: Callable[[DecodedBody], None] = _nothing) -> DecodedBody:
         """`raw` (a request to `path` whose conversation is `field`) decoded; orjson.JSONDecodeError if it is
-        not JSON."""
+        not JSON. `check` sees what was decoded now and may raise: a body it refuses is not kept, so no later
+        body shares a part that was never checked."""
         last = self._drop(session_id)
-        if last is not None and last.path == path and raw == last.raw:  # a retry: the same request again
+        if last is not None and last.path != path:
+            last = None  # another route's body: nothing to share
+        if last is not None and raw == last.raw:  # a retry: the same request again
             self.counts["repeated"] += 1
             self._keep(session_id, last)
             return DecodedBody(last.value, last.crc32, (), 0)
-        if last is not None and last.path == path and last.end is not None:
-            extended = _extend(last, field, raw)
-            if extended is not None:
-                self.counts["extended"] += 1
-                entry, decoded = extended
-                self._keep(session_id, entry)
-                return decoded
-        value = orjson.loads(raw)
-        self.counts["whole"] += 1
-        end = _end_learnt(last, field, raw, value) if last is not None and last.path == path else None
-        if end is None:
-            entry = _Last(path, raw, value, zlib.crc32(raw))
+        extended = _extend(last, field, raw) if last is not None and last.end is not None else None
+        if extended is not None:
+            self.counts["extended"] += 1
+            entry, decoded = extended
         else:
-            end_crc = zlib.crc32(memoryview(raw)[:end])
-            entry = _Last(path, raw, value, zlib.crc32(memoryview(raw)[end:], end_crc), end, end_crc)
+            value = orjson.loads(raw)
+            self.counts["whole"] += 1
+            end = _end_learnt(last, field, raw, value) if last is not None else None
+            if end is None:
+                entry = _Last(path, raw, value, zlib.crc32(raw))
+            else:
+                end_crc = zlib.crc32(memoryview(raw)[:end])
+                entry = _Last(path, raw, value, zlib.crc32(memoryview(raw)[end:], end_crc), end, end_crc)
+            decoded = DecodedBody(value, entry.crc32, ((value, ""),), len(raw))
+        check(decoded)
         self._keep(session_id, entry)
-        return DecodedBody(value, entry.crc32, ((value, ""),), len(raw))
+        return decoded
 
     def forget(self, sessions: list[str]) -> None:
         for session in sessions:
@@ -121,10 +130,12 @@ class BodyDecoder:
         return last
 
 
-def decode_whole(raw: bytes) -> DecodedBody:
-    """`raw` decoded whole, kept nowhere (a request that is no turn of a conversation)."""
+def decode_whole(raw: bytes, check: Callable[[DecodedBody], None] = _nothing) -> DecodedBody:
+    """`raw` decoded whole and checked, kept nowhere (a request that is no turn of a conversation)."""
     value = orjson.loads(raw)
-    return DecodedBody(value, zlib.crc32(raw), ((value, ""),), len(raw))
+    decoded = DecodedBody(value, zlib.crc32(raw), ((value, ""),), len(raw))
+    check(decoded)
+    return decoded
 
 
 def _extend(last: _Last, field: str, raw: bytes) -> tuple[_Last, DecodedBody] | None:
@@ -163,7 +174,10 @@ def _end_learnt(last: _Last, field: str, raw: bytes, value: Any) -> int | None:
     if stop <= at + 1 or not raw.endswith(after):
         return None
     added = _elements(memoryview(raw)[at + 1 : stop])
-    if added is None or value != {**last.value, field: [*before, *added]}:
+    try:
+        if added is None or value != {**last.value, field: [*before, *added]}:
+            return None
+    except RecursionError:  # values nested deeper than the interpreter compares (orjson decodes 1024 levels)
         return None
     return stop
 
@@ -171,8 +185,8 @@ def _end_learnt(last: _Last, field: str, raw: bytes, value: Any) -> int | None:
 def _elements(text: memoryview) -> list[Any] | None:
     """The JSON values `text` lists, comma-separated; None unless it is one or more of them (a comma followed by
     only whitespace is no JSON either)."""
-    try:
-        values = orjson.loads(b"".join((b"[", text, b"]")))
+    try:  # at the depth they have in the body (a top-level field's array), so orjson's nesting limit is the same
+        values = orjson.loads(b"".join((b'{"":[', text, b"]}")))[""]
     except orjson.JSONDecodeError:
         return None
     return values or None

@@ -178,6 +178,24 @@ def test_shape_limits_are_400s_that_name_the_field(gateway, name):
     assert gateway.client.finish_session(sid, wait_timeout=1.0) == []
 
 
+def test_a_refused_string_stays_refused_in_the_requests_that_extend_its_body(gateway):
+    """Workers decode a body by what it adds to the session's previous one; a body refused for a long string
+    is not one a later body may share unchecked. One connection, so every attempt reaches one worker."""
+    sid = gateway.client.open_session()
+    history = [*USER, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "go on"}]
+    with _chat(gateway, sid) as client:
+        for n in (1, 3):  # the worker learns where the history ends in this session's bodies
+            client.chat.completions.create(model="m", max_tokens=8, messages=history[:n])
+        long = [*history, {"role": "assistant", "content": "x" * 100_001}]
+        for messages in (long, [*long, {"role": "user", "content": "and?"}]):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model="m", max_tokens=8, messages=messages)
+            assert info.value.body["code"] == "string_above_max_length"
+            assert info.value.body["param"] == "messages.[3].content"
+    records = gateway.client.finish_session(sid, wait_timeout=5.0)
+    assert len({turn for record in records for turn in record.metadata["turn_ids"]}) == 2  # the refused: none
+
+
 def test_anthropic_limits_use_its_own_error_shape(gateway):
     sid = gateway.client.open_session()
     client = anthropic.Anthropic(base_url=gateway.base_url.removesuffix("/v1"), api_key=sid, max_retries=2)

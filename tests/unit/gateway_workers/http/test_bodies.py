@@ -4,6 +4,7 @@ its second are decoded by extension."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import zlib
 from typing import Any
@@ -106,6 +107,65 @@ def test_an_inserted_part_that_is_not_json_is_refused_by_the_whole_decode() -> N
         with pytest.raises(orjson.JSONDecodeError):
             decoder.decode("s", CHAT, "messages", bad)
     _exact(decoder, _body([_message(i) for i in range(4)]))  # and the session goes on
+
+
+def test_a_body_its_check_refuses_is_not_kept_so_nothing_unchecked_is_shared_later() -> None:
+    decoder, seen = BodyDecoder(), []
+
+    def check(decoded: Any) -> None:
+        seen.append([place for _, place in decoded.fresh])
+        if "refuse me" in json.dumps(decoded.value):
+            raise ValueError("refused")
+
+    bodies = [_body([_message(i) for i in range(n)]) for n in (1, 2, 3)]
+    for raw in bodies:
+        decoder.decode("s", CHAT, "messages", raw, check)
+    bad = [*[_message(i) for i in range(3)], _message(3, "refuse me")]
+    with pytest.raises(ValueError):
+        decoder.decode("s", CHAT, "messages", _body(bad), check)
+    assert seen[-1] == ["messages.[3]"]  # an extension: only what it added was checked, and refused
+    with pytest.raises(ValueError):  # the next body extends the refused one: decoded and checked whole
+        decoder.decode("s", CHAT, "messages", _body([*bad, _message(4)]), check)
+    assert seen[-1] == [""]
+
+
+def test_elements_are_decoded_at_their_depth_in_the_body_and_deep_ones_compared_safely() -> None:
+    """Around orjson's nesting limit (1024) an extension decodes, or refuses, as the whole body does; values
+    nested deeper than the interpreter's recursion limit are compared without a RecursionError."""
+    deep = {"role": "user", "content": "X"}
+    learnt_from_deep = [[_message(0)], [_message(0), deep], [_message(0), deep, _message(2)]]
+    deep_extension = [[_message(0)], [_message(0), _message(1)], [_message(0), _message(1), deep]]
+    for depth, bodies in itertools.product((990, 1020, 1021, 1022, 1023), (learnt_from_deep, deep_extension)):
+        decoder = BodyDecoder()
+        for messages in bodies:
+            raw = _body(messages).replace(b'"X"', b"[" * depth + b"]" * depth)
+            try:
+                expected = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                with pytest.raises(orjson.JSONDecodeError):
+                    decoder.decode("s", CHAT, "messages", raw)
+                continue
+            assert _same(decoder.decode("s", CHAT, "messages", raw).value, expected)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality of decoded JSON, types included, without recursion (the values above nest past its limit)."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if type(x) is not type(y):
+            return False
+        if type(x) is list:
+            if len(x) != len(y):
+                return False
+            stack.extend(zip(x, y))
+        elif type(x) is dict:
+            if list(x) != list(y):
+                return False
+            stack.extend((x[k], y[k]) for k in x)
+        elif x != y:
+            return False
+    return True
 
 
 def test_sessions_paths_and_fields_are_kept_apart_and_forgotten() -> None:
