@@ -14,8 +14,9 @@ one's (shared, never mutated: the adapters build their own messages), and its CR
 shared beginning's. Any other body is decoded whole, exactly as without this.
 
 Why the splice is the whole body's decode: a JSON parser reads the shared beginning as it read it before,
-which leaves it inside the history array just after an element; a comma and a valid sequence of elements
-(the inserted text parsed as an array on its own proves it is one) leave it in that same place; and from
+which leaves it inside the history array just after an element; a comma and a sequence of whole elements
+(the inserted text parsed as the only element of an array of its own proves it is one: `_elements`) leave
+it in that same place; and from
 there the rest is what followed before, so it is read as it was. Which bracket closes the array is never
 searched for in the text (a `]` inside a string would fool a search): it is learnt from two bodies decoded
 whole, the second the first with elements inserted at the first's place where the two diverge from `]` to
@@ -33,11 +34,12 @@ from typing import Any
 
 import orjson
 
-# Each worker keeps the last body of this many recent sessions, its decode counted as large as its text.
+# Each worker keeps the last body of this many recent sessions, with its decode (counted by `_cost`).
 BODY_SESSIONS = 4096
 BODY_BYTES = 128 * 1024 * 1024
 _BLOCK = 1 << 16  # the prefix shared by two bodies is found a block at a time, then bisected
 _COMMA, _CLOSE = ord(","), ord("]")
+_NODE_BYTES = 96  # per value in a decode, past its text (tracemalloc of short-message and tool-call bodies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class _Last:
     # until known (a body decoded whole, with no earlier one it extends).
     end: int | None = None
     end_crc32: int = 0
+    cost: int = 0  # `_cost` of the body
 
 
 def _nothing(decoded: DecodedBody) -> None:
@@ -104,10 +107,11 @@ class BodyDecoder:
             self.counts["whole"] += 1
             end = _end_learnt(last, field, raw, value) if last is not None else None
             if end is None:
-                entry = _Last(path, raw, value, zlib.crc32(raw))
+                entry = _Last(path, raw, value, zlib.crc32(raw), cost=_cost(raw))
             else:
                 end_crc = zlib.crc32(memoryview(raw)[:end])
-                entry = _Last(path, raw, value, zlib.crc32(memoryview(raw)[end:], end_crc), end, end_crc)
+                crc = zlib.crc32(memoryview(raw)[end:], end_crc)
+                entry = _Last(path, raw, value, crc, end, end_crc, _cost(raw))
             decoded = DecodedBody(value, entry.crc32, ((value, ""),), len(raw))
         check(decoded)
         self._keep(session_id, entry)
@@ -119,14 +123,14 @@ class BodyDecoder:
 
     def _keep(self, session_id: str, entry: _Last) -> None:
         self._last[session_id] = entry
-        self._bytes += 2 * len(entry.raw)
+        self._bytes += entry.cost
         while self._last and (len(self._last) > self.max_sessions or self._bytes > self.max_bytes):
             self._drop(next(iter(self._last)))
 
     def _drop(self, session_id: str) -> _Last | None:
         last = self._last.pop(session_id, None)
         if last is not None:
-            self._bytes -= 2 * len(last.raw)
+            self._bytes -= last.cost
         return last
 
 
@@ -156,7 +160,8 @@ def _extend(last: _Last, field: str, raw: bytes) -> tuple[_Last, DecodedBody] | 
     end_crc = zlib.crc32(memoryview(raw)[end:stop], last.end_crc32)  # the comma and the inserted elements
     crc = zlib.crc32(memoryview(raw)[stop:], end_crc)
     fresh = tuple((item, f"{field}.[{i}]") for i, item in enumerate(added, len(history)))
-    return _Last(last.path, raw, value, crc, stop, end_crc), DecodedBody(value, crc, fresh, len(inserted))
+    entry = _Last(last.path, raw, value, crc, stop, end_crc, last.cost + _cost(raw, end, stop))
+    return entry, DecodedBody(value, crc, fresh, len(inserted))
 
 
 def _end_learnt(last: _Last, field: str, raw: bytes, value: Any) -> int | None:
@@ -183,13 +188,26 @@ def _end_learnt(last: _Last, field: str, raw: bytes, value: Any) -> int | None:
 
 
 def _elements(text: memoryview) -> list[Any] | None:
-    """The JSON values `text` lists, comma-separated; None unless it is one or more of them (a comma followed by
-    only whitespace is no JSON either)."""
-    try:  # at the depth they have in the body (a top-level field's array), so orjson's nesting limit is the same
-        values = orjson.loads(b"".join((b'{"":[', text, b"]}")))[""]
+    """The JSON values `text` lists, comma-separated; None unless it is one or more whole values and nothing
+    else (a comma followed by only whitespace is no JSON either).
+
+    `text` is decoded as the one element of a top-level array: nothing may follow a JSON text's top-level
+    value, so a text that closes a bracket it did not open (`1],"messages":[2`) cannot keep the outer array
+    to one element, and is refused. Its values sit two levels deep, as in the body (a top-level field's
+    array), so orjson's nesting limit is the same."""
+    try:
+        outer = orjson.loads(b"".join((b"[[", text, b"]]")))
     except orjson.JSONDecodeError:
         return None
-    return values or None
+    return outer[0] or None if len(outer) == 1 else None
+
+
+def _cost(raw: bytes, start: int = 0, stop: int | None = None) -> int:
+    """What keeping `raw[start:stop]` and its decode holds, about: the text twice (a decode of long strings is
+    their size again), plus each container and value's objects, which make a body of short messages several
+    times its size."""
+    stop = len(raw) if stop is None else stop
+    return 2 * (stop - start) + _NODE_BYTES * (raw.count(b",", start, stop) + raw.count(b"{", start, stop))
 
 
 def _shared_prefix(a: bytes, b: bytes) -> int:

@@ -80,6 +80,29 @@ def test_bodies_that_do_not_extend_are_decoded_whole_and_exactly(following: byte
     _exact(decoder, following)
 
 
+@pytest.mark.parametrize(
+    "inserted",
+    [
+        b'3],"messages":[{"role":"user","content":"evil"}',  # closes the history, opens a duplicate of it
+        b'3],"max_tokens":500,"x":[4',  # closes it and sets other fields
+        b'3]}, {"a":[4',  # closes the body itself
+    ],
+)
+def test_inserted_text_that_closes_the_history_is_decoded_whole(inserted: bytes) -> None:
+    decoder = BodyDecoder()
+    for raw in (b'{"messages":[1],"max_tokens":5}', b'{"messages":[1,2],"max_tokens":5}'):
+        _exact(decoder, raw)
+    raw = b'{"messages":[1,2,' + inserted + b'],"max_tokens":5}'
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        with pytest.raises(orjson.JSONDecodeError):
+            decoder.decode("s", CHAT, "messages", raw)
+    else:
+        _exact(decoder, raw)
+    assert decoder.counts["extended"] == 0
+
+
 def test_a_grown_array_inside_the_last_message_is_not_taken_for_the_history() -> None:
     decoder = BodyDecoder()
     last = {"role": "user", "content": [{"type": "text", "text": "a"}]}
@@ -187,9 +210,20 @@ def test_the_cache_is_bounded_by_sessions_and_bytes() -> None:
     for s in range(5):
         _exact(decoder, _body([_message(0)]), session=str(s))
     assert len(decoder) == 3
-    _exact(decoder, _body([_message(0, "x" * 6000)]), session="big")  # counted twice its size: over the bound
+    _exact(decoder, _body([_message(0, "x" * 6000)]), session="big")  # counted at least twice its size: over
     assert len(decoder) == 0
     assert decoder._bytes == 0
+
+
+def test_what_is_kept_is_counted_with_its_decode_and_uncounted_when_dropped() -> None:
+    decoder = BodyDecoder()
+    short = [_message(i) for i in range(200)]  # short messages: a decode several times their text
+    for n in (100, 150, 200):
+        raw = _body(short[:n])
+        _exact(decoder, raw)
+        assert decoder._bytes >= 4 * len(raw)
+    decoder.forget(["s"])
+    assert decoder._bytes == 0 and len(decoder) == 0
 
 
 def test_shared_prefix_is_the_longest_common_prefix() -> None:
