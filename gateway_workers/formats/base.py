@@ -16,7 +16,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import transformers
 from packaging.version import Version
@@ -25,6 +25,9 @@ from transformers import PreTrainedTokenizerBase
 from gateway_workers.formats.arguments import cast_arguments
 from gateway_workers.rendering.twins.bpe import token_decoder
 from gateway_workers.rendering.twins.checks import Twin
+
+if TYPE_CHECKING:
+    from gateway_workers.formats.live_split import SplitterFactory
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,7 @@ class ResponseFormat:
         supports_tools / reasoning / parallel_calls: what the family can express (README coverage table).
         native_reader: reads a checked body exactly as the declarative engine does, in a fraction of its
             time; used in place of that engine while sampled comparisons with it agree (`twins.checks.Twin`).
+        live: builds the reply's live splitter (`formats.live_split`); None: the reply streams at the end.
     """
 
     name: str
@@ -114,6 +118,7 @@ class ResponseFormat:
     reasoning: bool = True
     parallel_calls: bool = True
     native_reader: NativeReader | None = None
+    live: SplitterFactory | None = None
 
 
 def transformers_version() -> Version:
@@ -171,7 +176,13 @@ class FormatParser:
         prefix: str | Sequence[int],
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> ParsedResponse:
-        text = strip_end(self._decode_ids(output_ids), self.format.end_markers)
+        return self.read_text(self._decode_ids(output_ids), prefix, tools)
+
+    def read_text(
+        self, text: str, prefix: str | Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> ParsedResponse:
+        """`parse` of a reply's decoded text (the live splitter reads the reply so far with it)."""
+        text = strip_end(text, self.format.end_markers)
         head = self._prefix_head(prefix)
         body = head + text
         verdict = self.format.check(body)

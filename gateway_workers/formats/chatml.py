@@ -5,17 +5,19 @@
 - `qwen3_5` / `nemotron3`: `<think>` + `<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`
   with untyped text values (Qwen3.5/3.6/3.8, Nemotron-3); they differ only in how the template trims.
 Each format is written twice: a declarative response_template and a legacy response_schema.
-Facts about the grammars only; no code is shared with the engines. Imports only `formats.base`/`checks`.
+Facts about the grammars only; no code is shared with the engines. Imports only `formats.base`/`checks`/`live_split`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from typing import Any
 
 from gateway_workers.formats.base import NativeReader, ResponseFormat
 from gateway_workers.formats.checks import THINK, TOOL_CALL, check_tagged, fullmatch_check
+from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
 ANCHOR = "<|im_start|>assistant\n"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
@@ -152,6 +154,7 @@ QWEN3 = ResponseFormat(
     check=lambda body: check_tagged(body, think=THINK),
     finish=_qwen3_finish,
     native_reader=_json_calls_reader(think=True),
+    live=partial(TagSplitter, TagGrammar(ANCHOR, END_MARKERS, think=THINK, call=TOOL_CALL)),
 )
 QWEN2_5 = ResponseFormat(
     name="qwen2_5",
@@ -163,6 +166,7 @@ QWEN2_5 = ResponseFormat(
     finish=_verbatim,
     reasoning=False,
     native_reader=_json_calls_reader(think=False),
+    live=partial(TagSplitter, TagGrammar(ANCHOR, END_MARKERS, call=TOOL_CALL, content_trim_start="")),
 )
 
 # --- XML calls (Qwen3.5 / Nemotron-3) ---------------------------------------------------------------
@@ -215,6 +219,13 @@ QWEN3_5 = ResponseFormat(
     check=_xml_check,
     finish=_qwen3_5_finish,
     string_arguments=True,
+    live=partial(
+        TagSplitter,
+        TagGrammar(
+            ANCHOR, END_MARKERS, think=THINK, call=TOOL_CALL, reasoning_trim=None, content_trim_start=None,
+            content_trim_end=None,
+        ),
+    ),
 )
 NEMOTRON3 = ResponseFormat(
     name="nemotron3",
@@ -225,4 +236,8 @@ NEMOTRON3 = ResponseFormat(
     check=_xml_check,
     finish=_nemotron_finish,
     string_arguments=True,
+    live=partial(
+        TagSplitter,
+        TagGrammar(ANCHOR, END_MARKERS, think=THINK, call=TOOL_CALL, content_trim_start=None, content_trim_end=None),
+    ),
 )

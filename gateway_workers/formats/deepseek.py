@@ -3,15 +3,17 @@
 Its template renders no tools and re-renders earlier replies without their reasoning (it keeps
 what follows `</think>`), so the builder REALIGNs or FORKs those turns. Tool calls cannot be
 parsed (`supports_tools=False`): requests that declare tools are refused with a 400.
-Imports only `formats.base`/`checks`.
+Imports only `formats.base`/`checks`/`live_split`.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from gateway_workers.formats.base import ResponseFormat
 from gateway_workers.formats.checks import THINK, check_tagged
+from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
 ANCHOR = "<｜Assistant｜>"
 END_MARKERS = ("<｜end▁of▁sentence｜>",)
@@ -51,4 +53,5 @@ DEEPSEEK_R1 = ResponseFormat(
     finish=_finish,
     supports_tools=False,
     parallel_calls=False,
+    live=partial(TagSplitter, TagGrammar(ANCHOR, END_MARKERS, think=THINK)),
 )

@@ -4,16 +4,18 @@ The reply follows `<|assistant|>` and ends where the model starts the next role:
 `<|observation|>` (tool results follow) or `<|user|>`, and that stop token is also the first
 token the template writes for the next message, so the sampled ids extend cleanly. Values are
 text: strings verbatim, everything else JSON (the template's `tojson`); both are cast by the
-tool's JSON schema. Imports only `formats.base`/`checks`.
+tool's JSON schema. Imports only `formats.base`/`checks`/`live_split`.
 """
 
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any
 
 from gateway_workers.formats.base import ResponseFormat
-from gateway_workers.formats.checks import THINK, check_tagged, fullmatch_check
+from gateway_workers.formats.checks import THINK, TOOL_CALL, check_tagged, fullmatch_check
+from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
 ANCHOR = "<|assistant|>"
 END_MARKERS = ("<|observation|>", "<|user|>", "<|endoftext|>")
@@ -75,4 +77,11 @@ GLM4_MOE = ResponseFormat(
     check=lambda body: check_tagged(body, think=THINK, call_body=fullmatch_check(_CALL_BODY, "<arg_key>/<arg_value>")),
     finish=_finish,
     string_arguments=True,
+    live=partial(
+        TagSplitter,
+        TagGrammar(
+            ANCHOR, END_MARKERS, think=THINK, call=TOOL_CALL, reasoning_trim=None, content_trim_start=None,
+            content_trim_end=None,
+        ),
+    ),
 )

@@ -4,7 +4,7 @@
 (`commentary` without a recipient: a preamble, also content), and a message addressed
 `to=functions.NAME` on the commentary channel is a tool call with JSON arguments, ended by
 `<|call|>` (a stop token: one call per generation, so no parallel calls). The recipient may sit
-before or after `<|channel|>` in the header; both are accepted. Imports only `formats.base`.
+before or after `<|channel|>` in the header; both are accepted. Imports only `formats.base`/`live_split`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.live_split import DeltaKind, LiveDelta, Reader, partial_suffix
 
 ANCHOR = "<|start|>assistant"
 END_MARKERS = ("<|return|>", "<|call|>", "<|endoftext|>")
@@ -108,6 +109,69 @@ def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
     return content, reasoning
 
 
+_LIVE_HEADERS: dict[str, DeltaKind] = {
+    "<|channel|>analysis": "reasoning",
+    "<|channel|>final": "content",
+    "<|channel|>commentary": "content",  # without a recipient: a preamble
+}
+_BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>", "<|channel|>", "<|message|>")
+
+
+class HarmonySplitter:
+    """Harmony's live split: each channel message's body as it is sampled (analysis: reasoning; final, and
+    commentary without a recipient: text), verbatim as the parse keeps it.
+
+    A tool call is the generation's last message (`<|call|>` stops it), so it comes with the final
+    parse; so does everything after a header this does not know (a recipient, a constraint).
+    """
+
+    def __init__(self, prompt_text: str, read: Reader) -> None:
+        self._buffer = ""
+        self._kind: DeltaKind | None = None  # None: reading a message header
+        self._first = True
+        self._done = False
+
+    def feed(self, text: str) -> list[LiveDelta]:
+        self._buffer += text
+        out: list[LiveDelta] = []
+        while not self._done and self._step(out):
+            pass
+        return out
+
+    def _step(self, out: list[LiveDelta]) -> bool:
+        buf = self._buffer
+        if self._kind is None:
+            at = buf.find("<|message|>")
+            if at < 0:
+                return False
+            header = buf[:at]
+            if header.startswith(ANCHOR):
+                header = header[len(ANCHOR) :]
+            elif not self._first:  # the check refuses a later message without its start
+                header = ""
+            kind = _LIVE_HEADERS.get(header)
+            if kind is None:
+                self._done = True
+                return False
+            self._kind, self._first, self._buffer = kind, False, buf[at + len("<|message|>") :]
+            return True
+        ends = [(at, marker) for marker in _BODY_ENDS if (at := buf.find(marker)) >= 0]
+        if not ends:
+            keep = partial_suffix(buf, _BODY_ENDS)
+            if len(buf) > keep:
+                out.append(LiveDelta(self._kind, buf[: len(buf) - keep]))
+            self._buffer = buf[len(buf) - keep :]
+            return False
+        at, marker = min(ends)
+        if at:
+            out.append(LiveDelta(self._kind, buf[:at]))
+        if marker != "<|end|>":  # <|return|> ends the reply; anything else is the final parse's to read
+            self._done = True
+            return False
+        self._kind, self._buffer = None, buf[at + len(marker) :]
+        return True
+
+
 GPT_OSS = ResponseFormat(
     name="gpt_oss",
     anchor=ANCHOR,
@@ -117,4 +181,5 @@ GPT_OSS = ResponseFormat(
     check=_check,
     finish=_finish,
     parallel_calls=False,
+    live=HarmonySplitter,
 )

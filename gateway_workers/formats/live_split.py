@@ -4,21 +4,22 @@ Sits between the engine's token stream and the wire adapters. `IncrementalDecode
 ids into text without splitting a UTF-8 character; a format's `LiveSplitter` turns text
 into `LiveDelta`s while the engine generates, emitting only what the final parse of a
 well-formed reply will agree with (it holds back partial tags, whitespace a tag would
-swallow, a tool call until it is complete). The final parse stays the non-streaming
-`ResponseParser.parse` of all ids; `StreamTracker.remainder` sends whatever it adds and says
-whether what was streamed is a prefix of it. Formats without a live splitter stream at the
-end. Must not import the app, adapters, engines or the backplane.
+swallow, a tool call until it is complete, and then asks the format's parser what it says).
+Each format names its splitter (`ResponseFormat.live`): the tagged families a `TagGrammar`,
+harmony and Llama their own. The final parse stays the non-streaming `ResponseParser.parse` of
+all ids; `StreamTracker.remainder` sends whatever it adds and says whether what was streamed is
+a prefix of it. Parsers from outside the registry stream at the end. Must not import the app,
+adapters, engines or the backplane.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from gateway_workers.formats import ParsedResponse
+from gateway_workers.formats.base import FormatParser, ParsedResponse, ResponseParser
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,12 @@ class LiveSplitter(Protocol):
     def feed(self, text: str) -> list[LiveDelta]: ...
 
 
+# The format's own parse of the reply text so far (`FormatParser.read_text` with the turn's prompt and tools).
+Reader = Callable[[str], ParsedResponse]
+# What a `ResponseFormat.live` builds: a splitter for one reply, from the rendered prompt's text and the reader.
+SplitterFactory = Callable[[str, Reader], LiveSplitter]
+
+
 class BufferedSplitter:
     """For formats without a live splitter: nothing is certain before the final parse."""
 
@@ -90,71 +97,60 @@ class BufferedSplitter:
 
 
 @dataclass(frozen=True, slots=True)
-class TagFormat:
-    """A reply format of tagged regions: optional reasoning, text, then tool-call blocks, then an end marker."""
+class TagGrammar:
+    """A reply of tagged regions: an optional reasoning block, text, tool-call blocks, an end marker.
 
-    think_open: str
-    think_close: str
-    call_open: str
-    call_close: str
+    The trims say what the format's final parse strips, as `str.strip(chars)` reads them (None: any
+    whitespace, "": nothing), so the live text is a prefix of the parsed one.
+
+    Args:
+        anchor: the assistant header the prompt ends with; the prompt after it may pre-open reasoning.
+        think / call: (open, close) tags of the reasoning block and of one tool call; None: the family has none.
+        reasoning_trim: stripped from both ends of the reasoning.
+        content_trim_start / content_trim_end: stripped from the start / the end of the text.
+    """
+
+    anchor: str
     end_markers: tuple[str, ...]
-    anchor: str  # the assistant header the prompt ends with; the prompt after it may pre-open reasoning
-    parse_call: Callable[[str], dict[str, Any] | None]
+    think: tuple[str, str] | None = None
+    call: tuple[str, str] | None = None
+    reasoning_trim: str | None = "\n"
+    content_trim_start: str | None = "\n"
+    content_trim_end: str | None = ""
 
-
-def _json_call(body: str) -> dict[str, Any] | None:
-    """A Qwen3 `<tool_call>` body as a canonical call, or None when the final parse will call it ill-formed."""
-    try:
-        call = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-        return None
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return {"name": call["name"], "arguments": arguments}
-
-
-QWEN3_TAGS = TagFormat(
-    think_open="<think>",
-    think_close="</think>",
-    call_open="<tool_call>",
-    call_close="</tool_call>",
-    end_markers=("<|im_end|>", "<|endoftext|>"),
-    anchor="<|im_start|>assistant\n",
-    parse_call=_json_call,
-)
 
 _State = Literal["start", "reasoning", "content", "call", "after_call", "done"]
 
 
 class TagSplitter:
-    """The live splitter of a `TagFormat`, trimming text the way the Qwen3 parser does.
+    """The live splitter of a `TagGrammar`.
 
-    Reasoning is stripped of newlines at both ends and content of newlines at its start;
-    whitespace before a tool-call tag belongs to no field. Anything unexpected (text after a
-    tool call, a call whose body will not parse) stops the live split: the rest comes from
-    the final parse.
+    Text is trimmed as the grammar says; whitespace before a tool-call tag belongs to no field
+    (the parsers' `\\s*`). A completed call is read by the format's own parser (`read` of the text
+    up to its close tag), so a streamed call is the final parse's, typed arguments included. Anything
+    unexpected (text after a tool call, a call the parser refuses) stops the live split: the rest
+    comes from the final parse.
     """
 
-    def __init__(self, tags: TagFormat, prompt_text: str) -> None:
-        self._tags = tags
+    def __init__(self, grammar: TagGrammar, prompt_text: str, read: Reader) -> None:
+        self._grammar = grammar
+        self._think_open, self._think_close = grammar.think or ("", "")
+        self._call_open, self._call_close = grammar.call or ("", "")
+        self._tags = (self._call_open, *grammar.end_markers) if grammar.call else grammar.end_markers
+        self._read = read
+        self._text = ""  # the whole reply so far; the buffer is its unconsumed end
         self._buffer = ""
+        self._calls: list[dict[str, Any]] = []
         self._state: _State = "start"
-        self._started = False  # the current text field has emitted a non-newline character
-        self._newlines = ""  # reasoning: trailing newlines held until more reasoning follows
-        at = prompt_text.rfind(tags.anchor)
-        head = prompt_text[at + len(tags.anchor) :] if at >= 0 else ""
-        if tags.think_open in head:
-            self._state = "content" if tags.think_close in head.split(tags.think_open)[-1] else "reasoning"
+        self._started = False  # the current text field has emitted text
+        self._held = ""  # reasoning: trailing trimmable characters held until more reasoning follows
+        at = prompt_text.rfind(grammar.anchor)
+        head = prompt_text[at + len(grammar.anchor) :] if at >= 0 else ""
+        if grammar.think is not None and self._think_open in head:
+            self._state = "content" if self._think_close in head.split(self._think_open)[-1] else "reasoning"
 
     def feed(self, text: str) -> list[LiveDelta]:
+        self._text += text
         self._buffer += text
         out: list[LiveDelta] = []
         while self._step(out):
@@ -163,77 +159,85 @@ class TagSplitter:
 
     def _step(self, out: list[LiveDelta]) -> bool:
         """Advance as far as the buffer allows; True when the state changed and another step may progress."""
-        tags, buf = self._tags, self._buffer
+        grammar, buf = self._grammar, self._buffer
+        think_open, think_close, call_open = self._think_open, self._think_close, self._call_open
         if self._state == "start":
             lead = buf.lstrip()
-            if not lead or (len(lead) < len(tags.think_open) and tags.think_open.startswith(lead)):
+            if grammar.think is None:
+                self._enter("content", buf)
+                return True
+            if not lead or (len(lead) < len(think_open) and think_open.startswith(lead)):
                 return False
-            if lead.startswith(tags.think_open):
-                self._enter("reasoning", lead[len(tags.think_open) :])
+            if lead.startswith(think_open):
+                self._enter("reasoning", lead[len(think_open) :])
             else:
                 self._enter("content", buf)
             return True
         if self._state == "reasoning":
-            at = buf.find(tags.think_close)
+            at = buf.find(think_close)
             if at >= 0:
                 self._reasoning(buf[:at], out, closing=True)
-                self._enter("content", buf[at + len(tags.think_close) :])
+                self._enter("content", buf[at + len(think_close) :])
                 return True
-            keep = _partial_suffix(buf, (tags.think_close,))
+            keep = partial_suffix(buf, (think_close,))
             self._reasoning(buf[: len(buf) - keep], out, closing=False)
             self._buffer = buf[len(buf) - keep :]
             return False
         if self._state == "content":
-            call = buf.find(tags.call_open)
-            end = min((i for i in (buf.find(m) for m in tags.end_markers) if i >= 0), default=-1)
+            call = buf.find(call_open) if call_open else -1
+            end = min((i for i in (buf.find(m) for m in grammar.end_markers) if i >= 0), default=-1)
             if call >= 0 and (end < 0 or call < end):
                 self._content(buf[:call].rstrip(), out)
-                self._enter("call", buf[call + len(tags.call_open) :])
+                self._enter("call", buf[call + len(call_open) :])
                 return True
             if end >= 0:
-                self._content(buf[:end], out)
+                self._content(buf[:end].rstrip(grammar.content_trim_end), out)
                 self._enter("done", "")
                 return False
-            keep = _partial_suffix(buf, (tags.call_open, *tags.end_markers))
+            keep = partial_suffix(buf, self._tags)
             keep = len(buf) - len(buf[: len(buf) - keep].rstrip())  # whitespace before a tag is swallowed
             self._content(buf[: len(buf) - keep], out)
             self._buffer = buf[len(buf) - keep :]
             return False
         if self._state == "call":
-            at = buf.find(tags.call_close)
+            at = buf.find(self._call_close)
             if at < 0:
                 return False
-            parsed = tags.parse_call(buf[:at].strip())
-            if parsed is None:
-                self._enter("done", "")  # the final parse will call the reply ill-formed
+            rest = buf[at + len(self._call_close) :]
+            parsed = self._read(self._text[: len(self._text) - len(rest)])
+            sent = len(self._calls)
+            if parsed.ill_formed or len(parsed.tool_calls) != sent + 1 or parsed.tool_calls[:sent] != self._calls:
+                self._enter("done", "")  # the final parse decides what this reply is
                 return False
-            out.append(LiveDelta("tool_call", call=parsed))
-            self._enter("after_call", buf[at + len(tags.call_close) :])
+            self._calls.append(parsed.tool_calls[-1])
+            out.append(LiveDelta("tool_call", call=dict(parsed.tool_calls[-1])))
+            self._enter("after_call", rest)
             return True
         if self._state == "after_call":
             lead = buf.lstrip()
-            if lead.startswith(tags.call_open):
-                self._enter("call", lead[len(tags.call_open) :])
+            if lead.startswith(call_open):
+                self._enter("call", lead[len(call_open) :])
                 return True
-            if not lead or any(m.startswith(lead) or lead.startswith(m) for m in (tags.call_open, *tags.end_markers)):
+            if not lead or any(m.startswith(lead) or lead.startswith(m) for m in self._tags):
                 return False
             self._enter("done", "")  # text after tool calls: joined by the final parse, sent at the end
         return False
 
     def _enter(self, state: _State, buffer: str) -> None:
         self._state, self._buffer = state, buffer
-        self._started, self._newlines = False, ""
+        self._started, self._held = False, ""
 
     def _reasoning(self, text: str, out: list[LiveDelta], closing: bool) -> None:
+        trim = self._grammar.reasoning_trim
         if not self._started:
-            text = text.lstrip("\n")
+            text = text.lstrip(trim)
         if closing:
-            text = text.rstrip("\n")
-            held, self._newlines = self._newlines if text else "", ""
+            text = text.rstrip(trim)
+            held, self._held = self._held if text else "", ""
         else:
-            body = text.rstrip("\n")
-            held = self._newlines if body else ""
-            self._newlines = (self._newlines if not body else "") + text[len(body) :]
+            body = text.rstrip(trim)
+            held = self._held if body else ""
+            self._held = (self._held if not body else "") + text[len(body) :]
             text = body
         if text:
             self._started = True
@@ -241,13 +245,13 @@ class TagSplitter:
 
     def _content(self, text: str, out: list[LiveDelta]) -> None:
         if not self._started:
-            text = text.lstrip("\n")
+            text = text.lstrip(self._grammar.content_trim_start)
         if text:
             self._started = True
             out.append(LiveDelta("content", text))
 
 
-def _partial_suffix(text: str, tags: Sequence[str]) -> int:
+def partial_suffix(text: str, tags: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
     best = 0
     for tag in tags:
@@ -258,14 +262,18 @@ def _partial_suffix(text: str, tags: Sequence[str]) -> int:
     return best
 
 
-# format name (`ResponseParser.format_name`) -> tags; formats not listed stream at the end.
-LIVE_FORMATS: dict[str, TagFormat] = {"qwen3": QWEN3_TAGS}
 
+def live_splitter(
+    parser: ResponseParser, prompt_text: str, tools: Sequence[Mapping[str, Any]] | None = None
+) -> LiveSplitter:
+    """The live splitter for one reply of this parser's format, given the rendered prompt's text (its tail matters).
 
-def live_splitter(format_name: str, prompt_text: str) -> LiveSplitter:
-    """The live splitter for a response format, given the rendered prompt's text (its tail matters)."""
-    tags = LIVE_FORMATS.get(format_name)
-    return TagSplitter(tags, prompt_text) if tags is not None else BufferedSplitter()
+    Only the registered formats split live (their `ResponseFormat.live`); any other parser streams at the end.
+    """
+    if not isinstance(parser, FormatParser) or parser.format.live is None:
+        return BufferedSplitter()
+    read_text = parser.read_text
+    return parser.format.live(prompt_text, lambda text: read_text(text, prompt_text, tools))
 
 
 class StreamTracker:

@@ -4,7 +4,7 @@ The reply follows `<|start_header_id|>assistant<|end_header_id|>\\n\\n` and ends
 (`<|eom_id|>` in ipython mode). A reply is a tool call when it starts with a JSON object whose
 first key is "name" (optionally after `<|python_tag|>`); several calls separated by ';' are all
 returned, but the Llama templates render one call per assistant message and refuse more, so
-parallel calls cannot be echoed back. Imports only `formats.base`.
+parallel calls cannot be echoed back. Imports only `formats.base`/`live_split`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.live_split import LiveDelta, Reader, TagGrammar, TagSplitter
 
 ANCHOR = "<|start_header_id|>assistant<|end_header_id|>\n\n"
 END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
@@ -71,6 +72,30 @@ def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
     return content.strip(), None  # the template writes `content | trim`
 
 
+_PYTHON_TAG = "<|python_tag|>"
+_TEXT_GRAMMAR = TagGrammar(ANCHOR, END_MARKERS, content_trim_start=None, content_trim_end=None)
+
+
+class LlamaSplitter:
+    """Llama's live split: a reply is either tool calls, which come with the final parse (the whole reply is
+    the call list), or text, streamed as soon as its first character shows it is not a call."""
+
+    def __init__(self, prompt_text: str, read: Reader) -> None:
+        self._text = TagSplitter(_TEXT_GRAMMAR, prompt_text, read)
+        self._lead = ""
+        self._is_text: bool | None = None
+
+    def feed(self, text: str) -> list[LiveDelta]:
+        if self._is_text is None:
+            self._lead += text
+            lead = self._lead.lstrip()
+            if not lead or (len(lead) < len(_PYTHON_TAG) and _PYTHON_TAG.startswith(lead)):
+                return []
+            self._is_text = not (lead.startswith("{") or lead.startswith(_PYTHON_TAG))
+            text, self._lead = self._lead, ""
+        return self._text.feed(text) if self._is_text else []
+
+
 LLAMA3_JSON = ResponseFormat(
     name="llama3_json",
     anchor=ANCHOR,
@@ -81,4 +106,5 @@ LLAMA3_JSON = ResponseFormat(
     finish=_finish,
     reasoning=False,
     parallel_calls=False,
+    live=LlamaSplitter,
 )

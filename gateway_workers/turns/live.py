@@ -64,7 +64,7 @@ class LiveTurn:
         self._gen: Any = None
         self._settled = False
         self._decoder = IncrementalDecoder(token_decoder(pipeline.renderer.tokenizer))
-        self._splitter = live_splitter(pipeline.parser.format_name, prepared.prompt_text)
+        self._splitter = live_splitter(pipeline.parser, prepared.prompt_text, prepared.request.tools)
         self._tracker = StreamTracker()
 
     async def start(self, connection: AgentConnection) -> None:
@@ -114,7 +114,7 @@ class LiveTurn:
                 ids += chunk.output_ids
                 logprobs += chunk.logprobs
                 version = chunk.weight_version or version
-                for delta in self._split(self._decoder.feed(chunk.output_ids), ids):
+                for delta in self._split(self._decoder.feed(chunk.output_ids)):
                     yield delta
                 if chunk.finish_reason is not None:
                     finish = chunk.finish_reason
@@ -124,7 +124,7 @@ class LiveTurn:
         finally:
             if finish is None and self._stream is not None:
                 await self._close_stream()
-        for delta in self._split(self._decoder.flush(), ids):
+        for delta in self._split(self._decoder.flush()):
             yield delta
         t_engine = time.perf_counter()
         result = EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=finish, weight_version=version)
@@ -154,29 +154,13 @@ class LiveTurn:
         except EngineError as e:
             raise engine_error(e, self.session_id, self.turn_id) from None
 
-    def _split(self, text: str, ids: list[int]) -> list[LiveDelta]:
+    def _split(self, text: str) -> list[LiveDelta]:
         if not text:
             return []
         deltas = self._splitter.feed(text)
-        if any(d.kind == "tool_call" for d in deltas):
-            deltas = self._confirm_calls(deltas, ids)
         for delta in deltas:
             self._tracker.record(delta)
         return deltas
-
-    def _confirm_calls(self, deltas: list[LiveDelta], ids: list[int]) -> list[LiveDelta]:
-        """Tool calls as the format's own parser reads the reply so far (typed arguments included).
-
-        The splitter only finds where a call ends; the parser decides what it says, so a streamed
-        call equals the final parse's. Once per completed call, never per token.
-        """
-        parsed = self.pipeline.parser.parse(ids, self.prepared.prompt_text, self.request.tools)
-        sent = self._tracker.calls
-        new = sum(d.kind == "tool_call" for d in deltas)
-        if parsed.ill_formed or parsed.tool_calls[: len(sent)] != sent or len(parsed.tool_calls) < len(sent) + new:
-            return deltas  # the final parse will say otherwise anyway; the tracker reports the divergence
-        calls = iter(parsed.tool_calls[len(sent) : len(sent) + new])
-        return [LiveDelta("tool_call", call=dict(next(calls))) if d.kind == "tool_call" else d for d in deltas]
 
     async def _close_stream(self) -> None:
         stream, self._stream = self._stream, None

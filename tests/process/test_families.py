@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 from assets import FAKE_ENGINE_START_TIMEOUT_S, TOOLS, FakeEngine
+from family_cases import ALIASES_THINKING
 from fake_formats import FAMILIES, WRITERS, family_tokenizer_dir, plan, read_prompt, template_path
 from fidelity import assert_fidelity
 from processes import TestProcess
@@ -50,9 +51,6 @@ E2E_FAMILIES = [
     "llama3_2",
     "deepseek_r1_distill",
 ]
-_ALIASES_THINKING = hasattr(
-    importlib.import_module("transformers.utils.chat_template_utils"), "_alias_reasoning_fields"
-)
 
 
 class FamilyEngine(FakeEngine):
@@ -234,7 +232,7 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
             assert received[-1].content.startswith("Final answer after") and len(received) >= 3
             assert len(received[0].tool_calls) == (2 if family.parallel else 1)
         assert not any(r.metadata["ill_formed"] for r in records)
-        if family.format_name == "deepseek_r1" or (family.format_name == "gpt_oss" and not _ALIASES_THINKING):
+        if family.format_name == "deepseek_r1" or (family.format_name == "gpt_oss" and not ALIASES_THINKING):
             # The template re-renders earlier replies without their reasoning: the builder starts new rows.
             assert len(records) == len(turns) and records[1].metadata["row_start"] in ("realign", "fork")
         else:

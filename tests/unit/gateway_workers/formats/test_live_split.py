@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway_workers.adapters.common import block_events, from_list
-from gateway_workers.formats import detect_parser
+from gateway_workers.formats import PlainTextParser, detect_parser
 from gateway_workers.formats.live_split import (
     BufferedSplitter,
     IncrementalDecoder,
@@ -62,7 +62,7 @@ def _stream(setup, text: str, cuts: list[int] | None = None):
     tokenizer, parser, rendered = setup
     ids = tokenizer.encode(text, add_special_tokens=False)
     decoder = IncrementalDecoder(_decode(tokenizer))
-    splitter = live_splitter(parser.format_name, rendered.text)
+    splitter = live_splitter(parser, rendered.text, TOOLS)
     tracker = StreamTracker()
     bounds = sorted({0, len(ids), *(c for c in (cuts or range(len(ids))) if 0 < c < len(ids))})
     live: list[LiveDelta] = []
@@ -135,17 +135,17 @@ def test_text_after_tool_calls_comes_from_the_final_parse(setup):
 
 def test_a_prompt_that_opens_the_think_block_starts_in_reasoning(setup):
     tokenizer, parser, rendered = setup
-    splitter = live_splitter(parser.format_name, rendered.text + "<think>\n")
+    splitter = live_splitter(parser, rendered.text + "<think>\n")
     assert splitter.feed("pondering\n</think>\n\nDone.") == [
         LiveDelta("reasoning", "pondering"),
         LiveDelta("content", "Done."),
     ]
-    closed = live_splitter(parser.format_name, rendered.text + "<think>\n\n</think>\n\n")
+    closed = live_splitter(parser, rendered.text + "<think>\n\n</think>\n\n")
     assert closed.feed("Straight to the answer") == [LiveDelta("content", "Straight to the answer")]
 
 
-def test_unknown_formats_stream_at_the_end():
-    assert isinstance(live_splitter("some_future_format", ""), BufferedSplitter)
+def test_parsers_from_outside_the_registry_stream_at_the_end(qwen3_tokenizer):
+    assert isinstance(live_splitter(PlainTextParser(qwen3_tokenizer), ""), BufferedSplitter)
     tracker = StreamTracker()
     final = type("P", (), {"reasoning": "r", "content": "c", "tool_calls": [CALL]})()
     tail, consistent = tracker.remainder(final)  # type: ignore[arg-type]
