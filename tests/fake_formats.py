@@ -47,6 +47,7 @@ class Family:
         stop: the token a reply ends with (the engine's stop token).
         parallel: the template renders several calls in one assistant message.
         tools: the family's template renders tools at all.
+        renders_reasoning: the template writes a calling assistant message's reasoning back.
     """
 
     template: str
@@ -58,6 +59,7 @@ class Family:
     stop: str = "<|im_end|>"
     parallel: bool = True
     tools: bool = True
+    renders_reasoning: bool = True
 
 
 _GLM_TOKENS = (
@@ -80,6 +82,44 @@ _LLAMA_TOKENS = (
     "<|eot_id|>",
     "<|eom_id|>",
     "<|python_tag|>",
+)
+_GEMMA_TOKENS = (
+    "<bos>",
+    "<eos>",
+    "<|turn>",
+    "<turn|>",
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+)
+_LFM_TOKENS = (
+    "<|startoftext|>",
+    "<|tool_list_start|>",
+    "<|tool_list_end|>",
+    "<|tool_call_start|>",
+    "<|tool_call_end|>",
+    "<|tool_response_start|>",
+    "<|tool_response_end|>",
+)
+_GEMMA3_TOKENS = ("<bos>", "<start_of_turn>", "<end_of_turn>", "<eos>")
+_PHI3_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+_COHERE_TOKENS = (
+    "<BOS_TOKEN>",
+    "<EOS_TOKEN>",
+    "<|START_OF_TURN_TOKEN|>",
+    "<|END_OF_TURN_TOKEN|>",
+    "<|SYSTEM_TOKEN|>",
+    "<|USER_TOKEN|>",
+    "<|CHATBOT_TOKEN|>",
+    "<|START_RESPONSE|>",
+    "<|END_RESPONSE|>",
 )
 _DEEPSEEK_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
 
@@ -117,6 +157,20 @@ FAMILIES: dict[str, Family] = {
             stop="<|eot_id|>",
             parallel=False,
         ),
+        *(
+            Family(name, "gemma4", "gemma4", added=_GEMMA_TOKENS, bos="<bos>", stop="<turn|>")
+            for name in ("gemma4", "gemma4_v3", "gemma4_v4", "gemma4_v5")
+        ),
+        # The release revision: tool results in their own turns, reasoning never written back.
+        Family(
+            "gemma4_v2", "gemma4", "gemma4_v2", added=_GEMMA_TOKENS, bos="<bos>", stop="<turn|>", renders_reasoning=False
+        ),
+        # LFM2 from the revision that renders calls; its reasoning is never written back (LFM2.5's is).
+        Family("lfm2_v2", "lfm2", "lfm2_v2", added=_LFM_TOKENS, bos="<|startoftext|>", renders_reasoning=False),
+        *(
+            Family(name, "lfm2", "lfm2", added=_LFM_TOKENS, bos="<|startoftext|>")
+            for name in ("lfm2_2_5", "lfm2_2_5_v2", "lfm2_2_5_vl")
+        ),
         Family(
             "deepseek_r1_distill",
             "deepseek_r1",
@@ -127,6 +181,31 @@ FAMILIES: dict[str, Family] = {
             parallel=False,
             tools=False,
         ),
+        Family(
+            "deepseekv3",
+            "deepseek_r1",
+            "deepseek_r1",
+            added=_DEEPSEEK_TOKENS,
+            bos="<｜begin▁of▁sentence｜>",
+            stop="<｜end▁of▁sentence｜>",
+            parallel=False,
+            tools=False,
+        ),
+        # Templates without tools: text only (gemma.jinja refuses a system message, so only its hash is tested).
+        Family("gemma3", "gemma3", "gemma3", added=_GEMMA3_TOKENS, bos="<bos>", stop="<end_of_turn>", tools=False),
+        Family("phi3", "phi3", "phi3", added=_PHI3_TOKENS, stop="<|end|>", tools=False),
+        Family("phi3_5", "phi3", "phi3", added=_PHI3_TOKENS, stop="<|end|>", tools=False),
+        Family(
+            "cohere", "cohere", "cohere", added=_COHERE_TOKENS, bos="<BOS_TOKEN>", stop="<|END_OF_TURN_TOKEN|>", tools=False
+        ),
+        Family(
+            "cohere2", "cohere2", "cohere2", added=_COHERE_TOKENS, bos="<BOS_TOKEN>", stop="<|END_OF_TURN_TOKEN|>",
+            tools=False,
+        ),
+        Family(
+            "llama3", "llama3", "llama3_text", added=_LLAMA_TOKENS, bos="<|begin_of_text|>", stop="<|eot_id|>", tools=False
+        ),
+        Family("qwen2_5_vl", "chatml", "chatml_text", tools=False),
     )
 }
 
@@ -269,6 +348,13 @@ _LAYOUTS = {
         "<|start_header_id|>user<|end_header_id|>\n\n", "<|start_header_id|>ipython<|end_header_id|>", "<|eot_id|>"
     ),
     "deepseek": _Layout("<｜User｜>", "\x00never\x00", "<｜Assistant｜>"),
+    # Gemma 4 writes tool results into the model turn (the release revision: into `<|turn>tool` turns).
+    "gemma": _Layout("<|turn>user\n", "<|tool_response>response:", "<turn|>"),
+    "gemma_v2": _Layout("<|turn>user\n", "<|turn>tool\n", "<turn|>"),
+    "gemma3": _Layout("<start_of_turn>user\n", "\x00never\x00", "<end_of_turn>"),
+    "phi3": _Layout("<|user|>\n", "\x00never\x00", "<|end|>"),
+    "cohere": _Layout("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>", "\x00never\x00", "<|END_OF_TURN_TOKEN|>"),
+    "lfm": _Layout("<|im_start|>user\n", "<|im_start|>tool\n", "<|im_end|>"),
 }
 
 
@@ -330,8 +416,21 @@ def _typescript_tools(text: str) -> list[dict[str, Any]]:
     return tools
 
 
+def _gemma_tools(text: str) -> list[dict[str, Any]]:
+    """Gemma 4: `<|tool>declaration:N{...properties:{k:{type:<|"|>STRING<|"|>},...}...}<tool|>`."""
+    tools = []
+    for fn in re.finditer(r"<\|tool>declaration:(\w+)\{(.*?)<tool\|>", text, re.DOTALL):
+        props = {
+            m.group(1): m.group(2).lower()
+            for m in re.finditer(r'(\w+):\{(?:description:<\|"\|>[^<]*<\|"\|>,)?type:<\|"\|>(\w+)<\|"\|>\}', fn.group(2))
+        }
+        tools.append({"name": fn.group(1), "properties": props})
+    return tools
+
+
 _TOOL_READERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
     "json": _json_tools,
+    "gemma": _gemma_tools,
     "xml": _xml_tools,
     "typescript": _typescript_tools,
     "none": lambda text: [],
@@ -433,6 +532,49 @@ def _llama3(p: dict[str, Any]) -> str:
     return p["text"]
 
 
+def _gemma_value(value: Any) -> str:
+    """A value as the Gemma 4 templates write it: `<|"|>` strings, unquoted keys in case-insensitive order."""
+    if isinstance(value, str):
+        return f'<|"|>{value}<|"|>'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_gemma_value(value[k])}" for k in sorted(value, key=str.lower)) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_gemma_value(v) for v in value) + "]"
+    return "null" if value is None else str(value)
+
+
+def _gemma4(p: dict[str, Any], thought: bool = True) -> str:
+    # '<|channel>thought\n' + R + '\n<channel|>' then the calls, no text (the template writes text after the
+    # results); the engine stops on <|tool_response>, the results follow in the same model turn.
+    out = f"<|channel>thought\n{p['reasoning']}\n<channel|>" if thought else ""
+    if p["calls"]:
+        return out + "".join(f"<|tool_call>call:{c['name']}{_gemma_value(c['arguments'])}<tool_call|>" for c in p["calls"])
+    return out + p["text"]
+
+
+def _lfm_value(value: Any) -> str:
+    """A value as the LFM2.5 templates write it: strings single-quoted, dicts as JSON, the rest as Jinja prints it."""
+    if isinstance(value, str):
+        return f"'{value}'"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def _lfm2(p: dict[str, Any], thought: bool = True) -> str:
+    # '<think>' R '</think>', the text, then every call in one block, exactly as the template writes them.
+    out = f"<think>{p['reasoning']}</think>" if thought else ""
+    if p["calls"]:
+        calls = ", ".join(
+            f"{c['name']}(" + ", ".join(f"{k}={_lfm_value(v)}" for k, v in c["arguments"].items()) + ")"
+            for c in p["calls"]
+        )
+        return out + f"<|tool_call_start|>[{calls}]<|tool_call_end|>"
+    return out + p["text"]
+
+
 def _deepseek_r1(p: dict[str, Any]) -> str:
     return f"{p['reasoning']}\n</think>\n\n{p['text']}"
 
@@ -458,6 +600,20 @@ WRITERS: dict[str, Writer] = {
     "gpt_oss": Writer("harmony", "typescript", _gpt_oss, parallel=False, stops=("<|return|>", "<|call|>")),
     "llama3": Writer("llama", "json", _llama3, parallel=False, stops=("<|eot_id|>",)),
     "deepseek_r1": Writer("deepseek", "none", _deepseek_r1, parallel=False, stops=("<｜end▁of▁sentence｜>",)),
+    "gemma4": Writer("gemma", "gemma", _gemma4, stops=("<turn|>", "<|tool_response>")),
+    "lfm2": Writer("lfm", "json", _lfm2),
+    # Text-only families: the answer as the template writes it back (cohere2 closes the response first).
+    "gemma3": Writer("gemma3", "none", lambda p: p["text"], parallel=False, stops=("<end_of_turn>",)),
+    "phi3": Writer("phi3", "none", lambda p: p["text"], parallel=False, stops=("<|end|>",)),
+    "cohere": Writer("cohere", "none", lambda p: p["text"], parallel=False, stops=("<|END_OF_TURN_TOKEN|>",)),
+    "cohere2": Writer(
+        "cohere", "none", lambda p: p["text"] + "<|END_RESPONSE|>", parallel=False, stops=("<|END_OF_TURN_TOKEN|>",)
+    ),
+    "llama3_text": Writer("llama", "none", lambda p: p["text"], parallel=False, stops=("<|eot_id|>",)),
+    "chatml_text": Writer("chatml", "none", lambda p: p["text"], parallel=False),
+    "lfm2_v2": Writer("lfm", "json", lambda p: _lfm2(p, thought=False)),  # LFM2 does not reason
+    # The release revision never writes reasoning back, so its model would not have learnt to write any.
+    "gemma4_v2": Writer("gemma_v2", "gemma", lambda p: _gemma4(p, thought=False), stops=("<turn|>",)),
 }
 
 

@@ -7,7 +7,6 @@ have produced it; `reply_for` is the richest message a family's template can ren
 from __future__ import annotations
 
 import copy
-import importlib
 from typing import Any
 
 from assets import TOOLS
@@ -40,10 +39,6 @@ CONFIGURE_TOOL: dict[str, Any] = {
 }
 ALL_TOOLS = [*TOOLS, CONFIGURE_TOOL]
 _BASES: dict[tuple[str, tuple[str, ...], str | None, str], Any] = {}
-# Newer transformers pass a message's reasoning_content to templates as `thinking` too (GPT-OSS reads that).
-ALIASES_THINKING = hasattr(
-    importlib.import_module("transformers.utils.chat_template_utils"), "_alias_reasoning_fields"
-)
 
 
 def family_tokenizer(key: str) -> Any:
@@ -85,19 +80,16 @@ def reply_for(key: str, typed: bool = False) -> dict[str, Any]:
         }
     if family.tools:
         reply["tool_calls"] = calls if family.parallel else calls[:1]
-    if not fmt.reasoning:
+    if not fmt.reasoning or not family.renders_reasoning:
         del reply["reasoning"]
-    if fmt.name in ("llama3_json", "gpt_oss") and family.tools:
-        reply["content"] = ""  # a call message carries no text in these templates
+    if fmt.name in ("llama3_json", "gpt_oss", "gemma4") and family.tools:
+        # A call message carries no text in these templates (Gemma 4 writes it after the tool results).
+        reply["content"] = ""
     return reply
 
 
 def render(tokenizer: Any, key: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     chat = template_messages(messages)
-    if FAMILIES[key].format_name == "gpt_oss":
-        for item in chat:  # the harmony template reads reasoning from `thinking`
-            if "reasoning_content" in item:
-                item["thinking"] = item["reasoning_content"]
     tools = ALL_TOOLS if FAMILIES[key].tools else None
     return tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, **kwargs)
 
@@ -110,6 +102,8 @@ def sampled(tokenizer: Any, key: str, reply: dict[str, Any]) -> tuple[str, str]:
         return prefix, f"{reply['reasoning']}\n</think>\n\n{reply['content']}{FAMILIES[key].stop}"
     full = render(tokenizer, key, [*QUESTION, reply])
     assert full.startswith(prefix), (full[len(prefix) - 60 : len(prefix) + 60], prefix[-60:])
+    if FAMILIES[key].format_name == "phi3":  # without a generation prompt it appends eos after the last message
+        full = full.removesuffix(tokenizer.eos_token)
     return prefix, full[len(prefix) :]
 
 

@@ -94,12 +94,16 @@ class ResponseFormat:
     Args:
         name: the registry name (`--response-format NAME`).
         anchor: the assistant header the generation prompt ends with; the reply (and any prefill) follows it.
+        resume_markers: the reply also starts right after the last of these when it comes after the anchor
+            (Gemma 4 continues its model turn after the tool results the template writes into it).
         end_markers: stop tokens the engine may include at the end of the output; stripped before parsing.
         template: the declarative response_template (transformers >= 5.13).
         schema: the legacy response_schema (transformers 5.0-5.14).
         check: our own structural check of the reply body (prefill included).
         finish: trims content/reasoning the way the family's template re-renders them.
         string_arguments: argument values are untyped text (XML formats): cast by the tool's JSON schema.
+        calls_reader: for calls in the family's own syntax (not JSON): the engines cut each tool-call block out
+            as text, and this reads the calls it holds ({"name", "arguments"}), or raises ValueError.
         supports_tools / reasoning / parallel_calls: what the family can express (README coverage table).
         native_reader: reads a checked body exactly as the declarative engine does, in a fraction of its
             time; used in place of that engine while sampled comparisons with it agree (`twins.checks.Twin`).
@@ -114,6 +118,8 @@ class ResponseFormat:
     check: StructureCheck
     finish: Finisher
     string_arguments: bool = False
+    calls_reader: Callable[[str], list[dict[str, Any]]] | None = None
+    resume_markers: tuple[str, ...] = ()
     supports_tools: bool = True
     reasoning: bool = True
     parallel_calls: bool = True
@@ -156,10 +162,12 @@ class FormatParser:
         self._tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_ids = token_decoder(tokenizer)
-        anchor_ids = self._encode(fmt.anchor)
-        if not anchor_ids:
-            raise ParserUnavailable(f"format {fmt.name!r}: the tokenizer encodes its anchor {fmt.anchor!r} to nothing")
-        self._anchor_first_id = anchor_ids[0]
+        self._starts: dict[int, str] = {}  # first id of the anchor and of each resume marker -> its text
+        for marker in (fmt.anchor, *fmt.resume_markers):
+            ids = self._encode(marker)
+            if not ids:
+                raise ParserUnavailable(f"format {fmt.name!r}: the tokenizer encodes {marker!r} to nothing")
+            self._starts.setdefault(ids[0], marker)
         self._template: Any = self._compiled_template() if self.engine == "template" else None
         # Only the declarative engine has a twin: the legacy one reads some edges (e.g. \x1c-\x1f as
         # whitespace) its own way. The engine refusing a reply the reader took is a difference too.
@@ -183,7 +191,7 @@ class FormatParser:
     ) -> ParsedResponse:
         """`parse` of a reply's decoded text (the live splitter reads the reply so far with it)."""
         text = strip_end(text, self.format.end_markers)
-        head = self._prefix_head(prefix)
+        head = self.prefix_head(prefix)
         body = head + text
         verdict = self.format.check(body)
         if isinstance(verdict, str):
@@ -198,6 +206,11 @@ class FormatParser:
         raw_calls = parsed.get("tool_calls") or []
         if not isinstance(raw_calls, list):
             raw_calls = [raw_calls]
+        if self.format.calls_reader is not None:
+            try:
+                raw_calls = [call for block in raw_calls for call in self.format.calls_reader(str(block))]
+            except ValueError as e:
+                return ill_formed(text, f"unreadable tool call: {str(e)[:300]}")
         if len(raw_calls) != verdict:
             return ill_formed(text, f"{verdict} tool call(s) in the reply but {len(raw_calls)} parsed")
         calls = []
@@ -255,26 +268,27 @@ class FormatParser:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def _prefix_head(self, prefix: str | Sequence[int]) -> str:
+    def prefix_head(self, prefix: str | Sequence[int]) -> str:
         """What the prompt already wrote of the reply after its last assistant anchor (e.g. '<think>\\n').
 
         Only the prompt's tail is decoded, not 24k tokens. A prompt that does not end inside an
         assistant header (its last anchor belongs to an earlier, finished message) prefills nothing.
         """
-        anchor = self.format.anchor
+        markers = (self.format.anchor, *self.format.resume_markers)
         if isinstance(prefix, str):
-            at = prefix.rfind(anchor)
+            at = max(prefix.rfind(marker) for marker in markers)
             tail = prefix[at:] if at >= 0 else ""
         else:
             ids = list(prefix)
             tail = ""
             for at in range(len(ids) - 1, -1, -1):
-                if ids[at] == self._anchor_first_id:
+                if ids[at] in self._starts:
                     tail = self._decode_ids(ids[at:])
                     break
-        if not tail.startswith(anchor):
+        start = next((marker for marker in markers if tail.startswith(marker)), None)
+        if start is None:
             return ""
-        head = tail[len(anchor) :]
+        head = tail[len(start) :]
         if any(marker in head for marker in self.format.end_markers):
             return ""
         return head

@@ -154,7 +154,7 @@ QWEN3 = ResponseFormat(
     check=lambda body: check_tagged(body, think=THINK),
     finish=_qwen3_finish,
     native_reader=_json_calls_reader(think=True),
-    live=partial(TagSplitter, TagGrammar(ANCHOR, END_MARKERS, think=THINK, call=TOOL_CALL)),
+    live=partial(TagSplitter, TagGrammar(END_MARKERS, think=THINK, call=TOOL_CALL)),
 )
 QWEN2_5 = ResponseFormat(
     name="qwen2_5",
@@ -166,7 +166,7 @@ QWEN2_5 = ResponseFormat(
     finish=_verbatim,
     reasoning=False,
     native_reader=_json_calls_reader(think=False),
-    live=partial(TagSplitter, TagGrammar(ANCHOR, END_MARKERS, call=TOOL_CALL, content_trim_start="")),
+    live=partial(TagSplitter, TagGrammar(END_MARKERS, call=TOOL_CALL, content_trim_start="")),
 )
 
 # --- XML calls (Qwen3.5 / Nemotron-3) ---------------------------------------------------------------
@@ -222,7 +222,7 @@ QWEN3_5 = ResponseFormat(
     live=partial(
         TagSplitter,
         TagGrammar(
-            ANCHOR, END_MARKERS, think=THINK, call=TOOL_CALL, reasoning_trim=None, content_trim_start=None,
+            END_MARKERS, think=THINK, call=TOOL_CALL, reasoning_trim=None, content_trim_start=None,
             content_trim_end=None,
         ),
     ),
@@ -238,6 +238,6 @@ NEMOTRON3 = ResponseFormat(
     string_arguments=True,
     live=partial(
         TagSplitter,
-        TagGrammar(ANCHOR, END_MARKERS, think=THINK, call=TOOL_CALL, content_trim_start=None, content_trim_end=None),
+        TagGrammar(END_MARKERS, think=THINK, call=TOOL_CALL, content_trim_start=None, content_trim_end=None),
     ),
 )

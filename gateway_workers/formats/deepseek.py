@@ -53,5 +53,5 @@ DEEPSEEK_R1 = ResponseFormat(
     finish=_finish,
     supports_tools=False,
     parallel_calls=False,
-    live=partial(TagSplitter, TagGrammar(ANCHOR, END_MARKERS, think=THINK)),
+    live=partial(TagSplitter, TagGrammar(END_MARKERS, think=THINK)),
 )

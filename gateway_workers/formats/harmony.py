@@ -125,7 +125,7 @@ class HarmonySplitter:
     parse; so does everything after a header this does not know (a recipient, a constraint).
     """
 
-    def __init__(self, prompt_text: str, read: Reader) -> None:
+    def __init__(self, head: str, read: Reader) -> None:
         self._buffer = ""
         self._kind: DeltaKind | None = None  # None: reading a message header
         self._first = True

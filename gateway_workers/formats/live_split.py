@@ -85,7 +85,8 @@ class LiveSplitter(Protocol):
 
 # The format's own parse of the reply text so far (`FormatParser.read_text` with the turn's prompt and tools).
 Reader = Callable[[str], ParsedResponse]
-# What a `ResponseFormat.live` builds: a splitter for one reply, from the rendered prompt's text and the reader.
+# What a `ResponseFormat.live` builds: a splitter for one reply, from what the prompt already wrote of the reply
+# (`FormatParser.prefix_head`, e.g. an opened think block) and the reader.
 SplitterFactory = Callable[[str, Reader], LiveSplitter]
 
 
@@ -104,16 +105,17 @@ class TagGrammar:
     whitespace, "": nothing), so the live text is a prefix of the parsed one.
 
     Args:
-        anchor: the assistant header the prompt ends with; the prompt after it may pre-open reasoning.
-        think / call: (open, close) tags of the reasoning block and of one tool call; None: the family has none.
+        think / call: (open, close) tags of the reasoning block and of a tool-call block (one call, or all of a
+            turn's); None: the family has none.
+        call_eats_space: the parse drops the whitespace before a call tag (the patterns' `\\s*`).
         reasoning_trim: stripped from both ends of the reasoning.
         content_trim_start / content_trim_end: stripped from the start / the end of the text.
     """
 
-    anchor: str
     end_markers: tuple[str, ...]
     think: tuple[str, str] | None = None
     call: tuple[str, str] | None = None
+    call_eats_space: bool = True
     reasoning_trim: str | None = "\n"
     content_trim_start: str | None = "\n"
     content_trim_end: str | None = ""
@@ -125,14 +127,14 @@ _State = Literal["start", "reasoning", "content", "call", "after_call", "done"]
 class TagSplitter:
     """The live splitter of a `TagGrammar`.
 
-    Text is trimmed as the grammar says; whitespace before a tool-call tag belongs to no field
-    (the parsers' `\\s*`). A completed call is read by the format's own parser (`read` of the text
-    up to its close tag), so a streamed call is the final parse's, typed arguments included. Anything
+    Text is trimmed as the grammar says. A completed call block is read by the format's own parser
+    (`read` of the text up to its close tag), so a streamed call is the final parse's, typed arguments
+    included. Anything
     unexpected (text after a tool call, a call the parser refuses) stops the live split: the rest
     comes from the final parse.
     """
 
-    def __init__(self, grammar: TagGrammar, prompt_text: str, read: Reader) -> None:
+    def __init__(self, grammar: TagGrammar, head: str, read: Reader) -> None:
         self._grammar = grammar
         self._think_open, self._think_close = grammar.think or ("", "")
         self._call_open, self._call_close = grammar.call or ("", "")
@@ -144,8 +146,6 @@ class TagSplitter:
         self._state: _State = "start"
         self._started = False  # the current text field has emitted text
         self._held = ""  # reasoning: trailing trimmable characters held until more reasoning follows
-        at = prompt_text.rfind(grammar.anchor)
-        head = prompt_text[at + len(grammar.anchor) :] if at >= 0 else ""
         if grammar.think is not None and self._think_open in head:
             self._state = "content" if self._think_close in head.split(self._think_open)[-1] else "reasoning"
 
@@ -187,7 +187,7 @@ class TagSplitter:
             call = buf.find(call_open) if call_open else -1
             end = min((i for i in (buf.find(m) for m in grammar.end_markers) if i >= 0), default=-1)
             if call >= 0 and (end < 0 or call < end):
-                self._content(buf[:call].rstrip(), out)
+                self._content(buf[:call].rstrip() if grammar.call_eats_space else buf[:call], out)
                 self._enter("call", buf[call + len(call_open) :])
                 return True
             if end >= 0:
@@ -195,7 +195,7 @@ class TagSplitter:
                 self._enter("done", "")
                 return False
             keep = partial_suffix(buf, self._tags)
-            keep = len(buf) - len(buf[: len(buf) - keep].rstrip())  # whitespace before a tag is swallowed
+            keep = len(buf) - len(buf[: len(buf) - keep].rstrip())  # a tag may swallow or trim what precedes it
             self._content(buf[: len(buf) - keep], out)
             self._buffer = buf[len(buf) - keep :]
             return False
@@ -206,11 +206,12 @@ class TagSplitter:
             rest = buf[at + len(self._call_close) :]
             parsed = self._read(self._text[: len(self._text) - len(rest)])
             sent = len(self._calls)
-            if parsed.ill_formed or len(parsed.tool_calls) != sent + 1 or parsed.tool_calls[:sent] != self._calls:
+            if parsed.ill_formed or len(parsed.tool_calls) <= sent or parsed.tool_calls[:sent] != self._calls:
                 self._enter("done", "")  # the final parse decides what this reply is
                 return False
-            self._calls.append(parsed.tool_calls[-1])
-            out.append(LiveDelta("tool_call", call=dict(parsed.tool_calls[-1])))
+            for read in parsed.tool_calls[sent:]:
+                self._calls.append(read)
+                out.append(LiveDelta("tool_call", call=dict(read)))
             self._enter("after_call", rest)
             return True
         if self._state == "after_call":
@@ -273,7 +274,7 @@ def live_splitter(
     if not isinstance(parser, FormatParser) or parser.format.live is None:
         return BufferedSplitter()
     read_text = parser.read_text
-    return parser.format.live(prompt_text, lambda text: read_text(text, prompt_text, tools))
+    return parser.format.live(parser.prefix_head(prompt_text), lambda text: read_text(text, prompt_text, tools))
 
 
 class StreamTracker:

@@ -73,15 +73,15 @@ def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
 
 
 _PYTHON_TAG = "<|python_tag|>"
-_TEXT_GRAMMAR = TagGrammar(ANCHOR, END_MARKERS, content_trim_start=None, content_trim_end=None)
+_TEXT_GRAMMAR = TagGrammar(END_MARKERS, content_trim_start=None, content_trim_end=None)
 
 
 class LlamaSplitter:
     """Llama's live split: a reply is either tool calls, which come with the final parse (the whole reply is
     the call list), or text, streamed as soon as its first character shows it is not a call."""
 
-    def __init__(self, prompt_text: str, read: Reader) -> None:
-        self._text = TagSplitter(_TEXT_GRAMMAR, prompt_text, read)
+    def __init__(self, head: str, read: Reader) -> None:
+        self._text = TagSplitter(_TEXT_GRAMMAR, head, read)
         self._lead = ""
         self._is_text: bool | None = None
 

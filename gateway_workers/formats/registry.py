@@ -32,8 +32,11 @@ from gateway_workers.formats.base import (
 )
 from gateway_workers.formats.chatml import NEMOTRON3, QWEN2_5, QWEN3, QWEN3_5
 from gateway_workers.formats.deepseek import DEEPSEEK_R1
+from gateway_workers.formats.gemma import GEMMA4
 from gateway_workers.formats.glm import GLM4_MOE
 from gateway_workers.formats.harmony import GPT_OSS
+from gateway_workers.formats.lfm import LFM2
+from gateway_workers.formats.plain import PLAIN_FORMATS
 from gateway_workers.formats.llama import LLAMA3_JSON
 from gateway_workers.rendering.tokenizer import builtin_template_text
 
@@ -41,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 PLAIN_TEXT = "plain"
 FORMATS: dict[str, ResponseFormat] = {
-    fmt.name: fmt for fmt in (QWEN3, QWEN2_5, QWEN3_5, NEMOTRON3, GLM4_MOE, GPT_OSS, LLAMA3_JSON, DEEPSEEK_R1)
+    fmt.name: fmt
+    for fmt in (QWEN3, QWEN2_5, QWEN3_5, NEMOTRON3, GLM4_MOE, GPT_OSS, LLAMA3_JSON, DEEPSEEK_R1, GEMMA4, LFM2, *PLAIN_FORMATS)
 }
 
 # sha256 of a chat template's text (as transformers reads it: text mode, so '\r\n' becomes '\n')
@@ -93,6 +97,43 @@ TEMPLATE_FORMATS: dict[str, str] = {
     # deepseek_r1_distill.jinja, deepseek_r1_distill_training.jinja
     "56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f": "deepseek_r1",
     "439ca50e037bdf26b9e654e3eaa559fdd19d41e602307bcb133451070eb2ee3e": "deepseek_r1",
+    # gemma4.jinja and its revisions gemma4_v2 .. gemma4_v5 (google/gemma-4-*-it)
+    "33204f1acb5bd0002713e16a593847f24ceeafe711ed88bda2a352dc996a3373": "gemma4",
+    "55572b8d3c8342044e25874c73fe5234b661fa0a57a57f6ef75b58e03d7d959a": "gemma4",
+    "781d10940fbc44be40064b5d43a056fc486c84ceaa55538226368b57314132bf": "gemma4",
+    "2f1b4d75d067bae3fe44e676721c7f077d243bc007156cb9c2f8b5836613d082": "gemma4",
+    "0a2c8073c878ab1da004bee933a998606537bbb62016310352c7285c3f01c5b5": "gemma4",
+    # lfm2_v2.jinja, lfm2_v2_training.jinja (LFM2 since it renders calls), lfm2_2_5 / _v2 / _vl.jinja (LFM2.5)
+    "5504d163d879bfb6fd4135b7fa3d56768b2e69dd718338f7b146750289f46ab0": "lfm2",
+    "fd9c5f7cb11511f72c3db43496380e4b40e7a6110a978dc27cf338ddec45efb2": "lfm2",
+    "6d65c8804847ad74eea912dd7eca3dc1cf7a457b53a77f47d841a14121910963": "lfm2",
+    "c5b67247c9f736f6c40eaa91ae1ef27dc67f5b041eedaadb97a1bea5030fb0ff": "lfm2",
+    "86f4770449a4797c9b4212d110b0cc70fb993c1ce960095bcfb12eea22f61cca": "lfm2",
+    # Templates without tools, and their training variants: text only.
+    # deepseekv3.jinja: the prompt opens <think> and earlier reasoning is dropped, as DeepSeek-R1's
+    "563b1ce7d61d50a9b4c7439a912a1116f095b712df5b5e4d3e1116049874eb64": "deepseek_r1",
+    "aadb4942004c186f9ba97d28f653d7f2e0dc20e4275352a486f7cafbe4dd7b51": "deepseek_r1",
+    # gemma3.jinja, gemma.jinja (Gemma 1 and 2)
+    "7de1c58e208eda46e9c7f86397df37ec49883aeece39fb961e0a6b24088dd3c4": "gemma3",
+    "959b257e7fc1603f8cae9c9890e62f43d6ded6c0f72b9b73c4106a4ceaa096fc": "gemma3",
+    "ecd6ae513fe103f0eb62e8ab5bfa8d0fe45c1074fa398b089c93a7e70c15cfd6": "gemma3",
+    "f825de9ae80eac8a89fa5f9e6e80adf7b79ab8602564907e7c41dc15315d04ab": "gemma3",
+    # phi3.jinja, phi3_5.jinja
+    "dcaee66df77bfbb789ec541fe713218da30225a526f1db97138fc39ee6dc56aa": "phi3",
+    "f00b774c5933129ee0a72bed355d9947cb09f8063d6cf23b7db71b33b5ea2162": "phi3",
+    "78d976a442bcde2f0be15aafbb8e3050e1104f86732266f68403251b89982a90": "phi3",
+    "a76a9651a9785afe269c6b91598d55f03ab8adf3d8489a4a9c8ef432128b7c08": "phi3",
+    # cohere.jinja (Aya Expanse), cohere2.jinja (Tiny Aya)
+    "90c33aee14aa2a226127516d48ee9184c9b90745d4a04c484621ec2e82fb712c": "cohere",
+    "5f9718bfe3a1945366ea792b9714e42aa5849f1d41a1093c2ce4da4a77383996": "cohere",
+    "2147c474f41b522b7296f74692b9f31e45f49a31465960576a9d321339c5915a": "cohere2",
+    "7e5836a74c01d22504306273f8a7b49f944f6b960efee67609c07eef0a9ba295": "cohere2",
+    # llama3.jinja (Llama 3.0)
+    "ba03a121d097859c7b5b9cd03af99aafe95275210d2876f642ad9929a150f122": "llama3",
+    "9dce981e2954cf77d4d0ad2dbacf8006a5fda34a0bdf4923075a933d08b69470": "llama3",
+    # qwen2_5_vl.jinja (Qwen2-VL, Qwen2.5-VL)
+    "a0bc6f6fc7a29a80017a433e8f03a1cc1236e838a944a2d034295a60c4f2fddb": "chatml",
+    "31c85932a6d8826f0fe8d52b81767eba6b869128b0a7c7503d1e7baaad4e8043": "chatml",
 }
 
 ParserFactory = Callable[[PreTrainedTokenizerBase], ResponseParser]

@@ -25,7 +25,7 @@ def message_chars(messages: Sequence[Mapping[str, Any]]) -> int:
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Canonical messages -> the dicts HF chat templates read (reasoning_content, function-wrapped calls)."""
+    """Canonical messages -> the dicts HF chat templates read (reasoning_content/thinking, function-wrapped calls)."""
     # `type(...) is` first: an isinstance check against an ABC is a Python-level call (cost: docs/performance.md).
     if not messages or (
         type(messages) is not list and (not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)))
@@ -48,7 +48,9 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
         if reasoning is not None:
             if not isinstance(reasoning, str):
                 raise RenderError(f"messages[{i}].reasoning must be a string")
-            item["reasoning_content"] = reasoning
+            # Templates read it as `reasoning_content` or `thinking` (GPT-OSS, LFM2.5); transformers >= 5.13 fills
+            # both itself, older ones do not, so both are written here for every transformers alike.
+            item["reasoning_content"] = item["thinking"] = reasoning
         calls = message.get("tool_calls")
         if calls:
             item["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(_as_list(i, calls))]

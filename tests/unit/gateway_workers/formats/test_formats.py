@@ -10,13 +10,16 @@ degrades to raw text with `ill_formed`. Runs on whichever transformers engine is
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
-from family_cases import ALIASES_THINKING, ALL_TOOLS, QUESTION, encode, family_tokenizer, render, reply_for, sampled
+from family_cases import ALL_TOOLS, QUESTION, encode, family_tokenizer, render, reply_for, sampled
 from fake_formats import FAMILIES, WRITERS, template_path, trl_templates_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -46,6 +49,20 @@ def test_every_registered_hash_is_a_real_template_file():
     assert not missing, f"registered hashes with no template in the trl wheel: {missing}"
     assert set(TEMPLATE_FORMATS.values()) == set(FORMATS)  # every format is reachable by detection
     assert len(known_templates()) == len(TEMPLATE_FORMATS) + 1  # + the built-in template
+
+
+def test_every_shipped_template_is_served_or_listed_in_the_readme_with_its_reason():
+    readme = (Path(__file__).resolve().parents[4] / "README.md").read_text("utf-8")
+    table = readme.split("that are not served, and why:", 1)[1].split("\n\n", 2)[1]
+    # each row: the template names in backticks before the first cell ends, then a reason
+    listed = {
+        name for cells in re.findall(r"^\| ([^|]+) \| \w.+\|$", table, re.MULTILINE) for name in re.findall(r"`(\w+)`", cells)
+    }
+    for path in trl_templates_dir().glob("*.jinja"):
+        if template_sha256(path.read_text("utf-8")) in TEMPLATE_FORMATS:
+            continue
+        stem = path.stem.removesuffix("_training")
+        assert stem in listed, f"{path.name} is neither registered nor listed in the README as not served"
 
 
 @pytest.mark.parametrize("key", sorted(FAMILIES))
@@ -81,9 +98,8 @@ def test_round_trip_reasoning_text_and_parallel_calls(key):
 def test_echo_rerenders_the_sampled_text(key):
     """The parsed reply, echoed back as the next prompt's assistant message, renders to the sampled text.
 
-    Exceptions (documented in the README): DeepSeek-R1's template drops earlier reasoning; the GPT-OSS
-    template reads it from `thinking`, which transformers fills from `reasoning_content` only in newer
-    releases (5.24 does, 5.12 does not): there the echo loses its reasoning.
+    The exception (documented in the README): DeepSeek-R1's template drops earlier reasoning. The GPT-OSS and
+    LFM2.5 templates read it as `thinking`, which the gateway writes on every transformers.
     """
     tokenizer = family_tokenizer(key)
     family = FAMILIES[key]
@@ -99,8 +115,6 @@ def test_echo_rerenders_the_sampled_text(key):
     text = tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
     if family.format_name == "deepseek_r1":
         assert f"<｜Assistant｜>{echo['content']}<｜end▁of▁sentence｜>" in text and reply["reasoning"] not in text
-    elif family.format_name == "gpt_oss" and not ALIASES_THINKING:
-        assert text.startswith(prefix) and reply["reasoning"] not in text[len(prefix) :]
     else:
         assert text.startswith(prefix + out.rstrip("\n")), (text[len(prefix) : len(prefix) + len(out) + 40], out)
 
@@ -200,6 +214,19 @@ _BAD: dict[str, list[tuple[str, str]]] = {
         ('{"name": "search", "parameters": {"query": "x"}} and some text', "text after a JSON tool call"),
         ('{"name": "search", "parameters": ["x"]}', "not a JSON object"),
     ],
+    "gemma4": [
+        ('<|tool_call>call:search{query:<|"|>x<|"|>}', "unterminated <|tool_call>"),
+        ("<|tool_call>call:search{query:x}<tool_call|>", "malformed Gemma tool call"),
+        ('<|tool_call>call:search{query:<|"|>x<|"|>} and more<tool_call|>', "malformed Gemma tool call"),
+        ("<|channel>thought\nI was cut off", "unterminated <|channel>thought"),
+    ],
+    "lfm2": [
+        ("<|tool_call_start|>[search(query='x')", "unterminated <|tool_call_start|>"),
+        ("<|tool_call_start|>[search(query='x'), ]<|tool_call_end|>", "malformed LFM2 tool call list"),
+        ("<|tool_call_start|>[search(query=x y)]<|tool_call_end|>", "malformed LFM2 tool call list"),
+        ("<|tool_call_start|>[search(query='x', query='y')]<|tool_call_end|>", "given twice"),
+        ("<think>I was cut off", "unterminated <think>"),
+    ],
     "deepseek_r1": [
         ("I was cut off while thinking", "unterminated <think>"),
         ("r\n</think>\n\nok\n<think>\nagain\n</think>", "malformed <think>"),
@@ -218,7 +245,7 @@ def test_malformed_output_degrades_to_raw_text(fmt, output, error):
     assert error in parsed.error
 
 
-@pytest.mark.parametrize("writer", sorted(w for w in WRITERS if w not in ("deepseek_r1",)))
+@pytest.mark.parametrize("writer", sorted({f.writer for f in FAMILIES.values() if f.tools}))
 def test_hallucinated_tool_names_pass_through(writer):
     """A call to a tool nobody declared is still a call: the agent framework rejects it, not us."""
     key = next(k for k, f in sorted(FAMILIES.items()) if f.writer == writer)
@@ -231,7 +258,7 @@ def test_hallucinated_tool_names_pass_through(writer):
     assert parsed.tool_calls == [{"name": "launch_rockets", "arguments": {"count": "3"}}]
 
 
-@pytest.mark.parametrize("key", ["qwen3_6", "glm4moe", "gptoss", "llama3_1", "nemotron_3_ultra"])
+@pytest.mark.parametrize("key", ["qwen3_6", "glm4moe", "gptoss", "llama3_1", "nemotron_3_ultra", "gemma4_v5", "lfm2_2_5"])
 def test_cut_by_max_tokens_mid_call_is_ill_formed_never_a_partial_list(key):
     """Two calls, the second cut anywhere: never one call out of two."""
     tokenizer = family_tokenizer(key)
@@ -286,6 +313,20 @@ _PIECES = [
     "commentary",
     '"parameters"',
     ";",
+    "<|channel>thought\n",
+    "<channel|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "call:search",
+    '<|"|>',
+    "<|tool_call_start|>",
+    "<|tool_call_end|>",
+    "[",
+    "]",
+    "search(",
+    ")",
+    "query=",
+    "'x'",
 ]
 
 

@@ -78,6 +78,26 @@ REWRITES: dict[str, str | None] = {
     "llama3_1": None,
     "llama3_2": None,
     "deepseek_r1_distill": "always",
+    # Reasoning is written back only for the calling turns since the last user message (and, from v5 on, the
+    # final answer after them).
+    "gemma4": "reasoning",
+    "gemma4_v3": "reasoning",
+    "gemma4_v4": "reasoning",
+    "gemma4_v5": "reasoning",
+    "gemma4_v2": "reasoning",  # never written back
+    # LFM2.5 writes reasoning back only for the turns since the last user message; LFM2 never.
+    "lfm2_v2": "reasoning",
+    "lfm2_2_5": "reasoning",
+    "lfm2_2_5_v2": "reasoning",
+    "lfm2_2_5_vl": "reasoning",
+    "deepseekv3": "always",
+    "gemma3": None,
+    "phi3": None,
+    "phi3_5": None,
+    "cohere": None,
+    "cohere2": None,
+    "llama3": None,
+    "qwen2_5_vl": None,
 }
 FAMILY_KEYS = sorted(FAMILIES)
 WORDS = ["alpha", "bravo", "café", "東京", "naïve", "x=1;", "{a}", "<b>", "delta", "42"]
@@ -165,8 +185,9 @@ def draw_reply(
             else {"name": "search", "arguments": {"query": text()}}
             for _ in range(ncalls)
         ]
-        # harmony refuses content next to reasoning in a call; Llama writes only the call
-        if kit.key not in ("gptoss", "llama3_1", "llama3_2") and data.draw(st.booleans()):
+        # harmony refuses content next to reasoning in a call; Llama writes only the call; Gemma 4 writes text
+        # after the call's results, so its model does too
+        if kit.family.format_name not in ("gpt_oss", "llama3_json", "gemma4") and data.draw(st.booleans()):
             reply["content"] = text()
     else:
         reply["content"] = text()
@@ -340,12 +361,14 @@ def check_tail(
 
 def reasoning_free(text: str) -> str:
     """A reply's text without its reasoning, as the templates that drop it write it (whitespace aside)."""
-    text = re.sub(r"<think>.*?</think>", "", text, flags=re.S)
+    text = re.sub(r"<think>.*?</think>|<\|channel>thought\n.*?<channel\|>", "", text, flags=re.S)
     text = re.sub(r"<\|channel\|>analysis<\|message\|>.*?<\|end\|><\|start\|>assistant", "", text, flags=re.S)
     # an analysis cut short, which harmony writes as an empty final answer
     text = re.sub(
         r"<\|channel\|>analysis<\|message\|>(?:(?!<\|end\|>).)*$", "<|channel|>final<|message|>", text, flags=re.S
     )
+    # Gemma 4 drops any thought channel from the content it writes back, one cut short included
+    text = re.sub(r"<\|channel>(?:(?!<channel\|>).)*$", "", text, flags=re.S)
     return re.sub(r"\s+", "", text.replace("<|return|>", "<|end|>"))
 
 
@@ -353,18 +376,23 @@ def check_difference(kit: Kit, episode: Episode, full_text: str, kwargs: dict[st
     """The full render is the linear prompt with each earlier reply rewritten as REWRITES documents."""
     probe = [{"role": "user", "content": "x"}]
     gen = kit.render(probe, kwargs)[len(kit.render(probe, kwargs, gen=False)) :]
+    resumes = tuple(kit.parser.format.resume_markers)  # type: ignore[attr-defined]
     first_text, turns = episode.first_text, episode.turns
-    assert first_text.endswith(gen) and all(t.tail.text.endswith(gen) for t in turns)
+    assert first_text.endswith(gen) and all(t.tail.text.endswith((gen, *resumes)) for t in turns)
     # every tail but the last ends with the generation prompt, which the full render replaces by its own
-    # rendering of the reply's header: the reply regions are what lies between the tails
+    # rendering of the reply's header, or with a resume marker (the model turn goes on after tool results):
+    # the reply regions are what lies between the tails
     at = len(first_text) - len(gen)
+    header = gen
     assert full_text.startswith(first_text[:at])
     for i, turn in enumerate(turns):
         last = i + 1 == len(turns)
-        piece = turn.tail.text if last else turn.tail.text[: len(turn.tail.text) - len(gen)]
+        opens = "" if turn.tail.text.endswith(resumes or ("\x00",)) else gen  # the next reply's header
+        piece = turn.tail.text if last else turn.tail.text[: len(turn.tail.text) - len(opens)]
         end = len(full_text) - len(piece) if last else full_text.find(piece, at)
         assert end >= at and full_text[end : end + len(piece)] == piece, f"{kit.key}: tail {i} not in the full render"
-        rerendered, sampled = full_text[at:end], gen + turn.output
+        rerendered, sampled = full_text[at:end], header + turn.output
+        header = opens
         if rerendered != sampled:
             documented = REWRITES[kit.key] is not None or turn.cut
             assert documented, f"{kit.key}: reply {i} rewritten: {rerendered!r} vs {sampled!r}"
