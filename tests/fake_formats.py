@@ -163,7 +163,13 @@ FAMILIES: dict[str, Family] = {
         ),
         # The release revision: tool results in their own turns, reasoning never written back.
         Family(
-            "gemma4_v2", "gemma4", "gemma4_v2", added=_GEMMA_TOKENS, bos="<bos>", stop="<turn|>", renders_reasoning=False
+            "gemma4_v2",
+            "gemma4",
+            "gemma4_v2",
+            added=_GEMMA_TOKENS,
+            bos="<bos>",
+            stop="<turn|>",
+            renders_reasoning=False,
         ),
         # LFM2 from the revision that renders calls; its reasoning is never written back (LFM2.5's is).
         Family("lfm2_v2", "lfm2", "lfm2_v2", added=_LFM_TOKENS, bos="<|startoftext|>", renders_reasoning=False),
@@ -196,14 +202,31 @@ FAMILIES: dict[str, Family] = {
         Family("phi3", "phi3", "phi3", added=_PHI3_TOKENS, stop="<|end|>", tools=False),
         Family("phi3_5", "phi3", "phi3", added=_PHI3_TOKENS, stop="<|end|>", tools=False),
         Family(
-            "cohere", "cohere", "cohere", added=_COHERE_TOKENS, bos="<BOS_TOKEN>", stop="<|END_OF_TURN_TOKEN|>", tools=False
-        ),
-        Family(
-            "cohere2", "cohere2", "cohere2", added=_COHERE_TOKENS, bos="<BOS_TOKEN>", stop="<|END_OF_TURN_TOKEN|>",
+            "cohere",
+            "cohere",
+            "cohere",
+            added=_COHERE_TOKENS,
+            bos="<BOS_TOKEN>",
+            stop="<|END_OF_TURN_TOKEN|>",
             tools=False,
         ),
         Family(
-            "llama3", "llama3", "llama3_text", added=_LLAMA_TOKENS, bos="<|begin_of_text|>", stop="<|eot_id|>", tools=False
+            "cohere2",
+            "cohere2",
+            "cohere2",
+            added=_COHERE_TOKENS,
+            bos="<BOS_TOKEN>",
+            stop="<|END_OF_TURN_TOKEN|>",
+            tools=False,
+        ),
+        Family(
+            "llama3",
+            "llama3",
+            "llama3_text",
+            added=_LLAMA_TOKENS,
+            bos="<|begin_of_text|>",
+            stop="<|eot_id|>",
+            tools=False,
         ),
         Family("qwen2_5_vl", "chatml", "chatml_text", tools=False),
     )
@@ -422,7 +445,9 @@ def _gemma_tools(text: str) -> list[dict[str, Any]]:
     for fn in re.finditer(r"<\|tool>declaration:(\w+)\{(.*?)<tool\|>", text, re.DOTALL):
         props = {
             m.group(1): m.group(2).lower()
-            for m in re.finditer(r'(\w+):\{(?:description:<\|"\|>[^<]*<\|"\|>,)?type:<\|"\|>(\w+)<\|"\|>\}', fn.group(2))
+            for m in re.finditer(
+                r'(\w+):\{(?:description:<\|"\|>[^<]*<\|"\|>,)?type:<\|"\|>(\w+)<\|"\|>\}', fn.group(2)
+            )
         }
         tools.append({"name": fn.group(1), "properties": props})
     return tools
@@ -550,7 +575,9 @@ def _gemma4(p: dict[str, Any], thought: bool = True) -> str:
     # results); the engine stops on <|tool_response>, the results follow in the same model turn.
     out = f"<|channel>thought\n{p['reasoning']}\n<channel|>" if thought else ""
     if p["calls"]:
-        return out + "".join(f"<|tool_call>call:{c['name']}{_gemma_value(c['arguments'])}<tool_call|>" for c in p["calls"])
+        return out + "".join(
+            f"<|tool_call>call:{c['name']}{_gemma_value(c['arguments'])}<tool_call|>" for c in p["calls"]
+        )
     return out + p["text"]
 
 

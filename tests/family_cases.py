@@ -109,3 +109,26 @@ def sampled(tokenizer: Any, key: str, reply: dict[str, Any]) -> tuple[str, str]:
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream_ids(
+    tokenizer: Any, parser: Any, prompt_text: str, ids: list[int], tools: Any, cuts: list[int] | None = None
+):
+    """(live deltas, tail deltas, consistent, final parse) for a reply's `ids` fed in chunks (`cuts`; default one id
+    at a time), as `turns.live.LiveTurn` feeds them."""
+    from gateway_workers.formats.live_split import IncrementalDecoder, StreamTracker, live_splitter
+
+    backend = tokenizer.backend_tokenizer
+    decoder = IncrementalDecoder(lambda chunk: backend.decode(chunk, skip_special_tokens=False))
+    splitter = live_splitter(parser, prompt_text, tools)
+    tracker = StreamTracker()
+    bounds = sorted({0, len(ids), *(c for c in (cuts or range(len(ids))) if 0 < c < len(ids))})
+    texts = [decoder.feed(ids[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    live = []
+    for text in [*texts, decoder.flush()]:
+        for delta in splitter.feed(text):
+            tracker.record(delta)
+            live.append(delta)
+    final = parser.parse(ids, prompt_text, tools)
+    tail, consistent = tracker.remainder(final)
+    return live, tail, consistent, final

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -127,6 +128,44 @@ class ResponseFormat:
     live: SplitterFactory | None = None
 
 
+def text_blocks_grammar(
+    start: Mapping[str, str], think: tuple[str, str], call: tuple[str, str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(declarative template, legacy schema) of a reasoning block, text, and tool-call blocks cut out as text.
+
+    For formats whose calls are in a syntax of their own: the engines only find the blocks, and the
+    format's `calls_reader` reads each. `start`: the template's `start_anchor` or `start_anchor_pattern`.
+    """
+    text = {"content": "text", "content_args": {"strip": False}}
+    (think_open, think_close), (call_open, call_close) = (tuple(map(re.escape, pair)) for pair in (think, call))
+    template = {
+        "version": 1,
+        "defaults": {"reasoning": None},  # an empty reasoning block is reasoning "", none is None
+        **start,
+        "fields": {
+            "reasoning": {"open": think[0], "close": think[1], **text},
+            "tool_calls": {"open": call[0], "close": call[1], "repeats": True, **text},
+            "content": {**text, "repeats": True},
+        },
+    }
+    schema = {
+        "type": "object",
+        "properties": {
+            "reasoning": {"type": "string", "x-regex": f"{think_open}(.*?){think_close}"},
+            "tool_calls": {
+                "type": "array",
+                "x-regex-iterator": f"{call_open}(.*?){call_close}",
+                "items": {"type": "string"},
+            },
+            "content": {
+                "type": "string",
+                "x-regex-substitutions": [[f"{think_open}.*?{think_close}", ""], [f"{call_open}.*?{call_close}", ""]],
+            },
+        },
+    }
+    return template, schema
+
+
 def transformers_version() -> Version:
     return Version(transformers.__version__)
 
@@ -174,8 +213,14 @@ class FormatParser:
         self.reader_twin: Twin[NativeReader, dict[str, Any]] | None = None
         if self.engine == "template" and fmt.native_reader is not None:
             self.reader_twin = Twin(
-                "response_reader", fmt.name, fmt.native_reader, self._run_engine, describe=_reader_difference,
-                log=logger, same=_same_reading, refusal_differs=True,
+                "response_reader",
+                fmt.name,
+                fmt.native_reader,
+                self._run_engine,
+                describe=_reader_difference,
+                log=logger,
+                same=_same_reading,
+                refusal_differs=True,
             )
 
     def parse(

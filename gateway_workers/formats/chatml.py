@@ -222,7 +222,11 @@ QWEN3_5 = ResponseFormat(
     live=partial(
         TagSplitter,
         TagGrammar(
-            END_MARKERS, think=THINK, call=TOOL_CALL, reasoning_trim=None, content_trim_start=None,
+            END_MARKERS,
+            think=THINK,
+            call=TOOL_CALL,
+            reasoning_trim=None,
+            content_trim_start=None,
             content_trim_end=None,
         ),
     ),

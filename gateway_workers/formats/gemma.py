@@ -17,7 +17,7 @@ import re
 from functools import partial
 from typing import Any
 
-from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.base import ResponseFormat, text_blocks_grammar
 from gateway_workers.formats.checks import check_tagged
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
@@ -27,34 +27,11 @@ END_MARKERS = ("<turn|>", "<|tool_response>", "<eos>")
 THOUGHT = ("<|channel>thought\n", "<channel|>")
 CALL = ("<|tool_call>", "<tool_call|>")
 STRING = '<|"|>'
-_TEXT = {"content": "text", "content_args": {"strip": False}}
 _NAME = r"[^{<\s]+"
 
-GEMMA4_TEMPLATE: dict[str, Any] = {
-    "version": 1,
-    "defaults": {"reasoning": None},  # an empty thought channel is reasoning "", none is None
-    "start_anchor_pattern": r"<\|turn>model\n|<tool_response\|>",
-    "fields": {
-        "reasoning": {"open": THOUGHT[0], "close": THOUGHT[1], **_TEXT},
-        "tool_calls": {"open": CALL[0], "close": CALL[1], "repeats": True, **_TEXT},
-        "content": {**_TEXT, "repeats": True},
-    },
-}
-GEMMA4_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": {"type": "string", "x-regex": r"<\|channel>thought\n(.*?)<channel\|>"},
-        "tool_calls": {
-            "type": "array",
-            "x-regex-iterator": r"<\|tool_call>(.*?)<tool_call\|>",
-            "items": {"type": "string"},
-        },
-        "content": {
-            "type": "string",
-            "x-regex-substitutions": [[r"<\|channel>thought\n.*?<channel\|>", ""], [r"<\|tool_call>.*?<tool_call\|>", ""]],
-        },
-    },
-}
+GEMMA4_TEMPLATE, GEMMA4_SCHEMA = text_blocks_grammar(
+    {"start_anchor_pattern": r"<\|turn>model\n|<tool_response\|>"}, THOUGHT, CALL
+)
 
 # --- argument values ------------------------------------------------------------------------------
 
@@ -83,7 +60,7 @@ def _value(text: str, at: int) -> tuple[Any, int]:
     if text.startswith(STRING, at):
         end = text.find(STRING, at + len(STRING))
         if end < 0:
-            raise ValueError("unterminated <|\"|> string")
+            raise ValueError('unterminated <|"|> string')
         return text[at + len(STRING) : end], end + len(STRING)
     if text.startswith("{", at):
         return _items(text, at + 1, "}", keyed=True)

@@ -80,7 +80,11 @@ GLM4_MOE = ResponseFormat(
     live=partial(
         TagSplitter,
         TagGrammar(
-            END_MARKERS, think=THINK, call=TOOL_CALL, reasoning_trim=None, content_trim_start=None,
+            END_MARKERS,
+            think=THINK,
+            call=TOOL_CALL,
+            reasoning_trim=None,
+            content_trim_start=None,
             content_trim_end=None,
         ),
     ),

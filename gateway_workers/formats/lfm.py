@@ -15,40 +15,15 @@ import re
 from functools import partial
 from typing import Any
 
-from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.base import ResponseFormat, text_blocks_grammar
 from gateway_workers.formats.checks import THINK, check_tagged
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
 ANCHOR = "<|im_start|>assistant\n"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 CALLS = ("<|tool_call_start|>", "<|tool_call_end|>")
-_TEXT = {"content": "text", "content_args": {"strip": False}}
 
-LFM2_TEMPLATE: dict[str, Any] = {
-    "version": 1,
-    "defaults": {"reasoning": None},
-    "start_anchor": ANCHOR,
-    "fields": {
-        "reasoning": {"open": THINK[0], "close": THINK[1], **_TEXT},
-        "tool_calls": {"open": CALLS[0], "close": CALLS[1], "repeats": True, **_TEXT},
-        "content": {**_TEXT, "repeats": True},
-    },
-}
-LFM2_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": {"type": "string", "x-regex": r"<think>(.*?)</think>"},
-        "tool_calls": {
-            "type": "array",
-            "x-regex-iterator": r"<\|tool_call_start\|>(.*?)<\|tool_call_end\|>",
-            "items": {"type": "string"},
-        },
-        "content": {
-            "type": "string",
-            "x-regex-substitutions": [[r"<think>.*?</think>", ""], [r"<\|tool_call_start\|>.*?<\|tool_call_end\|>", ""]],
-        },
-    },
-}
+LFM2_TEMPLATE, LFM2_SCHEMA = text_blocks_grammar({"start_anchor": ANCHOR}, THINK, CALLS)
 
 # --- the call block ------------------------------------------------------------------------------
 
@@ -167,21 +142,20 @@ def _skip(text: str, at: int) -> int:
     return at
 
 
-def _call_block(inside: str) -> str | None:
-    try:
-        read_calls(inside)
-    except ValueError as e:
-        return f"malformed LFM2 tool call list: {e}"
-    return None
+def _check(body: str) -> str | int:
+    """The structural verdict, counting the calls of each block (one block holds a turn's calls)."""
+    calls = 0
 
+    def block(inside: str) -> str | None:
+        nonlocal calls
+        try:
+            calls += len(read_calls(inside))
+        except ValueError as e:
+            return f"malformed LFM2 tool call list: {e}"
+        return None
 
-def _count(body: str) -> str | int:
-    """The check's verdict, counting the calls of each block (one block holds them all)."""
-    verdict = check_tagged(body, think=THINK, call=CALLS, call_body=_call_block)
-    if isinstance(verdict, str):
-        return verdict
-    blocks = re.findall(r"<\|tool_call_start\|>(.*?)<\|tool_call_end\|>", body, re.DOTALL)
-    return sum(len(read_calls(block)) for block in blocks)
+    verdict = check_tagged(body, think=THINK, call=CALLS, call_body=block)
+    return verdict if isinstance(verdict, str) else calls
 
 
 def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
@@ -194,7 +168,7 @@ LFM2 = ResponseFormat(
     end_markers=END_MARKERS,
     template=LFM2_TEMPLATE,
     schema=LFM2_SCHEMA,
-    check=_count,
+    check=_check,
     finish=_finish,
     calls_reader=read_calls,
     live=partial(

@@ -263,7 +263,6 @@ def partial_suffix(text: str, tags: Sequence[str]) -> int:
     return best
 
 
-
 def live_splitter(
     parser: ResponseParser, prompt_text: str, tools: Sequence[Mapping[str, Any]] | None = None
 ) -> LiveSplitter:

@@ -36,8 +36,8 @@ from gateway_workers.formats.gemma import GEMMA4
 from gateway_workers.formats.glm import GLM4_MOE
 from gateway_workers.formats.harmony import GPT_OSS
 from gateway_workers.formats.lfm import LFM2
-from gateway_workers.formats.plain import PLAIN_FORMATS
 from gateway_workers.formats.llama import LLAMA3_JSON
+from gateway_workers.formats.plain import PLAIN_FORMATS
 from gateway_workers.rendering.tokenizer import builtin_template_text
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,19 @@ logger = logging.getLogger(__name__)
 PLAIN_TEXT = "plain"
 FORMATS: dict[str, ResponseFormat] = {
     fmt.name: fmt
-    for fmt in (QWEN3, QWEN2_5, QWEN3_5, NEMOTRON3, GLM4_MOE, GPT_OSS, LLAMA3_JSON, DEEPSEEK_R1, GEMMA4, LFM2, *PLAIN_FORMATS)
+    for fmt in (
+        QWEN3,
+        QWEN2_5,
+        QWEN3_5,
+        NEMOTRON3,
+        GLM4_MOE,
+        GPT_OSS,
+        LLAMA3_JSON,
+        DEEPSEEK_R1,
+        GEMMA4,
+        LFM2,
+        *PLAIN_FORMATS,
+    )
 }
 
 # sha256 of a chat template's text (as transformers reads it: text mode, so '\r\n' becomes '\n')

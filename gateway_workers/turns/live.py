@@ -136,7 +136,8 @@ class LiveTurn:
             # Only for replies the final parse finds ill-formed (or a format's splitter got wrong): the
             # agent saw text the stored message lacks; its tokens are still exactly what was sampled.
             logger.warning(
-                "turn %s (session %s): the live stream diverged from the final parse", self.turn_id,
+                "turn %s (session %s): the live stream diverged from the final parse",
+                self.turn_id,
                 session_tag(self.session_id),
             )
             turn.flags["stream_diverged"] = True

@@ -16,11 +16,10 @@ import re
 import sys
 import types
 from pathlib import Path
-from typing import Any
 
 import pytest
-from family_cases import ALL_TOOLS, QUESTION, encode, family_tokenizer, render, reply_for, sampled
 from fake_formats import FAMILIES, WRITERS, template_path, trl_templates_dir
+from family_cases import ALL_TOOLS, QUESTION, encode, family_tokenizer, render, reply_for, sampled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -56,7 +55,9 @@ def test_every_shipped_template_is_served_or_listed_in_the_readme_with_its_reaso
     table = readme.split("that are not served, and why:", 1)[1].split("\n\n", 2)[1]
     # each row: the template names in backticks before the first cell ends, then a reason
     listed = {
-        name for cells in re.findall(r"^\| ([^|]+) \| \w.+\|$", table, re.MULTILINE) for name in re.findall(r"`(\w+)`", cells)
+        name
+        for cells in re.findall(r"^\| ([^|]+) \| \w.+\|$", table, re.MULTILINE)
+        for name in re.findall(r"`(\w+)`", cells)
     }
     for path in trl_templates_dir().glob("*.jinja"):
         if template_sha256(path.read_text("utf-8")) in TEMPLATE_FORMATS:
@@ -258,7 +259,9 @@ def test_hallucinated_tool_names_pass_through(writer):
     assert parsed.tool_calls == [{"name": "launch_rockets", "arguments": {"count": "3"}}]
 
 
-@pytest.mark.parametrize("key", ["qwen3_6", "glm4moe", "gptoss", "llama3_1", "nemotron_3_ultra", "gemma4_v5", "lfm2_2_5"])
+@pytest.mark.parametrize(
+    "key", ["qwen3_6", "glm4moe", "gptoss", "llama3_1", "nemotron_3_ultra", "gemma4_v5", "lfm2_2_5"]
+)
 def test_cut_by_max_tokens_mid_call_is_ill_formed_never_a_partial_list(key):
     """Two calls, the second cut anywhere: never one call out of two."""
     tokenizer = family_tokenizer(key)

@@ -12,6 +12,7 @@ import json
 
 import pytest
 from assets import TOOLS
+from family_cases import stream_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -60,22 +61,7 @@ def _decode(tokenizer):
 def _stream(setup, text: str, cuts: list[int] | None = None):
     """(live deltas, tail deltas, consistent, final parse) for `text` fed in chunks of ids."""
     tokenizer, parser, rendered = setup
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    decoder = IncrementalDecoder(_decode(tokenizer))
-    splitter = live_splitter(parser, rendered.text, TOOLS)
-    tracker = StreamTracker()
-    bounds = sorted({0, len(ids), *(c for c in (cuts or range(len(ids))) if 0 < c < len(ids))})
-    live: list[LiveDelta] = []
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        for delta in splitter.feed(decoder.feed(ids[a:b])):
-            tracker.record(delta)
-            live.append(delta)
-    for delta in splitter.feed(decoder.flush()):
-        tracker.record(delta)
-        live.append(delta)
-    final = parser.parse(ids, rendered.prompt_ids, TOOLS)
-    tail, consistent = tracker.remainder(final)
-    return live, tail, consistent, final
+    return stream_ids(tokenizer, parser, rendered.text, tokenizer.encode(text, add_special_tokens=False), TOOLS, cuts)
 
 
 def _joined(deltas: list[LiveDelta], kind: str) -> str:

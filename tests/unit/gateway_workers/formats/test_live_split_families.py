@@ -13,17 +13,15 @@ import random
 from typing import Any
 
 import pytest
-from family_cases import ALL_TOOLS, QUESTION, encode, family_tokenizer, render, reply_for, sampled
 from fake_formats import FAMILIES, WRITERS, plan, read_prompt
+from family_cases import ALL_TOOLS, QUESTION, encode, family_tokenizer, render, reply_for, sampled, stream_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway_workers.formats import ParsedResponse, detect_parser
 from gateway_workers.formats.live_split import (
     BufferedSplitter,
-    IncrementalDecoder,
     LiveDelta,
-    StreamTracker,
     live_splitter,
 )
 
@@ -54,30 +52,16 @@ def _replies(key: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-_CASES = [(key, name) for key in sorted(FAMILIES) for name in ("richest", "text", "writer_calls", "writer_answer", "writer_padded")]
+_CASES = [
+    (key, name)
+    for key in sorted(FAMILIES)
+    for name in ("richest", "text", "writer_calls", "writer_answer", "writer_padded")
+]
 
 
 def _stream(key: str, prompt: str, reply: str, cuts: list[int] | None = None):
-    """(live deltas, tail deltas, consistent, final parse) for `reply` fed in chunks of ids."""
     tokenizer = family_tokenizer(key)
-    parser = detect_parser(tokenizer)
-    ids = encode(tokenizer, reply)
-    backend = tokenizer.backend_tokenizer
-    decoder = IncrementalDecoder(lambda chunk: backend.decode(chunk, skip_special_tokens=False))
-    splitter = live_splitter(parser, prompt, ALL_TOOLS)
-    tracker = StreamTracker()
-    bounds = sorted({0, len(ids), *(c for c in (cuts or range(len(ids))) if 0 < c < len(ids))})
-    live: list[LiveDelta] = []
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        for delta in splitter.feed(decoder.feed(ids[a:b])):
-            tracker.record(delta)
-            live.append(delta)
-    for delta in splitter.feed(decoder.flush()):
-        tracker.record(delta)
-        live.append(delta)
-    final = parser.parse(ids, prompt, ALL_TOOLS)
-    tail, consistent = tracker.remainder(final)
-    return live, tail, consistent, final
+    return stream_ids(tokenizer, detect_parser(tokenizer), prompt, encode(tokenizer, reply), ALL_TOOLS, cuts)
 
 
 def _assert_is(final: ParsedResponse, live: list[LiveDelta], tail: list[LiveDelta], consistent: bool) -> None:
