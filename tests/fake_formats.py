@@ -175,8 +175,9 @@ FAMILIES: dict[str, Family] = {
         Family("lfm2_v2", "lfm2", "lfm2_v2", added=_LFM_TOKENS, bos="<|startoftext|>", renders_reasoning=False),
         *(
             Family(name, "lfm2", "lfm2", added=_LFM_TOKENS, bos="<|startoftext|>")
-            for name in ("lfm2_2_5", "lfm2_2_5_v2", "lfm2_2_5_vl")
+            for name in ("lfm2_2_5", "lfm2_2_5_v2")
         ),
+        Family("lfm2_2_5_vl", "lfm2", "lfm2_escaped", added=_LFM_TOKENS, bos="<|startoftext|>"),
         Family(
             "deepseek_r1_distill",
             "deepseek_r1",
@@ -581,21 +582,24 @@ def _gemma4(p: dict[str, Any], thought: bool = True) -> str:
     return out + p["text"]
 
 
-def _lfm_value(value: Any) -> str:
-    """A value as the LFM2.5 templates write it: strings single-quoted, dicts as JSON, the rest as Jinja prints it."""
+def _lfm_value(value: Any, escaped: bool) -> str:
+    """A value as the LFM templates write it: strings single-quoted (`escaped`: with \\, ', newlines escaped, as
+    LFM2 and LFM2.5-VL write them), dicts as JSON, the rest as Jinja prints it."""
     if isinstance(value, str):
+        if escaped:
+            value = value.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n").replace("\r", "\\r")
         return f"'{value}'"
     if isinstance(value, dict):
         return json.dumps(value)
     return str(value)
 
 
-def _lfm2(p: dict[str, Any], thought: bool = True) -> str:
+def _lfm2(p: dict[str, Any], thought: bool = True, escaped: bool = False) -> str:
     # '<think>' R '</think>', the text, then every call in one block, exactly as the template writes them.
     out = f"<think>{p['reasoning']}</think>" if thought else ""
     if p["calls"]:
         calls = ", ".join(
-            f"{c['name']}(" + ", ".join(f"{k}={_lfm_value(v)}" for k, v in c["arguments"].items()) + ")"
+            f"{c['name']}(" + ", ".join(f"{k}={_lfm_value(v, escaped)}" for k, v in c["arguments"].items()) + ")"
             for c in p["calls"]
         )
         return out + f"<|tool_call_start|>[{calls}]<|tool_call_end|>"
@@ -629,6 +633,7 @@ WRITERS: dict[str, Writer] = {
     "deepseek_r1": Writer("deepseek", "none", _deepseek_r1, parallel=False, stops=("<｜end▁of▁sentence｜>",)),
     "gemma4": Writer("gemma", "gemma", _gemma4, stops=("<turn|>", "<|tool_response>")),
     "lfm2": Writer("lfm", "json", _lfm2),
+    "lfm2_escaped": Writer("lfm", "json", lambda p: _lfm2(p, escaped=True)),
     # Text-only families: the answer as the template writes it back (cohere2 closes the response first).
     "gemma3": Writer("gemma3", "none", lambda p: p["text"], parallel=False, stops=("<end_of_turn>",)),
     "phi3": Writer("phi3", "none", lambda p: p["text"], parallel=False, stops=("<|end|>",)),
@@ -638,7 +643,7 @@ WRITERS: dict[str, Writer] = {
     ),
     "llama3_text": Writer("llama", "none", lambda p: p["text"], parallel=False, stops=("<|eot_id|>",)),
     "chatml_text": Writer("chatml", "none", lambda p: p["text"], parallel=False),
-    "lfm2_v2": Writer("lfm", "json", lambda p: _lfm2(p, thought=False)),  # LFM2 does not reason
+    "lfm2_v2": Writer("lfm", "json", lambda p: _lfm2(p, thought=False, escaped=True)),  # LFM2 does not reason
     # The release revision never writes reasoning back, so its model would not have learnt to write any.
     "gemma4_v2": Writer("gemma_v2", "gemma", lambda p: _gemma4(p, thought=False), stops=("<turn|>",)),
 }

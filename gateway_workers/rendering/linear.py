@@ -150,7 +150,7 @@ class HeadRenders:
         asked = (head, tools, template_kwargs)
         if not fresh and kept is not None and (kept.messages, kept.tools, kept.template_kwargs) == asked:
             return kept.text, kept.prompted
-        text, prompted = _head_renders(renderer, head, tools, template_kwargs)
+        text, prompted = head_texts(renderer, head, tools, template_kwargs)
         with self._lock:
             self._drop(session)
             self._heads[session] = _Head(head, tools, template_kwargs, text, prompted)
@@ -204,7 +204,7 @@ def linear_tail(
         if heads is not None:
             head_text, prompted = heads[0].renders(renderer, heads[1], head, tools, template_kwargs)
         else:
-            head_text, prompted = _head_renders(renderer, head, tools, template_kwargs)
+            head_text, prompted = head_texts(renderer, head, tools, template_kwargs)
         text = renderer.render_text([*head, response, *new_messages], tools, template_kwargs=template_kwargs)
         if heads is not None and not (prompted.startswith(head_text) and text.startswith(head_text)):
             head_text, prompted = heads[0].renders(renderer, heads[1], head, tools, template_kwargs, fresh=True)
@@ -246,29 +246,29 @@ def linear_tail(
 def stand_in(previous_messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The earlier messages the rendering of later ones can depend on, verbatim and in order.
 
-    A leading system message (the tools block, and templates that treat a first system message apart);
-    the first message after it (Llama 3.1 moves the tools into the first user message, whatever its role);
-    the last user message (templates keep or drop an assistant's reasoning by whether a user query follows
-    it; Qwen3.5 refuses a conversation without one). The messages between are left out: the bulk of a long
-    history, whose rendering nothing after the previous reply reads. Other assistant messages are left
+    A leading system message (the tools block, and templates that treat a first system message apart),
+    then the last user message (templates keep or drop an assistant's reasoning by whether a user query
+    follows it; Qwen3.5 refuses a conversation without one), or the first message when none follows the
+    system one (Llama 3.1 moves the tools into the first message after it, whatever its role). One message,
+    so that the stand-in, the reply and the new messages alternate as templates that enforce
+    user/assistant alternation require (Gemma, Command). The messages between are left out: the bulk of a
+    long history, whose rendering nothing after the previous reply reads. Other assistant messages are left
     out too, so no earlier reasoning is re-rendered (or dropped) in the stand-in.
     """
-    keep = []
-    first = 0
-    if previous_messages and previous_messages[0].get("role") == "system":
-        keep.append(0)
-        first = 1
-    if first < len(previous_messages):
-        keep.append(first)
+    first = 1 if previous_messages and previous_messages[0].get("role") == "system" else 0
+    keep = list(range(first))
     last_user = next(
-        (i for i in range(len(previous_messages) - 1, first, -1) if previous_messages[i].get("role") == "user"), None
+        (i for i in range(len(previous_messages) - 1, first - 1, -1) if previous_messages[i].get("role") == "user"),
+        None,
     )
     if last_user is not None:
         keep.append(last_user)
+    elif first < len(previous_messages):
+        keep.append(first)
     return [previous_messages[i] for i in keep]
 
 
-def _head_renders(
+def head_texts(
     renderer: Renderer,
     head: list[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
@@ -276,7 +276,13 @@ def _head_renders(
 ) -> tuple[str, str]:
     """The head's text without and with the generation prompt."""
     text = renderer.render_text(head, tools, template_kwargs=template_kwargs, add_generation_prompt=False)
-    return text, renderer.render_text(head, tools, template_kwargs=template_kwargs)
+    prompted = renderer.render_text(head, tools, template_kwargs=template_kwargs)
+    eos = renderer.tokenizer.eos_token
+    if isinstance(eos, str) and eos and text.endswith(eos) and not prompted.startswith(text):
+        # Phi-3 closes a conversation that ends without a generation prompt with its eos token: not a part
+        # of the head that anything later follows
+        text = text[: -len(eos)]
+    return text, prompted
 
 
 def _anchor(

@@ -37,6 +37,7 @@ from gateway_workers.rendering.linear import (
     HeadRenders,
     LinearTail,
     TailRefusal,
+    head_texts,
     linear_tail,
     stand_in,
 )
@@ -292,7 +293,11 @@ def run_episode(
             sample = writer_sample(kit, planned)
             output_ids = kit.encode(sample)
             if last_cut:
-                output_ids = output_ids[: data.draw(st.integers(1, len(output_ids) - 1))]
+                # anywhere before its stop token, but not just after an end marker the reply writes before it
+                # (Command R7B's <|END_RESPONSE|>): that reply is complete
+                markers = set(kit.renderer.tokenizer.convert_tokens_to_ids(list(kit.markers)))
+                cuts = [k for k in range(1, len(output_ids)) if output_ids[k - 1] not in markers]
+                output_ids = output_ids[: data.draw(st.sampled_from(cuts))]
             reply = kit.parser.parse(output_ids, held, kit.tools).canonical_message()
             if last_cut:
                 # what follows a cut reply: a user message (its calls, if any, were never made)
@@ -375,7 +380,8 @@ def reasoning_free(text: str) -> str:
 def check_difference(kit: Kit, episode: Episode, full_text: str, kwargs: dict[str, Any]) -> None:
     """The full render is the linear prompt with each earlier reply rewritten as REWRITES documents."""
     probe = [{"role": "user", "content": "x"}]
-    gen = kit.render(probe, kwargs)[len(kit.render(probe, kwargs, gen=False)) :]
+    head, prompted = head_texts(kit.renderer, probe, kit.tools, kwargs)
+    gen = prompted[len(head) :]
     resumes = tuple(kit.parser.format.resume_markers)  # type: ignore[attr-defined]
     first_text, turns = episode.first_text, episode.turns
     assert first_text.endswith(gen) and all(t.tail.text.endswith((gen, *resumes)) for t in turns)
@@ -669,9 +675,17 @@ def test_the_head_renders_are_reused_while_the_head_and_tools_are_the_same():
 
 def test_the_stand_in_keeps_the_last_user_query():
     """Qwen3.5 refuses a conversation without a user query: one that opens with an assistant greeting still has a
-    tail, because the stand-in keeps the last user message as well as the first message after the system one."""
+    tail, because the stand-in keeps the last user message (and only it, after the system message: templates
+    that enforce alternation refuse two user messages in a row)."""
     history = [{"role": "system", "content": "s"}, *[{"role": "user", "content": str(i)} for i in range(9)]]
-    assert stand_in(history) == [history[0], history[1], history[-1]]
+    assert stand_in(history) == [history[0], history[-1]]
+    tool_loop = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "x"},
+        {"role": "tool", "content": "r"},
+    ]
+    assert stand_in(tool_loop) == [tool_loop[0]]
+    assert stand_in([{"role": "assistant", "content": "Hi."}]) == [{"role": "assistant", "content": "Hi."}]
     kit = make_kit("qwen3_5_think")
     greeted = [
         {"role": "system", "content": "Be brief."},
