@@ -11,6 +11,7 @@ Must not import the app, adapters, engines, render or the backplane.
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -19,15 +20,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import transformers
 from packaging.version import Version
-from transformers import PreTrainedTokenizerBase
 
 from gateway_workers.formats.arguments import cast_arguments
 from gateway_workers.rendering.twins.bpe import token_decoder
 from gateway_workers.rendering.twins.checks import Twin
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from gateway_workers.formats.live_split import SplitterFactory
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,9 @@ def text_blocks_grammar(
 
 
 def transformers_version() -> Version:
-    return Version(transformers.__version__)
+    # the installed distribution's version: transformers itself (seconds to import) is imported only by what
+    # parses or loads a tokenizer, not by `serve`'s check of the template before it spawns anything
+    return Version(importlib.metadata.version("transformers"))
 
 
 def parsing_engine() -> Engine:
@@ -178,7 +181,7 @@ def parsing_engine() -> Engine:
     if version >= Version("5.0"):
         return "schema"
     raise ParserUnavailable(
-        f"response parsing needs transformers >= 5.0; found {transformers.__version__}: "
+        f"response parsing needs transformers >= 5.0; found {version}: "
         "pip install -U 'transformers>=5.0,<6'"
     )
 
@@ -186,6 +189,8 @@ def parsing_engine() -> Engine:
 def _typed_tools_supported() -> bool:
     if transformers_version() < TYPED_TOOLS_SINCE:
         return False
+    from transformers import PreTrainedTokenizerBase
+
     return "tools" in inspect.signature(PreTrainedTokenizerBase.parse_response).parameters
 
 

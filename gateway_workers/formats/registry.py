@@ -18,9 +18,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from gateway_workers.formats.base import (
     FormatParser,
@@ -39,6 +37,9 @@ from gateway_workers.formats.lfm import LFM2
 from gateway_workers.formats.llama import LLAMA3_JSON
 from gateway_workers.formats.plain import PLAIN_FORMATS
 from gateway_workers.rendering.tokenizer import builtin_template_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ TEMPLATE_FORMATS: dict[str, str] = {
     "31c85932a6d8826f0fe8d52b81767eba6b869128b0a7c7503d1e7baaad4e8043": "chatml",
 }
 
-ParserFactory = Callable[[PreTrainedTokenizerBase], ResponseParser]
+ParserFactory = Callable[["PreTrainedTokenizerBase"], ResponseParser]
 PARSER_FACTORIES: dict[str, ParserFactory] = {name: partial(FormatParser, fmt=fmt) for name, fmt in FORMATS.items()}
 
 

