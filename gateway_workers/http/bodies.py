@@ -16,11 +16,11 @@ shared beginning's. Any other body is decoded whole, exactly as without this.
 Why the splice is the whole body's decode: a JSON parser reads the shared beginning as it read it before,
 which leaves it inside the history array just after an element; a comma and a sequence of whole elements
 (the inserted text parsed as the only element of an array of its own proves it is one: `_elements`) leave
-it in that same place; and from there the rest is what followed before, so it is read as it was. Which bracket closes the array is never
-searched for in the text (a `]` inside a string would fool a search): it is learnt from two bodies decoded
-whole, the second the first with elements inserted at the first's place where the two diverge from `]` to
-`,`, and the whole decode equal to the first's with those elements appended; after that each extension
-says where its own bracket is.
+it in that same place; and from there the rest is what followed before, so it is read as it was. Which
+bracket closes the array is never searched for in the text (a `]` inside a string would fool a search): it is
+learnt from two bodies decoded whole, the second the first with elements inserted at the first's place where
+the two diverge from `]` to `,`, and the whole decode equal to the first's with those elements appended;
+after that each extension says where its own bracket is.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
     tools = TOOLS if family.tools else None
     for stream in (False, True):
         sid = gw.client.open_session(sampling_defaults={"temperature": 1.0})
-        agent = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=0, timeout=60)
+        agent = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60)
         received = _run_agent(agent, tools, stream)
         records = gw.client.finish_session(sid, reward=1.0, wait_timeout=10.0)
         turns, prompts = _engine_turns(engine, sid, policy)
@@ -246,8 +246,20 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
         else:
             assert len(records) == 1, [r.metadata for r in records]  # every echo extended the row exactly
     fmt = FORMATS[family.format_name]
+    if not fmt.supports_tools:
+        _tools_are_refused(gw, family.format_name)
     if fmt.supports_tools or fmt.reasoning:  # a text-only reply cut short is just shorter text
         _cut_reply_is_raw_and_flagged(gw, tok, policy, prompts[0], family)
+
+
+def _tools_are_refused(gw: Any, format_name: str) -> None:
+    """A format without tool calls answers a request that declares tools with a 400 naming it; nothing recorded."""
+    sid = gw.client.open_session()
+    client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", tools=TOOLS, messages=[{"role": "user", "content": "Weather?"}])
+    assert info.value.body["code"] == "tools_unsupported" and repr(format_name) in info.value.body["message"]
+    assert gw.client.finish_session(sid) == []
 
 
 _CALL_STARTS = {
@@ -272,7 +284,7 @@ def _cut_reply_is_raw_and_flagged(gw: Any, tok: Any, policy: Any, prompt: list[i
         at = text.rfind(marker)
         cut = next(n for n in range(len(ids)) if len(tok.decode(ids[:n], skip_special_tokens=False)) > at) + 3
     sid = gw.client.open_session()
-    client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60)
     extra: dict[str, Any] = {"tools": TOOLS} if family.tools else {}
     reply = client.chat.completions.create(
         model="m",
@@ -340,7 +352,7 @@ def test_response_format_overrides_detection(
         extra_args=["--chat-template", unknown_template, "--response-format", "qwen3", "--log-level", "warning"],
     ) as gw:
         sid = gw.client.open_session()
-        client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=0, timeout=30)
+        client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=30)
         reply = client.chat.completions.create(
             model="m", tools=TOOLS, messages=[{"role": "user", "content": "Weather in Paris?"}]
         )
@@ -354,7 +366,7 @@ def test_plain_text_serving_refuses_tools_with_a_400(unknown_template: str) -> N
         workers=1, extra_args=["--chat-template", unknown_template, "--allow-plain-text", "--log-level", "warning"]
     ) as gw:
         sid = gw.client.open_session()
-        client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=0, timeout=30)
+        client = openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=30)
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="m", tools=TOOLS, messages=[{"role": "user", "content": "hi"}])
         assert info.value.body["code"] == "tools_unsupported" and info.value.body["param"] == "tools"

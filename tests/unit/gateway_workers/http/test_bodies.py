@@ -185,7 +185,7 @@ def _same(a: Any, b: Any) -> bool:
         if type(x) is list:
             if len(x) != len(y):
                 return False
-            stack.extend(zip(x, y))
+            stack.extend(zip(x, y, strict=True))
         elif type(x) is dict:
             if list(x) != list(y):
                 return False
