@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 
 import pytest
 import transformers
@@ -172,7 +173,7 @@ def test_parsing_engine_follows_the_transformers_version(builtin_tokenizer, monk
     version = Version(transformers.__version__)
     assert parsing_engine() == ("template" if version >= Version("5.13") else "schema")
     assert detect_parser(builtin_tokenizer).engine == parsing_engine()
-    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.57.1")  # what the gateway reads
     with pytest.raises(ParserUnavailable, match=r"transformers >= 5\.0"):
         detect_parser(builtin_tokenizer)
 
