@@ -108,6 +108,7 @@ _LFM_TOKENS = (
     "<|tool_response_start|>",
     "<|tool_response_end|>",
 )
+_MUSE_TOKENS = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>")
 _GEMMA3_TOKENS = ("<bos>", "<start_of_turn>", "<end_of_turn>", "<eos>")
 _PHI3_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 _COHERE_TOKENS = (
@@ -178,6 +179,7 @@ FAMILIES: dict[str, Family] = {
             for name in ("lfm2_2_5", "lfm2_2_5_v2")
         ),
         Family("lfm2_2_5_vl", "lfm2", "lfm2_escaped", added=_LFM_TOKENS, bos="<|startoftext|>"),
+        Family("muse_glimmer", "muse_glimmer", "muse_glimmer", added=_MUSE_TOKENS, stop="<|eot|>"),
         Family(
             "deepseek_r1_distill",
             "deepseek_r1",
@@ -379,6 +381,7 @@ _LAYOUTS = {
     "phi3": _Layout("<|user|>\n", "\x00never\x00", "<|end|>"),
     "cohere": _Layout("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>", "\x00never\x00", "<|END_OF_TURN_TOKEN|>"),
     "lfm": _Layout("<|im_start|>user\n", "<|im_start|>tool\n", "<|im_end|>"),
+    "muse": _Layout("<|start|>user<|message|>", "<|start|>tool ", "<|eot|>"),
 }
 
 
@@ -454,8 +457,23 @@ def _gemma_tools(text: str) -> list[dict[str, Any]]:
     return tools
 
 
+def _muse_tools(text: str) -> list[dict[str, Any]]:
+    """Muse Glimmer: a `{"name": N, "description": D, "parameters": {...}}` line per function."""
+    decoder, tools = json.JSONDecoder(), []
+    for start in re.finditer(r'^\{"name": ', text, re.MULTILINE):
+        try:
+            fn, _ = decoder.raw_decode(text, start.start())
+        except ValueError:
+            continue
+        if "parameters" in fn:  # the namespace lines have none
+            props = (fn["parameters"] or {}).get("properties") or {}
+            tools.append({"name": fn["name"], "properties": {k: (v or {}).get("type") for k, v in props.items()}})
+    return tools
+
+
 _TOOL_READERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
     "json": _json_tools,
+    "muse": _muse_tools,
     "gemma": _gemma_tools,
     "xml": _xml_tools,
     "typescript": _typescript_tools,
@@ -606,6 +624,32 @@ def _lfm2(p: dict[str, Any], thought: bool = True, escaped: bool = False) -> str
     return out + p["text"]
 
 
+def _atem_value(value: Any) -> str:
+    """A parameter value as the Muse Glimmer template writes it: lists and objects as JSON, the rest as printed."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def _muse_glimmer(p: dict[str, Any]) -> str:
+    # A message per part after the prompt's '<|start|>assistant': reasoning to self (the template writes none
+    # when it is empty), then a message per call (joined by '<|eom|><|start|>assistant'), or the text to the
+    # user; the engine stops on <|eot|>.
+    out = f" to=self<|message|>{p['reasoning']}<|eom|><|start|>assistant" if p["reasoning"] else ""
+    if not p["calls"]:
+        return out + f" to=user<|message|>{p['text']}"
+    return out + "<|eom|><|start|>assistant".join(
+        f' to={c["name"]}<|message|><atem:function_calls>\n<atem:invoke name="{c["name"]}">\n'
+        + "".join(f'<atem:parameter name="{k}">{_atem_value(v)}</atem:parameter>\n' for k, v in c["arguments"].items())
+        + "</atem:invoke>\n</atem:function_calls>"
+        for c in p["calls"]
+    )
+
+
 def _deepseek_r1(p: dict[str, Any]) -> str:
     return f"{p['reasoning']}\n</think>\n\n{p['text']}"
 
@@ -634,6 +678,7 @@ WRITERS: dict[str, Writer] = {
     "gemma4": Writer("gemma", "gemma", _gemma4, stops=("<turn|>", "<|tool_response>")),
     "lfm2": Writer("lfm", "json", _lfm2),
     "lfm2_escaped": Writer("lfm", "json", lambda p: _lfm2(p, escaped=True)),
+    "muse_glimmer": Writer("muse", "muse", _muse_glimmer, stops=("<|eot|>",)),
     # Text-only families: the answer as the template writes it back (cohere2 closes the response first).
     "gemma3": Writer("gemma3", "none", lambda p: p["text"], parallel=False, stops=("<end_of_turn>",)),
     "phi3": Writer("phi3", "none", lambda p: p["text"], parallel=False, stops=("<|end|>",)),

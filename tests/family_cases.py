@@ -82,7 +82,7 @@ def reply_for(key: str, typed: bool = False) -> dict[str, Any]:
         reply["tool_calls"] = calls if family.parallel else calls[:1]
     if not fmt.reasoning or not family.renders_reasoning:
         del reply["reasoning"]
-    if fmt.name in ("llama3_json", "gpt_oss", "gemma4") and family.tools:
+    if fmt.name in ("llama3_json", "gpt_oss", "gemma4", "muse_glimmer") and family.tools:
         # A call message carries no text in these templates (Gemma 4 writes it after the tool results).
         reply["content"] = ""
     return reply

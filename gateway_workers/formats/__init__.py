@@ -2,7 +2,7 @@
 
 `detect_parser(tokenizer, format_name=None, allow_plain_text=False)` is the entry point the app
 uses; `resolve_format` is the same decision for the CLI (no tokenizer). One module per family
-group (chatml, glm, harmony, llama, deepseek), shared machinery in `base`/`checks`, the hash
+group (chatml, glm, harmony, llama, deepseek, gemma, lfm, muse, plain), shared machinery in `base`/`checks`, the hash
 table in `registry`. Must not import the app, adapters, engines or the backplane.
 """
 

@@ -35,6 +35,7 @@ from gateway_workers.formats.glm import GLM4_MOE
 from gateway_workers.formats.harmony import GPT_OSS
 from gateway_workers.formats.lfm import LFM2
 from gateway_workers.formats.llama import LLAMA3_JSON
+from gateway_workers.formats.muse import MUSE_GLIMMER
 from gateway_workers.formats.plain import PLAIN_FORMATS
 from gateway_workers.rendering.tokenizer import builtin_template_text
 
@@ -57,6 +58,7 @@ FORMATS: dict[str, ResponseFormat] = {
         DEEPSEEK_R1,
         GEMMA4,
         LFM2,
+        MUSE_GLIMMER,
         *PLAIN_FORMATS,
     )
 }
@@ -122,6 +124,9 @@ TEMPLATE_FORMATS: dict[str, str] = {
     "6d65c8804847ad74eea912dd7eca3dc1cf7a457b53a77f47d841a14121910963": "lfm2",
     "c5b67247c9f736f6c40eaa91ae1ef27dc67f5b041eedaadb97a1bea5030fb0ff": "lfm2",
     "86f4770449a4797c9b4212d110b0cc70fb993c1ce960095bcfb12eea22f61cca": "lfm2",
+    # muse_glimmer.jinja, muse_glimmer_training.jinja (the ATEM protocol)
+    "cfc67e5f349f37690dfd31ed1f18bc4442a9dd32fe39a648f993cb4eb3cae678": "muse_glimmer",
+    "6eec84ccc527ef03efdcad19e64e5a4347d22c13c5d80fadcaf289ca3457ced9": "muse_glimmer",
     # Templates without tools, and their training variants: text only.
     # deepseekv3.jinja: the prompt opens <think> and earlier reasoning is dropped, as DeepSeek-R1's
     "563b1ce7d61d50a9b4c7439a912a1116f095b712df5b5e4d3e1116049874eb64": "deepseek_r1",

@@ -51,6 +51,7 @@ E2E_FAMILIES = [
     "deepseek_r1_distill",
     "gemma4_v5",
     "lfm2_2_5_v2",
+    "muse_glimmer",
     # templates without tools: a two-question chat each
     "gemma3",
     "phi3_5",

@@ -132,7 +132,7 @@ def test_generation_prompt_without_thinking(key):
         assert (parsed.content, parsed.reasoning, parsed.ill_formed) == ("Hello there.", "", False)
 
 
-@pytest.mark.parametrize("key", ["qwen3_5_think", "nemotron_3_nano", "glm4moe"])
+@pytest.mark.parametrize("key", ["qwen3_5_think", "nemotron_3_nano", "glm4moe", "muse_glimmer"])
 def test_string_arguments_are_typed_by_the_tool_schema(key):
     """XML-style values are text: cast by the tool's JSON schema, kept as text without one."""
     tokenizer = family_tokenizer(key)
@@ -221,6 +221,28 @@ _BAD: dict[str, list[tuple[str, str]]] = {
         ("<|tool_call_start|>[search(query='x', query='y')]<|tool_call_end|>", "given twice"),
         ("<think>I was cut off", "unterminated <think>"),
     ],
+    "muse_glimmer": [
+        (" to=self<|message|>I was cut off", "ended inside its reasoning"),
+        (
+            ' to=search<|message|><atem:function_calls>\n<atem:invoke name="search">\n'
+            '<atem:parameter name="query">x</atem:parameter>\n',
+            "malformed <atem:function_calls>",
+        ),
+        (
+            ' to=search<|message|><atem:function_calls>\n<atem:invoke name="get_weather">\n'
+            "</atem:invoke>\n</atem:function_calls>",
+            "invokes 'get_weather'",
+        ),
+        (
+            ' to=search<|message|><atem:function_calls>\n<atem:invoke name="search">\n<atem:parameter name="q">x'
+            '</atem:parameter>\n<atem:parameter name="q">y</atem:parameter>\n</atem:invoke>\n</atem:function_calls>',
+            "given twice",
+        ),
+        (" to=user<|message|>Done.<|eom|><|start|>assistant to=self<|message|>r", "goes on after its text"),
+        (" to=user<|message|>ok<|eom|><|start|>assistant to=self<|message|>r<|eom|>", "goes on after its text"),
+        ("<|message|>No recipient.", "malformed ATEM message"),
+        (" to=user<|message|>a<|eom|>b", "goes on after its text"),
+    ],
     "deepseek_r1": [
         ("I was cut off while thinking", "unterminated <think>"),
         ("r\n</think>\n\nok\n<think>\nagain\n</think>", "malformed <think>"),
@@ -253,7 +275,7 @@ def test_hallucinated_tool_names_pass_through(writer):
 
 
 @pytest.mark.parametrize(
-    "key", ["qwen3_6", "glm4moe", "gptoss", "llama3_1", "nemotron_3_ultra", "gemma4_v5", "lfm2_2_5"]
+    "key", ["qwen3_6", "glm4moe", "gptoss", "llama3_1", "nemotron_3_ultra", "gemma4_v5", "lfm2_2_5", "muse_glimmer"]
 )
 def test_cut_by_max_tokens_mid_call_is_ill_formed_never_a_partial_list(key):
     """Two calls, the second cut anywhere: never one call out of two."""
@@ -323,6 +345,16 @@ _PIECES = [
     ")",
     "query=",
     "'x'",
+    " to=self",
+    " to=user",
+    " to=search",
+    "<|eom|>",
+    "<atem:function_calls>",
+    '<atem:invoke name="search">',
+    '<atem:parameter name="query">',
+    "</atem:parameter>",
+    "</atem:invoke>",
+    "</atem:function_calls>",
 ]
 
 
