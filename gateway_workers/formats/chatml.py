@@ -172,7 +172,11 @@ QWEN2_5 = ResponseFormat(
 # --- XML calls (Qwen3.5 / Nemotron-3) ---------------------------------------------------------------
 
 _PARAMETER = r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"
-_XML_CALL = re.compile(r"\s*<function=[^>\n]+>\s*(?:<parameter=[^>\n]+>.*?</parameter>\s*)*</function>\s*", re.DOTALL)
+# A value never spans its close tag (as the engines read it): one way to read each parameter, so a block
+# that fails to match fails in linear time (a lazy `.*?` there backtracks exponentially in the parameters).
+_XML_CALL = re.compile(
+    r"\s*<function=[^>\n]+>\s*(?:<parameter=[^>\n]+>(?:(?!</parameter>).)*</parameter>\s*)*</function>\s*", re.DOTALL
+)
 _XML_CALLS_TEMPLATE: dict[str, Any] = {
     "open_pattern": r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
     "close_pattern": r"</function>\s*</tool_call>",

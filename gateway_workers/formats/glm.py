@@ -21,7 +21,11 @@ ANCHOR = "<|assistant|>"
 END_MARKERS = ("<|observation|>", "<|user|>", "<|endoftext|>")
 _TEXT = {"content": "text", "content_args": {"strip": False}}
 _ARG = r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
-_CALL_BODY = re.compile(r"[^\n<]+\s*(?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*", re.DOTALL)
+# Neither a key nor a value spans its close tag, so a block that fails to match fails in linear time.
+_CALL_BODY = re.compile(
+    r"[^\n<]+\s*(?:<arg_key>(?:(?!</arg_key>).)*</arg_key>\s*<arg_value>(?:(?!</arg_value>).)*</arg_value>\s*)*",
+    re.DOTALL,
+)
 
 GLM4_MOE_TEMPLATE: dict[str, Any] = {
     "version": 1,

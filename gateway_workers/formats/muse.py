@@ -74,7 +74,8 @@ MUSE_SCHEMA: dict[str, Any] = {
 _MESSAGE = re.compile(r" to=(?P<to>[^\s<]+)<\|message\|>(?P<body>(?:(?!<\|(?:start|message|eom|eot)\|>).)*)", re.DOTALL)
 _CALL = re.compile(
     r'<atem:function_calls>\s*<atem:invoke name="(?P<name>[^"]*)">\s*'
-    r'(?P<parameters>(?:<atem:parameter name="[^"]*">.*?</atem:parameter>\s*)*)'
+    # a value never spans its close tag: one way to read each parameter, so a bad block fails in linear time
+    r'(?P<parameters>(?:<atem:parameter name="[^"]*">(?:(?!</atem:parameter>).)*</atem:parameter>\s*)*)'
     r"</atem:invoke>\s*</atem:function_calls>",
     re.DOTALL,
 )

@@ -14,6 +14,7 @@ import copy
 import json
 import re
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -272,6 +273,37 @@ def test_hallucinated_tool_names_pass_through(writer):
     parsed = detect_parser(tokenizer).parse(encode(tokenizer, out), prefix, ALL_TOOLS)
     assert not parsed.ill_formed, parsed.error
     assert parsed.tool_calls == [{"name": "launch_rockets", "arguments": {"count": "3"}}]
+
+
+# A call block with many arguments whose end is garbled: (prompt-free output, the error). A lazy value pattern
+# inside a repeated group backtracks exponentially in the arguments when the block fails to match.
+_MANY = 40
+_GARBLED_CALLS: dict[str, str] = {
+    "qwen3_6": "r\n</think>\n\n<tool_call>\n<function=search>\n"
+    + "".join(f"<parameter=k{i}>\nv\n</parameter>\n" for i in range(_MANY))
+    + "</functio>\n</tool_call>",
+    "nemotron_3_nano": "r\n</think>\n<tool_call>\n<function=search>\n"
+    + "".join(f"<parameter=k{i}>\nv\n</parameter>\n" for i in range(_MANY))
+    + "X\n</tool_call>\n",
+    "glm4moe": "\n<think>r</think>\n<tool_call>search\n"
+    + "".join(f"<arg_key>k{i}</arg_key>\n<arg_value>v</arg_value>\n" for i in range(_MANY))
+    + "X</tool_call>",
+    "muse_glimmer": ' to=search<|message|><atem:function_calls>\n<atem:invoke name="search">\n'
+    + "".join(f'<atem:parameter name="k{i}">v</atem:parameter>\n' for i in range(_MANY))
+    + "</atem:invoke>\n</atem:function_call>",
+}
+
+
+@pytest.mark.parametrize("key", sorted(_GARBLED_CALLS))
+def test_a_garbled_call_with_many_arguments_is_refused_in_linear_time(key):
+    tokenizer = family_tokenizer(key)
+    parser = detect_parser(tokenizer)
+    prefix = render(tokenizer, key, QUESTION, add_generation_prompt=True)
+    ids = encode(tokenizer, _GARBLED_CALLS[key] + FAMILIES[key].stop)
+    started = time.perf_counter()
+    parsed = parser.parse(ids, prefix, ALL_TOOLS)
+    assert time.perf_counter() - started < 2.0  # exponential backtracking would take longer than the suite
+    assert parsed.ill_formed and parsed.tool_calls == [], parsed
 
 
 @pytest.mark.parametrize(
