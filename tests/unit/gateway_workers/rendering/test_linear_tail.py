@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 from assets import TOOLS
-from fake_formats import FAMILIES, WRITERS, Family, family_tokenizer_dir
+from fake_formats import FAMILIES, WRITERS, Family
+from family_cases import family_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -132,7 +133,8 @@ _KITS: dict[str, Kit] = {}
 def make_kit(key: str) -> Kit:
     if key not in _KITS:
         family = FAMILIES[key]
-        tokenizer = load_tokenizer(family_tokenizer_dir(key))
+        # families with the same vocabulary and added tokens share one backend, and so its built twins
+        tokenizer = family_tokenizer(key)
         parser = detect_parser(tokenizer)
         fmt = parser.format  # type: ignore[attr-defined]
         _KITS[key] = Kit(
