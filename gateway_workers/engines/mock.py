@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import random
-import re
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -39,7 +38,7 @@ _WORDS = (
     "the agent checks each result before it answers and keeps the plan short so that every step "
     "is easy to verify with a tool or a quick look at the data while the task stays on track"
 ).split()
-_TOOLS_BLOCK = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+_TOOLS_OPEN, _TOOLS_CLOSE = "<tools>\n", "\n</tools>"
 _TOOL_SCAN_TOKENS = 8192  # tools live in the system prompt, at the start
 _TOOL_CACHE_SIZE = 256  # distinct system prompts remembered (one per agent type, typically)
 _LOGPROB_STEPS = 8192  # logprobs are -k/1024 for k in [1, 8192): exact in float32
@@ -163,11 +162,13 @@ def _sentence(rng: random.Random, words: int) -> str:
 
 def _parse_tools(text: str) -> list[dict[str, Any]]:
     """Function signatures from a rendered `<tools>` block: [{"name", "properties"}]."""
-    match = _TOOLS_BLOCK.search(text)
-    if match is None:
+    # str.find, not a lazy regex: that would rescan the rest of the prompt from every unclosed `<tools>`.
+    start = text.find(_TOOLS_OPEN)
+    end = text.find(_TOOLS_CLOSE, start + len(_TOOLS_OPEN)) if start >= 0 else -1
+    if end < 0:
         return []
     tools = []
-    for line in match.group(1).splitlines():
+    for line in text[start + len(_TOOLS_OPEN) : end].splitlines():
         try:
             spec = json.loads(line)
         except ValueError:

@@ -39,6 +39,22 @@ TYPED_TOOLS_SINCE = Version("5.15")  # parse_response(tools=) casts string argum
 LEGACY_UNTIL = Version("5.15")  # response_schema (recursive_parse) was removed here
 
 
+# Engine patterns must stay linear in a long run of text (a model can emit 100k spaces):
+# - One that opens with `\s*` may start only where a run of whitespace starts (or where the search does):
+#   the leftmost match starts there anyway, and otherwise every character of the run is retried. The
+#   legacy engine's `re` has no `\G`.
+# - The declarative engine searches with the `regex` module's partial matching, on every chunk. There a
+#   literal that follows a repeat (`\s*<tool_call>`, `[^<]*<|message|>`) is looked for from each start
+#   position to the end of the text; inside an alternation (`\s+X|X`, or `X|(?!)`, whose second branch
+#   never matches) it is not. `test_formats` times every format on such runs.
+AT_SPACE_RUN = r"(?:\G|(?<!\s))"
+AT_SPACE_RUN_LEGACY = r"(?<!\s)"
+SPACES_THEN_TOOL_CALL = AT_SPACE_RUN + r"(?:\s+<tool_call>|<tool_call>)"  # `\s*<tool_call>`
+
+
+_TOO_DEEP = "tool call arguments nested too deeply to read"
+
+
 class ParserUnavailable(Exception):
     """No response parser fits this tokenizer/template or this transformers: the message says what to change."""
 
@@ -181,8 +197,7 @@ def parsing_engine() -> Engine:
     if version >= Version("5.0"):
         return "schema"
     raise ParserUnavailable(
-        f"response parsing needs transformers >= 5.0; found {version}: "
-        "pip install -U 'transformers>=5.0,<6'"
+        f"response parsing needs transformers >= 5.0; found {version}: pip install -U 'transformers>=5.0,<6'"
     )
 
 
@@ -243,11 +258,16 @@ class FormatParser:
         text = strip_end(text, self.format.end_markers)
         head = self.prefix_head(prefix)
         body = head + text
-        verdict = self.format.check(body)
+        try:
+            verdict = self.format.check(body)
+        except RecursionError:  # the readers recurse into nested values: nesting this deep is no real call
+            return ill_formed(text, _TOO_DEEP)
         if isinstance(verdict, str):
             return ill_formed(text, verdict)
         try:
             parsed = self._read(body, text, head, tools)
+        except RecursionError:
+            return ill_formed(text, _TOO_DEEP)
         except (ValueError, TypeError, KeyError, IndexError) as e:  # the engines' verdicts on malformed output
             return ill_formed(text, f"unparseable reply: {type(e).__name__}: {str(e)[:300]}")
         except Exception as e:  # not a verdict but a failure: still never a 500 for the agent, but logged

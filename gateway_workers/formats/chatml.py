@@ -15,7 +15,7 @@ import re
 from functools import partial
 from typing import Any
 
-from gateway_workers.formats.base import NativeReader, ResponseFormat
+from gateway_workers.formats.base import AT_SPACE_RUN_LEGACY, SPACES_THEN_TOOL_CALL, NativeReader, ResponseFormat
 from gateway_workers.formats.checks import THINK, TOOL_CALL, check_tagged, fullmatch_check
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
@@ -27,7 +27,7 @@ _TEXT = {"content": "text", "content_args": {"strip": False}}
 
 # The leading \s* on the call opener swallows the newline the templates put between text and calls.
 _JSON_CALLS_TEMPLATE: dict[str, Any] = {
-    "open_pattern": r"\s*<tool_call>",
+    "open_pattern": SPACES_THEN_TOOL_CALL,
     "close": "</tool_call>",
     "repeats": True,
     "content": "json",
@@ -37,6 +37,7 @@ _JSON_CALLS_SCHEMA: dict[str, Any] = {
     "x-regex-iterator": r"<tool_call>(.*?)</tool_call>",
     "items": {"x-parser": "json"},  # untyped: a non-object is our verdict, not an engine error
 }
+_CALLS_REMOVED = AT_SPACE_RUN_LEGACY + r"\s*<tool_call>.*?</tool_call>"
 _REASONING_TEMPLATE: dict[str, Any] = {"open": "<think>", "close": "</think>", **_TEXT}
 _REASONING_SCHEMA: dict[str, Any] = {"type": "string", "x-regex": r"<think>(.*?)</think>"}
 
@@ -66,7 +67,7 @@ def _think_then_calls(
         "properties": {
             "reasoning": _REASONING_SCHEMA,
             "tool_calls": calls_schema,
-            "content": _content_schema(r"<think>.*?</think>", r"\s*<tool_call>.*?</tool_call>"),
+            "content": _content_schema(r"<think>.*?</think>", _CALLS_REMOVED),
         },
     }
     return template, schema
@@ -82,7 +83,7 @@ QWEN2_5_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "tool_calls": _JSON_CALLS_SCHEMA,
-        "content": _content_schema(r"\s*<tool_call>.*?</tool_call>"),
+        "content": _content_schema(_CALLS_REMOVED),
     },
 }
 
@@ -178,7 +179,7 @@ _XML_CALL = re.compile(
     r"\s*<function=[^>\n]+>\s*(?:<parameter=[^>\n]+>(?:(?!</parameter>).)*</parameter>\s*)*</function>\s*", re.DOTALL
 )
 _XML_CALLS_TEMPLATE: dict[str, Any] = {
-    "open_pattern": r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+    "open_pattern": SPACES_THEN_TOOL_CALL + r"(?:\s+<function=|<function=)(?P<name>[^>\n]+)(?:>|(?!))",
     "close_pattern": r"</function>\s*</tool_call>",
     "repeats": True,
     "content": "xml-inline",

@@ -38,7 +38,7 @@ GEMMA4_TEMPLATE, GEMMA4_SCHEMA = text_blocks_grammar(
 _KEY = re.compile(r"[^\s:{}\[\],<>]+")
 _SCALAR = re.compile(r"[^,}\]\s<]+")
 _INTEGER = re.compile(r"-?\d+")
-_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|-?inf|nan")
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|-?inf|nan")
 _LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None, "None": None}
 
 

@@ -13,7 +13,7 @@ import re
 from functools import partial
 from typing import Any
 
-from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.base import AT_SPACE_RUN_LEGACY, SPACES_THEN_TOOL_CALL, ResponseFormat
 from gateway_workers.formats.checks import THINK, TOOL_CALL, check_tagged, fullmatch_check
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
@@ -23,7 +23,7 @@ _TEXT = {"content": "text", "content_args": {"strip": False}}
 _ARG = r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
 # Neither a key nor a value spans its close tag, so a block that fails to match fails in linear time.
 _CALL_BODY = re.compile(
-    r"[^\n<]+\s*(?:<arg_key>(?:(?!</arg_key>).)*</arg_key>\s*<arg_value>(?:(?!</arg_value>).)*</arg_value>\s*)*",
+    r"[^\n<]+(?:\n\s*)?(?:<arg_key>(?:(?!</arg_key>).)*</arg_key>\s*<arg_value>(?:(?!</arg_value>).)*</arg_value>\s*)*",
     re.DOTALL,
 )
 
@@ -34,7 +34,7 @@ GLM4_MOE_TEMPLATE: dict[str, Any] = {
     "fields": {
         "reasoning": {"open": "<think>", "close": "</think>", **_TEXT},
         "tool_calls": {
-            "open_pattern": r"\s*<tool_call>(?P<name>[^\n<]+)",
+            "open_pattern": SPACES_THEN_TOOL_CALL + r"(?P<name>[^\n<]+)",
             "close": "</tool_call>",
             "repeats": True,
             "content": "xml-inline",
@@ -61,7 +61,10 @@ GLM4_MOE_SCHEMA: dict[str, Any] = {
         },
         "content": {
             "type": "string",
-            "x-regex-substitutions": [[r"<think>.*?</think>", ""], [r"\s*<tool_call>.*?</tool_call>", ""]],
+            "x-regex-substitutions": [
+                [r"<think>.*?</think>", ""],
+                [AT_SPACE_RUN_LEGACY + r"\s*<tool_call>.*?</tool_call>", ""],
+            ],
         },
     },
 }

@@ -20,9 +20,19 @@ END_MARKERS = ("<|return|>", "<|call|>", "<|endoftext|>")
 _TEXT = {"content": "text", "content_args": {"strip": False}}
 # A tool-call header: `[<|start|>assistant] to=functions.X<|channel|>commentary json<|message|>` or
 # `<|channel|>commentary to=functions.X <|constrain|>json<|message|>`; the lookahead finds the name in either.
-_CALL_HEADER = (
-    r"(?:<\|start\|>assistant)?(?=[^<]*(?:<\|channel\|>[^<]*)?to=functions\.(?P<name>[^\s<]+))"
-    r"[^<]*<\|channel\|>commentary[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>"
+_CALL_NAME = r"(?:<\|start\|>assistant)?(?=[^<]*(?:<\|channel\|>[^<]*)?to=functions\.(?P<name>[^\s<]+))"
+# It starts at the search start, at the start of a run without '<', or at `<|start|>assistant`: the leftmost
+# match always does, and trying only those keeps the lookahead from rescanning a long run of reasoning
+# from each of its characters. The template's literals sit in alternations (see `formats.base`).
+_TEMPLATE_CALL_HEADER = (
+    r"(?:\G|(?<![^<])|(?=<\|start\|>assistant))"
+    + _CALL_NAME
+    + r"[^<]*(?:<\|channel\|>commentary|(?!))[^<]*(?:<\|constrain\|>[^<]*)?(?:<\|message\|>|(?!))"
+)
+_SCHEMA_CALL_HEADER = (
+    r"(?:(?<![^<])|(?=<\|start\|>assistant))"
+    + _CALL_NAME
+    + r"[^<]*<\|channel\|>commentary[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>"
 )
 
 GPT_OSS_TEMPLATE: dict[str, Any] = {
@@ -42,7 +52,7 @@ GPT_OSS_TEMPLATE: dict[str, Any] = {
             **_TEXT,
         },
         "tool_calls": {
-            "open_pattern": _CALL_HEADER,
+            "open_pattern": _TEMPLATE_CALL_HEADER,
             "close_pattern": r"<\|call\|>",
             "repeats": True,
             "content": "json",
@@ -65,7 +75,7 @@ GPT_OSS_SCHEMA: dict[str, Any] = {
         },
         "tool_calls": {
             "type": "array",
-            "x-regex-iterator": _CALL_HEADER + r"(?P<arguments>.*?)(?:<\|call\|>|\Z)",
+            "x-regex-iterator": _SCHEMA_CALL_HEADER + r"(?P<arguments>.*?)(?:<\|call\|>|\Z)",
             "items": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"x-parser": "json"}}},
         },
     },

@@ -30,7 +30,7 @@ LFM2_TEMPLATE, LFM2_SCHEMA = text_blocks_grammar({"start_anchor": ANCHOR}, THINK
 _NAME = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*")
 _SCALAR = re.compile(r"[^,)\]}\s:]+")
 _INTEGER = re.compile(r"-?\d+")
-_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 _LITERALS: dict[str, Any] = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", "'": "'", '"': '"'}
 

@@ -13,12 +13,12 @@ import json
 import re
 from typing import Any
 
-from gateway_workers.formats.base import ResponseFormat
+from gateway_workers.formats.base import AT_SPACE_RUN, ResponseFormat
 from gateway_workers.formats.live_split import LiveDelta, Reader, TagGrammar, TagSplitter
 
 ANCHOR = "<|start_header_id|>assistant<|end_header_id|>\n\n"
 END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
-_CALL_START = re.compile(r'\s*(?:<\|python_tag\|>)?\s*(?=\{\s*"name"\s*:)')
+_CALL_START = re.compile(r'\s*(?:<\|python_tag\|>\s*)?(?=\{\s*"name"\s*:)')
 _DECODER = json.JSONDecoder()
 
 LLAMA3_TEMPLATE: dict[str, Any] = {
@@ -26,8 +26,10 @@ LLAMA3_TEMPLATE: dict[str, Any] = {
     "start_anchor": ANCHOR,
     "fields": {
         "tool_calls": {
-            "open_pattern": r'\A\s*(?:<\|python_tag\|>)?\s*(?=\{\s*"name"\s*:)|\s*;\s*(?=\{\s*"name"\s*:)',
-            "close_pattern": r'(?=\s*;\s*\{\s*"name"\s*:)',
+            "open_pattern": r'\A\s*(?:<\|python_tag\|>\s*)?(?=\{\s*"name"\s*:)|'
+            + AT_SPACE_RUN
+            + r'\s*;\s*(?=\{\s*"name"\s*:)',
+            "close_pattern": AT_SPACE_RUN + r'(?=\s*;\s*\{\s*"name"\s*:)',
             "repeats": True,
             "content": "json",
         },
@@ -39,10 +41,12 @@ LLAMA3_SCHEMA: dict[str, Any] = {
     "properties": {
         "tool_calls": {
             "type": "array",
-            "x-regex-iterator": r'(?:\A\s*(?:<\|python_tag\|>)?|;)\s*(\{\s*"name"\s*:.*?)\s*(?=;\s*\{\s*"name"\s*:|\Z)',
+            # A call ends where its trailing spaces start: `(?<!\s)` keeps `.*?` from retrying inside them.
+            "x-regex-iterator": r'(?:\A\s*(?:<\|python_tag\|>\s*)?|;\s*)(\{\s*"name"\s*:.*?)'
+            r'(?<!\s)\s*(?=;\s*\{\s*"name"\s*:|\Z)',
             "items": {"x-parser": "json"},  # untyped: a non-object is our verdict, not an engine error
         },
-        "content": {"type": "string", "x-regex": r'\A(?!\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:)(.*)\Z'},
+        "content": {"type": "string", "x-regex": r'\A(?!\s*(?:<\|python_tag\|>\s*)?\{\s*"name"\s*:)(.*)\Z'},
     },
 }
 

@@ -339,6 +339,16 @@ def test_mock_emits_parseable_tool_calls_on_schedule(builtin_tokenizer):
     assert not parser.parse(plain.output_ids, "").tool_calls
 
 
+def test_mock_reads_the_tools_of_a_hostile_prompt_in_linear_time(builtin_tokenizer):
+    """A client controls the prompt: thousands of unclosed `<tools>` must not stall the worker's event loop."""
+    eng = mock(builtin_tokenizer, mock_tool_call_every=1, mock_output_tokens=8)
+    hostile = builtin_tokenizer.encode("<tools>\n" * 4000, add_special_tokens=False)[:8000]
+    started = time.perf_counter()
+    result = asyncio.run(eng.generate(hostile, PARAMS, session_id="s", request_id="h"))
+    assert time.perf_counter() - started < 0.3  # rescanning the rest from every open took seconds
+    assert "<tool_call>" not in builtin_tokenizer.decode(result.output_ids)  # no tools were declared
+
+
 def test_mock_delay_is_honoured_and_cancellable(builtin_tokenizer):
     prompt_ids = Renderer(builtin_tokenizer).render(CONVERSATION).prompt_ids
     eng = mock(builtin_tokenizer, mock_delay_s=0.2, mock_per_token_s=0.001, mock_output_tokens=10)

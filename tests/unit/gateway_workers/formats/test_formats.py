@@ -17,6 +17,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_formats import FAMILIES, WRITERS, template_path, trl_templates_dir
@@ -33,6 +34,7 @@ from gateway_workers.formats import (
     PlainTextParser,
     detect_parser,
     known_templates,
+    parsing_engine,
     resolve_format,
     template_from_dir,
     template_sha256,
@@ -304,6 +306,112 @@ def test_a_garbled_call_with_many_arguments_is_refused_in_linear_time(key):
     parsed = parser.parse(ids, prefix, ALL_TOOLS)
     assert time.perf_counter() - started < 2.0  # exponential backtracking would take longer than the suite
     assert parsed.ill_formed and parsed.tool_calls == [], parsed
+
+
+# Long runs a degenerate model emits (prompt-free output, whether the reply is ill-formed). Each took the old
+# patterns seconds to minutes: a pattern retried from every character of the run, or rescanned the rest.
+_LONG = 40_000
+_LONG_RUNS: dict[str, tuple[str, str, bool]] = {
+    "reasoning text": (
+        "gptoss",
+        "<|channel|>analysis<|message|>" + "word " * (_LONG // 10) + "<|end|><|start|>assistant<|channel|>final"
+        "<|message|>ok",
+        False,
+    ),
+    "spaces in text, JSON calls": ("qwen3", "<think>\nr\n</think>\n\nx" + " " * _LONG + "y", False),
+    "spaces in text, XML calls": ("qwen3_6", "r\n</think>\n\nx" + " " * _LONG + "y", False),
+    "spaces in text, GLM calls": ("glm4moe", "\n<think>r</think>\nx" + " " * _LONG + "y", False),
+    "spaces in text, Llama calls": ("llama3_1", "x" + " " * _LONG + "y", False),
+    "leading spaces, Llama calls": ("llama3_1", " " * _LONG + "x", False),
+    "spaces after a GLM call name": (
+        "glm4moe",
+        "\n<think>r</think>\n<tool_call>search" + " " * _LONG + "<x</tool_call>",
+        True,
+    ),
+    "digits, Gemma value": ("gemma4_v5", "<|tool_call>call:search{n:" + "1" * (_LONG // 4) + "x}<tool_call|>", True),
+    "digits, LFM2 value": (
+        "lfm2_2_5",
+        "<|tool_call_start|>[search(n=" + "1" * (_LONG // 4) + "x)]<|tool_call_end|>",
+        True,
+    ),
+    "nesting, Gemma value": (
+        "gemma4_v5",
+        "<|tool_call>call:search{a:" + "{a:" * 5000 + "1" + "}" * 5001 + "<tool_call|>",
+        True,
+    ),
+    "nesting, LFM2 value": (
+        "lfm2_2_5",
+        "<|tool_call_start|>[search(a=" + "[" * 5000 + "1" + "]" * 5000 + ")]<|tool_call_end|>",
+        True,
+    ),
+    "nesting, JSON value": (
+        "qwen3",
+        '<think>\nr\n</think>\n\n<tool_call>\n{"name": "search", "arguments": {"a": '
+        + "[" * 100_000
+        + "]" * 100_000
+        + "}}\n</tool_call>",
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LONG_RUNS))
+def test_a_long_run_in_a_reply_is_read_in_linear_time(case):
+    """The worker must not stall (nor fail) on what a degenerate model emits: a verdict, fast."""
+    key, output, broken = _LONG_RUNS[case]
+    tokenizer = family_tokenizer(key)
+    parser = detect_parser(tokenizer)
+    prefix = render(tokenizer, key, QUESTION, add_generation_prompt=True)
+    started = time.perf_counter()
+    parsed = parser.read_text(output + FAMILIES[key].stop, prefix, ALL_TOOLS)  # a 40k-space word is slow to encode
+    assert time.perf_counter() - started < 2.0
+    assert parsed.ill_formed == broken, parsed.error
+    assert parsed.tool_calls == []
+
+
+def _engine_patterns(fmt) -> list[tuple[str, Any, bool]]:
+    """(where, compiled pattern, searched partially) for each pattern the parsing engine runs on a reply."""
+    found: list[tuple[str, Any, bool]] = []
+    if parsing_engine() == "template":
+        from transformers.utils.chat_parsing.response_templates import load_response_template
+
+        spec = load_response_template(dict(fmt.template))
+        for field in spec.fields.values():
+            for kind in ("open_re", "close_re"):
+                if getattr(field, kind) is not None:
+                    found += [(f"{field.name}.{kind}", getattr(field, kind), partial) for partial in (True, False)]
+        return found
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if name in ("x-regex", "x-regex-iterator", "x-regex-key-value"):
+                    found.append((f"{where}.{name}", re.compile(value, re.DOTALL), False))
+                elif name == "x-regex-substitutions":
+                    found.extend((f"{where}.{name}", re.compile(p, re.DOTALL), False) for p, _ in value)
+                else:
+                    walk(value, f"{where}.{name}")
+
+    walk(dict(fmt.schema), "schema")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_engine_pattern_is_linear_in_a_long_run(name):
+    """Every pattern the engine runs, on runs of the characters replies are made of: a pattern that is
+    quadratic in one (as `\\s*<tool_call>` was under partial matching) takes seconds here."""
+    slow = []
+    for where, pattern, partial in _engine_patterns(FORMATS[name]):
+        for char in (" ", "\n", "a", "1", "<", "{", ";", ","):
+            text = "x" + char * 50_000 + "y"
+            started = time.perf_counter()
+            if partial:
+                pattern.search(text, 0, partial=True)
+            else:
+                list(pattern.finditer(text))
+            if time.perf_counter() - started > 0.25:
+                slow.append((where, char, partial))
+    assert not slow, slow
 
 
 @pytest.mark.parametrize(
