@@ -82,12 +82,15 @@ def _agent(base_url: str, sid: str, k: int, seen: Counter[Any]) -> None:
 
 
 def _settled(root: str, seen: Counter[Any]) -> Samples | None:
-    """A scrape once it counts every committed turn (the other worker's last counts come with its next beat)."""
+    """A scrape once it counts every committed and refused turn (the other worker's last counts come with its
+    next beat, and a refusal can come after the beat that carried the commits)."""
     samples = scrape(root)
     committed = total(samples, "rollout_gateway_turns_total", outcome="committed")
+    refused = total(samples, "rollout_gateway_turns_total", outcome="refused")
     stages = [total(samples, "rollout_gateway_turn_duration_seconds_count", stage=s) for s in STAGES]
     turns = sum(n for key, n in seen.items() if isinstance(key, tuple))
-    return samples if committed == turns and stages == [turns] * len(STAGES) else None
+    settled = committed == turns and refused == seen["refused"] and stages == [turns] * len(STAGES)
+    return samples if settled else None
 
 
 def test_one_scrape_of_any_worker_counts_the_whole_gateway() -> None:
