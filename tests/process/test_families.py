@@ -1,10 +1,12 @@
 """One multi-turn tool episode per model family through `rollout-gateway serve`, and the operator's format controls.
 
 Per family: the family's test tokenizer carrying its real template (trl's copy), the fake engine
-writing that family's reply syntax (`--format`), one gateway with one worker, the official openai
+writing that family's reply syntax (`--format`), one gateway with two workers, the official openai
 SDK as agent (one plain and one streaming session). Checked: every call the engine emitted reached
 the agent with its arguments typed, the echoes extend the row (one row where the template
-re-renders replies exactly), and every sampled token is trained once (`assert_fidelity`). Then:
+re-renders replies exactly), and every sampled token is trained once (`assert_fidelity`). Then the
+same agent in a linear session, stripping its replies' reasoning and a connection per request (its
+turns spread over both workers): one row, each prompt the ids the engine saw + a tail. Then:
 an unknown template refuses to start, `--response-format` overrides detection, and
 `--allow-plain-text` serves text but answers requests with tools with a 400.
 """
@@ -29,6 +31,7 @@ from assets import FAKE_ENGINE_START_TIMEOUT_S, TOOLS, FakeEngine
 from fake_formats import FAMILIES, WRITERS, family_tokenizer_dir, plan, read_prompt, template_path
 from fidelity import assert_fidelity
 from processes import TestProcess
+from scrapes import worker_snapshots
 
 from broker.protocol import ids_array, logprobs_array
 from broker.sessions.turn_record import TurnRecord
@@ -210,7 +213,7 @@ def serve_family(
 def family_gateway(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, FakeEngine, str]]:
     key = request.param
     engine_kind = "sglang" if E2E_FAMILIES.index(key) % 2 else "vllm"  # both wire formats
-    with serve_family(key, engine_kind) as (gw, engine, tokenizer_dir):
+    with serve_family(key, engine_kind, workers=2) as (gw, engine, tokenizer_dir):
         yield key, gw, engine, tokenizer_dir
 
 
@@ -246,11 +249,52 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
             assert len(records) == len(turns) and records[1].metadata["row_start"] in ("realign", "fork")
         else:
             assert len(records) == 1, [r.metadata for r in records]  # every echo extended the row exactly
+    _linear_episode_is_one_row(gw, key, engine, policy, tools)
     fmt = FORMATS[family.format_name]
     if not fmt.supports_tools:
         _tools_are_refused(gw, family.format_name)
     if fmt.supports_tools or fmt.reasoning:  # a text-only reply cut short is just shorter text
         _cut_reply_is_raw_and_flagged(gw, tok, policy, prompts[0], family)
+
+
+def connection_per_request(gw: Any, sid: str) -> openai.OpenAI:
+    """An agent that opens a connection per request, so consecutive turns land on either worker."""
+    http = httpx.Client(headers={"Connection": "close"}, timeout=60)
+    return openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60, http_client=http)
+
+
+def held_counts(gw: Any) -> dict[int, dict[str, float]]:
+    """Each worker's linear_held_local / linear_held_fetched counters (its own snapshot)."""
+    root = gw.base_url.removesuffix("/v1")
+    events = ("held_local", "held_fetched")
+    return {pid: {f"linear_{event}": values.get(f"linear_history:{event}", 0) for event in events}
+            for pid, values in worker_snapshots(root, 2).items()}  # fmt: skip
+
+
+def _linear_episode_is_one_row(gw: Any, key: str, engine: FakeEngine, policy: Any, tools: Any) -> list[Any]:
+    """An agent that strips its replies' reasoning (a row per turn in tree mode on thinking templates), in a
+    linear session: one row, every sampled token trained once right after the ids the engine saw, and each
+    turn's prompt the previous prompt + output + a tail. Returns the session's records."""
+    before, held_before = gw.client.stats(), held_counts(gw)
+    sid = gw.client.open_session(sampling_defaults={"temperature": 1.0}, history_mode="linear")
+    received = _run_agent(connection_per_request(gw, sid), tools, False, echo_reasoning=False)
+    records = gw.client.finish_session(sid, reward=1.0, wait_timeout=10.0)
+    turns, prompts = _engine_turns(engine, sid, policy)
+    assert len(turns) == len(received) >= 2
+    assert_fidelity(turns, records)
+    assert len(records) == 1, (key, [r.metadata for r in records])
+    assert len(records[0].metadata["turn_ids"]) == len(turns)
+    for turn, nxt in zip(turns, prompts[1:], strict=False):  # each prompt extends what the engine saw
+        held = list(turn.prompt_ids) + list(turn.output_ids)
+        assert nxt[: len(held)] == held, key
+    stats = gw.client.stats()
+    assert stats["linear_first"] - before["linear_first"] == 1
+    assert stats["linear_turns"] - before["linear_turns"] == len(turns) - 1
+    assert stats["linear_forks"] == before["linear_forks"] and stats["linear_rerenders"] == before["linear_rerenders"]
+    held_after = held_counts(gw)
+    held = sum(sum(w.values()) for w in held_after.values()) - sum(sum(w.values()) for w in held_before.values())
+    assert held == len(turns) - 1, (held_before, held_after)  # every turn after the first held its head's ids
+    return records
 
 
 def _tools_are_refused(gw: Any, format_name: str) -> None:

@@ -1,11 +1,8 @@
-"""Linear history through `rollout-gateway serve` with two workers: one row per append-only episode.
+"""Linear history through `rollout-gateway serve` with two workers, on Qwen3 (every family's linear tool episode
+runs in `test_families`).
 
-Per family (the family's test tokenizer with its real template, the fake engine writing its reply syntax):
-a tool episode whose agent strips the reasoning from its echoes (the case where a tree session gets a row
-per turn on thinking templates) runs in a linear session and in a tree session, turns spread over both
-workers. Linear: exactly one row, every sampled token trained once right after the ids the engine saw
-(`assert_fidelity` against the engine's own log), each prompt the previous prompt + output + a tail, and
-the broker counts the turns as linear. Then the fallbacks on one family: a sub-agent with its own system
+A tool episode whose agent strips the reasoning from its echoes is a row per turn in a tree session and one
+row in a linear session, turns spread over both workers. Then the fallbacks: a sub-agent with its own system
 prompt inside a linear session forks (two lines, both linear), `reject` answers a 400 naming the first
 message that differs and records nothing, streamed replies and the messages and responses dialects are
 one row too, and a broker killed mid-episode (`--state-dir`) comes back with the session's heads.
@@ -22,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 from assets import TOOLS, FakeEngine, wait_until
@@ -30,79 +26,42 @@ from dialects import ANTHROPIC_TOOLS, RESPONSES_TOOLS, SYSTEM, tool_output
 from fake_formats import FAMILIES
 from fidelity import assert_fidelity
 from scrapes import worker_snapshots
-from test_families import _engine_turns, _policy, _run_agent, serve_family
+from test_families import (
+    _engine_turns,
+    _linear_episode_is_one_row,
+    _policy,
+    _run_agent,
+    connection_per_request,
+    held_counts,
+    serve_family,
+)
 from test_serve_durability import RESTART_WITHIN_S, broker_pid
 
 MAX_TURNS = 6
-# One template per reply format: thinking templates that drop or rewrite earlier reasoning, and templates
-# that re-render replies as sampled.
-LINEAR_FAMILIES = [
-    "qwen3", "qwen3_instruct_2507", "qwen3_6", "nemotron_3_nano", "glm4moe", "gptoss", "llama3_2",
-    "deepseek_r1_distill",
-]  # fmt: skip
-
-
-def _client(gw: Any, sid: str) -> openai.OpenAI:
-    """A connection per request, so consecutive turns land on either worker."""
-    http = httpx.Client(headers={"Connection": "close"}, timeout=60)
-    return openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60, http_client=http)
-
-
-def _held_counts(gw: Any) -> dict[int, dict[str, float]]:
-    """Each worker's linear_held_local / linear_held_fetched counters (its own snapshot)."""
-    root = gw.base_url.removesuffix("/v1")
-    events = ("held_local", "held_fetched")
-    return {pid: {f"linear_{event}": values.get(f"linear_history:{event}", 0) for event in events}
-            for pid, values in worker_snapshots(root, 2).items()}
 
 
 def _episode(gw: Any, sid: str, tools: Any, **kwargs: Any) -> list[Any]:
     """A tool loop whose agent echoes each reply without its reasoning, a connection per request."""
-    return _run_agent(_client(gw, sid), tools, False, echo_reasoning=False, **kwargs)
+    return _run_agent(connection_per_request(gw, sid), tools, False, echo_reasoning=False, **kwargs)
 
 
-@pytest.fixture(params=LINEAR_FAMILIES)
-def family_gateway(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, FakeEngine, str]]:
-    key = request.param
-    with serve_family(key, "sglang" if LINEAR_FAMILIES.index(key) % 2 else "vllm", workers=2) as (gw, engine, path):
-        yield key, gw, engine, path
-
-
-def test_an_append_only_episode_is_one_row_in_linear_mode(family_gateway: tuple[str, Any, FakeEngine, str]) -> None:
-    key, gw, engine, tokenizer_dir = family_gateway
-    family = FAMILIES[key]
-    _, policy = _policy(tokenizer_dir, family.writer)
-    tools = TOOLS if family.tools else None
-    before = gw.client.stats()
-    rows: dict[str, int] = {}
-    least_extended = 0
-    for mode in ("tree", "linear"):
-        sid = gw.client.open_session(sampling_defaults={"temperature": 1.0}, history_mode=mode)
-        received = _episode(gw, sid, tools)
-        # Each worker decodes whole the first two bodies of a session it sees, then only what the next ones add.
-        least_extended += max(0, len(received) - 4)
+def test_an_append_only_episode_is_a_row_per_turn_in_tree_mode_and_one_row_in_linear_mode() -> None:
+    """Qwen3's template re-renders a reply without its reasoning: in tree mode each echo starts a row. (Every
+    family's linear episode runs in `test_families`.) The linear session's bodies are decoded by what they add."""
+    with serve_family("qwen3", "vllm", workers=2) as (gw, engine, tokenizer_dir):
+        _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
+        sid = gw.client.open_session(sampling_defaults={"temperature": 1.0}, history_mode="tree")
+        received = _episode(gw, sid, TOOLS)
         records = gw.client.finish_session(sid, reward=1.0, wait_timeout=10.0)
-        turns, prompts = _engine_turns(engine, sid, policy)
-        assert len(turns) == len(received) >= 2
+        turns, _ = _engine_turns(engine, sid, policy)
         assert_fidelity(turns, records)
-        rows[mode] = len(records)
-        if mode == "linear":
-            assert len(records) == 1, [r.metadata for r in records]
-            for turn, nxt in zip(turns, prompts[1:], strict=False):  # each prompt extends what the engine saw
-                held = list(turn.prompt_ids) + list(turn.output_ids)
-                assert nxt[: len(held)] == held, key
-            assert records[0].metadata["turn_ids"] and len(records[0].metadata["turn_ids"]) == len(turns)
-    stats = gw.client.stats()
-    assert stats["linear_first"] - before["linear_first"] == 1  # the tree session counts nowhere
-    assert stats["linear_turns"] - before["linear_turns"] == len(turns) - 1
-    assert stats["linear_forks"] == before["linear_forks"] and stats["linear_rerenders"] == before["linear_rerenders"]
-    if key == "qwen3":  # the tree session re-rendered each reply without its reasoning: a row per turn
-        assert rows["tree"] == len(turns), rows
-    held = _held_counts(gw)
-    assert sum(sum(w.values()) for w in held.values()) == len(turns) - 1, held
-    snapshots = worker_snapshots(gw.base_url.removesuffix("/v1"), 2).values()
-    extended = sum(w.get("request_bodies:extended", 0) for w in snapshots)
-    assert extended >= least_extended, (extended, least_extended)
+        assert len(records) == len(turns) == len(received) >= 3, [r.metadata for r in records]
+        linear = _linear_episode_is_one_row(gw, "qwen3", engine, policy, TOOLS)
+        # Each worker decodes whole the first two bodies of a session it sees, then only what the next ones add.
+        least_extended = max(0, len(linear[0].metadata["turn_ids"]) - 4) + max(0, len(received) - 4)
+        snapshots = worker_snapshots(gw.base_url.removesuffix("/v1"), 2).values()
+        extended = sum(w.get("request_bodies:extended", 0) for w in snapshots)
+        assert extended >= least_extended, (extended, least_extended)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +74,7 @@ def qwen3_gateway() -> Iterator[tuple[Any, FakeEngine, str]]:
 def test_a_sub_agent_inside_a_linear_session_forks_and_both_lines_stay_linear(qwen3_gateway: Any) -> None:
     gw, engine, tokenizer_dir = qwen3_gateway
     _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
-    before, held_before = gw.client.stats(), _held_counts(gw)
+    before, held_before = gw.client.stats(), held_counts(gw)
     sid = gw.client.open_session()  # linear by the gateway's --history-mode
     main = _episode(gw, sid, TOOLS)
     sub = _episode(gw, sid, TOOLS, system="You are a sub-agent: look one city up.", question="Weather in Rome?")
@@ -127,9 +86,11 @@ def test_a_sub_agent_inside_a_linear_session_forks_and_both_lines_stay_linear(qw
     stats = gw.client.stats()
     assert stats["linear_forks"] - before["linear_forks"] == 1  # the sub-agent's first request
     assert stats["linear_turns"] - before["linear_turns"] == len(turns) - 2
-    after = _held_counts(gw)
-    held = {name: sum(w.get(name, 0) for w in after.values()) - sum(w.get(name, 0) for w in held_before.values())
-            for name in ("linear_held_local", "linear_held_fetched")}
+    after = held_counts(gw)
+    held = {
+        name: sum(w.get(name, 0) for w in after.values()) - sum(w.get(name, 0) for w in held_before.values())
+        for name in ("linear_held_local", "linear_held_fetched")
+    }
     assert held == {"linear_held_local": 0, "linear_held_fetched": len(turns) - 2}, held
 
 
@@ -141,7 +102,8 @@ def test_concurrent_requests_extending_one_turn_each_extend_it_on_a_row_of_its_o
     before = gw.client.stats()
     sid = gw.client.open_session()
     asked: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather?"}]
-    reply = _client(gw, sid).chat.completions.create(model="m", messages=asked, tools=TOOLS).choices[0].message
+    client = connection_per_request(gw, sid)
+    reply = client.chat.completions.create(model="m", messages=asked, tools=TOOLS).choices[0].message
     echo: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
     calls = reply.tool_calls or []
     if calls:
@@ -151,7 +113,9 @@ def test_concurrent_requests_extending_one_turn_each_extend_it_on_a_row_of_its_o
         new = [{"role": "tool", "tool_call_id": c.id, "content": answer} for c in calls] or [
             {"role": "user", "content": answer}
         ]
-        return _client(gw, sid).chat.completions.create(model="m", messages=[*asked, echo, *new], tools=TOOLS)
+        return connection_per_request(gw, sid).chat.completions.create(
+            model="m", messages=[*asked, echo, *new], tools=TOOLS
+        )
 
     with ThreadPoolExecutor(2) as pool:
         replies = list(pool.map(follow_up, ["sunny", "raining"]))
@@ -174,7 +138,7 @@ def test_a_streamed_episode_is_one_row_too(qwen3_gateway: Any) -> None:
     gw, engine, tokenizer_dir = qwen3_gateway
     _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
     sid = gw.client.open_session()
-    received = _run_agent(_client(gw, sid), TOOLS, True, echo_reasoning=False)
+    received = _run_agent(connection_per_request(gw, sid), TOOLS, True, echo_reasoning=False)
     records = gw.client.finish_session(sid, wait_timeout=10.0)
     turns, _ = _engine_turns(engine, sid, policy)
     assert len(turns) == len(received) >= 3
@@ -186,11 +150,15 @@ def test_reject_answers_a_400_naming_the_first_message_that_differs_and_records_
     gw, _, _ = qwen3_gateway
     before = gw.client.stats()
     sid = gw.client.open_session(linear_fallback="reject")
-    client = _client(gw, sid)
+    client = connection_per_request(gw, sid)
     asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     first = client.chat.completions.create(model="m", messages=asked).choices[0].message
-    edited = [asked[0], {"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.content},
-              {"role": "user", "content": "And?"}]
+    edited = [
+        asked[0],
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": "And?"},
+    ]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=edited)
     assert e.value.body["param"] == "messages[1]" and e.value.body["code"] == "not_linear", e.value.body
@@ -222,7 +190,7 @@ def test_the_messages_and_responses_dialects_are_one_row_too_with_reasoning_stri
                     {"type": "tool_result", "tool_use_id": u.id, "content": tool_output(u.name, u.input)} for u in uses
                 ]})  # fmt: skip
         else:
-            client = _client(gw, sid)
+            client = connection_per_request(gw, sid)
             items: list[Any] = [{"role": "user", "content": "What is the weather in Lima?"}]
             for _ in range(MAX_TURNS):
                 response = client.responses.create(model="m", instructions=SYSTEM, tools=RESPONSES_TOOLS, input=items)
