@@ -108,7 +108,9 @@ class LinearHistory:
         # Each linear session's last turn prompted here, with its tools context: (turn id, context). As many
         # sessions as have commit bases here: the match it serves needs the base too.
         self._prompted: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        self._tool_sets: dict[str, str] = {}  # one copy of each tools context
+        # One copy of each tools context, by the tools' sorted orjson text: the context's own JSON encoding is
+        # stdlib's (recorded digests depend on it), twenty times orjson's time, and the tools rarely change.
+        self._tool_sets: dict[bytes, str] = {}
         self._tool_chars = 0
 
     def forget_sessions(self, sessions: list[str]) -> None:
@@ -160,22 +162,33 @@ class LinearHistory:
     def _note_prompted(self, session_id: str, turn_id: str, tools: Any) -> tuple[str, tuple[str, str] | None]:
         """The request's tools context, kept once per tool set; and the session's last turn prompted here before
         this one, with its context: `turn_id` takes its place."""
-        context = render_context(tools)
-        if context not in self._tool_sets:
-            if self._tool_chars + len(context) > TOOL_SETS_CHARS:
-                # Full: start over, and forget what referred to the old copies, so the bound holds
-                self._tool_sets.clear()
-                self._prompted.clear()
-                self._tool_chars = 0
-            self._tool_sets[context] = context
-            self._tool_chars += len(context)
-        context = self._tool_sets[context]
+        context = self._tools_context(tools)
         prompted = self._prompted
         last = prompted.pop(session_id, None)
         prompted[session_id] = (turn_id, context)
         if len(prompted) > self.backplane.bases.max_sessions:
             prompted.popitem(last=False)
         return context, last
+
+    def _tools_context(self, tools: Any) -> str:
+        """`render_context(tools)`, kept once per tool set. orjson's text tells apart every two tool sets a body
+        can hold (it writes NaN as null, but a body's JSON has no NaN); it refuses integers past 64 bits, whose
+        tools are rendered every time."""
+        try:
+            key = orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS)
+        except orjson.JSONEncodeError:
+            return render_context(tools)
+        context = self._tool_sets.get(key)
+        if context is None:
+            context = render_context(tools)
+            if self._tool_chars + len(key) + len(context) > TOOL_SETS_CHARS:
+                # Full: start over, and forget what referred to the old copies, so the bound holds
+                self._tool_sets.clear()
+                self._prompted.clear()
+                self._tool_chars = 0
+            self._tool_sets[key] = context
+            self._tool_chars += len(key) + len(context)
+        return context
 
     async def _held(self, session_id: str, turn_id: str) -> HeldTurn | None:
         base = self.backplane.bases.get(session_id)

@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 
 from broker.message_keys import EchoDigest, message_key
 from gateway_workers.capture.commit_bases import CommitBase
-from gateway_workers.turns.history import _extended_head, _local_head, _same_message, echo_flag, render_context
+from gateway_workers.turns.history import (
+    LinearHistory,
+    _extended_head,
+    _local_head,
+    _same_message,
+    echo_flag,
+    render_context,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
 ASKED = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find news."}]
@@ -136,3 +143,17 @@ def test_a_tie_between_heads_goes_to_the_fingerprints():
     heads = [_head("t2", ASKED, REPLY), _head("t1", ASKED, REPLY)]  # newest first
     assert _local_head(base, ("t1", context), heads, request, context) is None
     assert _extended_head(heads, request, context)[0] == ("t2", 3)
+
+
+_json_scalar = st.sampled_from([0, 1, 1.0, True, False, None, "1", "", 2**70, 0.1, -0.0])  # what a JSON body holds
+_schemas = st.dictionaries(st.sampled_from(["a", "b"]), st.one_of(_json_scalar, st.lists(_json_scalar, max_size=2)))
+
+
+@given(st.lists(st.lists(_schemas, max_size=2), min_size=1, max_size=12))
+def test_each_tool_set_gets_its_own_context_however_often_it_is_seen(tool_sets):
+    """The tools context is kept by the tools' orjson text: what the digest gets is always `render_context`'s,
+    for tool sets that compare equal but write other JSON (1, 1.0, True) too."""
+    history = LinearHistory(None, None, ())  # the contexts need neither a backplane nor a renderer
+    for schemas in [*tool_sets, *tool_sets]:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}} for schema in schemas]
+        assert history._tools_context(tools or None) == render_context(tools or None)
