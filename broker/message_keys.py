@@ -51,14 +51,17 @@ class EchoDigest:
         self.count = count  # messages added
 
     def add(self, messages: Sequence[Any]) -> EchoDigest:
-        crc = self.crc
+        """Each message's key parts, each after its length (8 bytes, little-endian), then its number of calls:
+        joined and checksummed in one call (CRC-32 continues across concatenation, so the digest is the
+        part-by-part one, at one call's cost instead of two per part)."""
+        chunks = []
         for m in messages:
             role, content, calls = message_key(m)
             for part in (role, content, *(p for call in calls for p in (call if isinstance(call, tuple) else (call,)))):
                 data = part.encode("utf-8", "surrogatepass")
-                crc = zlib.crc32(data, zlib.crc32(len(data).to_bytes(8, "little"), crc))
-            crc = zlib.crc32(len(calls).to_bytes(8, "little"), crc)
-        self.crc, self.count = crc, self.count + len(messages)
+                chunks += (len(data).to_bytes(8, "little"), data)
+            chunks.append(len(calls).to_bytes(8, "little"))
+        self.crc, self.count = zlib.crc32(b"".join(chunks), self.crc), self.count + len(messages)
         return self
 
     def copy(self) -> EchoDigest:

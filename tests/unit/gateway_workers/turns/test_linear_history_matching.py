@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -157,3 +158,26 @@ def test_each_tool_set_gets_its_own_context_however_often_it_is_seen(tool_sets):
     for schemas in [*tool_sets, *tool_sets]:
         tools = [{"type": "function", "function": {"name": "f", "parameters": schema}} for schema in schemas]
         assert history._tools_context(tools or None) == render_context(tools or None)
+
+
+_text = st.text(alphabet=st.sampled_from(["a", " ", "é", "\n", "\ud800", "<"]), max_size=6)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.one_of(st.none(), _text)},
+    optional={"tool_calls": st.lists(st.fixed_dictionaries({"name": _text, "arguments": _args}), max_size=2)},
+)
+
+
+@given(st.text(max_size=8), st.lists(_message, max_size=4), st.integers(0, 4))
+def test_the_echo_digest_is_the_checksum_of_each_part_after_its_length(context, messages, split):
+    """What workers commit and others compare (kept in the broker's log): CRC-32 over the context, then per
+    message each key part after its length (8 bytes, little-endian) and its number of calls, whatever the
+    batches the messages are added in."""
+    crc = zlib.crc32(context.encode("utf-8", "surrogatepass"))
+    for m in messages:
+        role, content, calls = message_key(m)
+        for part in (role, content, *(p for call in calls for p in (call if isinstance(call, tuple) else (call,)))):
+            data = part.encode("utf-8", "surrogatepass")
+            crc = zlib.crc32(data, zlib.crc32(len(data).to_bytes(8, "little"), crc))
+        crc = zlib.crc32(len(calls).to_bytes(8, "little"), crc)
+    digest = EchoDigest(context).add(messages[:split]).add(messages[split:])
+    assert (digest.crc, digest.count) == (crc, len(messages))
