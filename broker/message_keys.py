@@ -54,7 +54,7 @@ class EchoDigest:
         """Each message's key parts, each after its length (8 bytes, little-endian), then its number of calls:
         joined and checksummed in one call (CRC-32 continues across concatenation, so the digest is the
         part-by-part one, at one call's cost instead of two per part)."""
-        chunks = []
+        chunks: list[bytes] = []
         for m in messages:
             role, content, calls = message_key(m)
             for part in (role, content, *(p for call in calls for p in (call if isinstance(call, tuple) else (call,)))):

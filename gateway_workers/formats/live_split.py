@@ -121,33 +121,15 @@ class TagGrammar:
     content_trim_end: str | None = ""
 
 
-_State = Literal["start", "reasoning", "content", "call", "after_call", "done"]
+class SteppedSplitter:
+    """What the live splitters of tagged replies share: the reply so far, its unconsumed end (the buffer), the
+    calls sent, and the loop that steps a subclass's state machine over the buffer as text arrives."""
 
-
-class TagSplitter:
-    """The live splitter of a `TagGrammar`.
-
-    Text is trimmed as the grammar says. A completed call block is read by the format's own parser
-    (`read` of the text up to its close tag), so a streamed call is the final parse's, typed arguments
-    included. Anything
-    unexpected (text after a tool call, a call the parser refuses) stops the live split: the rest
-    comes from the final parse.
-    """
-
-    def __init__(self, grammar: TagGrammar, head: str, read: Reader) -> None:
-        self._grammar = grammar
-        self._think_open, self._think_close = grammar.think or ("", "")
-        self._call_open, self._call_close = grammar.call or ("", "")
-        self._tags = (self._call_open, *grammar.end_markers) if grammar.call else grammar.end_markers
+    def __init__(self, read: Reader) -> None:
         self._read = read
         self._text = ""  # the whole reply so far; the buffer is its unconsumed end
         self._buffer = ""
         self._calls: list[dict[str, Any]] = []
-        self._state: _State = "start"
-        self._started = False  # the current text field has emitted text
-        self._held = ""  # reasoning: trailing trimmable characters held until more reasoning follows
-        if grammar.think is not None and self._think_open in head:
-            self._state = "content" if self._think_close in head.split(self._think_open)[-1] else "reasoning"
 
     def feed(self, text: str) -> list[LiveDelta]:
         self._text += text
@@ -159,6 +141,48 @@ class TagSplitter:
 
     def _step(self, out: list[LiveDelta]) -> bool:
         """Advance as far as the buffer allows; True when the state changed and another step may progress."""
+        raise NotImplementedError
+
+    def _send_closed_calls(self, rest: str, out: list[LiveDelta]) -> bool:
+        """A call block just closed, `rest` after it: the reply up to there is read by the format's parser and
+        the calls it adds to those sent go out. False when that reading is not the sent calls and more (the
+        final parse decides what the reply is)."""
+        parsed = self._read(self._text[: len(self._text) - len(rest)])
+        sent = len(self._calls)
+        if parsed.ill_formed or len(parsed.tool_calls) <= sent or parsed.tool_calls[:sent] != self._calls:
+            return False
+        for call in parsed.tool_calls[sent:]:
+            self._calls.append(call)
+            out.append(LiveDelta("tool_call", call=dict(call)))
+        return True
+
+
+_State = Literal["start", "reasoning", "content", "call", "after_call", "done"]
+
+
+class TagSplitter(SteppedSplitter):
+    """The live splitter of a `TagGrammar`.
+
+    Text is trimmed as the grammar says. A completed call block is read by the format's own parser
+    (`read` of the text up to its close tag), so a streamed call is the final parse's, typed arguments
+    included. Anything
+    unexpected (text after a tool call, a call the parser refuses) stops the live split: the rest
+    comes from the final parse.
+    """
+
+    def __init__(self, grammar: TagGrammar, head: str, read: Reader) -> None:
+        super().__init__(read)
+        self._grammar = grammar
+        self._think_open, self._think_close = grammar.think or ("", "")
+        self._call_open, self._call_close = grammar.call or ("", "")
+        self._tags = (self._call_open, *grammar.end_markers) if grammar.call else grammar.end_markers
+        self._state: _State = "start"
+        self._started = False  # the current text field has emitted text
+        self._held = ""  # reasoning: trailing trimmable characters held until more reasoning follows
+        if grammar.think is not None and self._think_open in head:
+            self._state = "content" if self._think_close in head.split(self._think_open)[-1] else "reasoning"
+
+    def _step(self, out: list[LiveDelta]) -> bool:
         grammar, buf = self._grammar, self._buffer
         think_open, think_close, call_open = self._think_open, self._think_close, self._call_open
         if self._state == "start":
@@ -204,14 +228,9 @@ class TagSplitter:
             if at < 0:
                 return False
             rest = buf[at + len(self._call_close) :]
-            parsed = self._read(self._text[: len(self._text) - len(rest)])
-            sent = len(self._calls)
-            if parsed.ill_formed or len(parsed.tool_calls) <= sent or parsed.tool_calls[:sent] != self._calls:
-                self._enter("done", "")  # the final parse decides what this reply is
+            if not self._send_closed_calls(rest, out):
+                self._enter("done", "")
                 return False
-            for read in parsed.tool_calls[sent:]:
-                self._calls.append(read)
-                out.append(LiveDelta("tool_call", call=dict(read)))
             self._enter("after_call", rest)
             return True
         if self._state == "after_call":

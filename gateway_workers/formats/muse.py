@@ -15,7 +15,7 @@ import re
 from typing import Any, Literal
 
 from gateway_workers.formats.base import ResponseFormat
-from gateway_workers.formats.live_split import LiveDelta, Reader, partial_suffix
+from gateway_workers.formats.live_split import LiveDelta, Reader, SteppedSplitter, partial_suffix
 
 ANCHOR = "<|start|>assistant"
 END_OF_MESSAGE = "<|eom|>"
@@ -133,7 +133,7 @@ _State = Literal["header", "reasoning", "content", "call", "between", "done"]
 _RECIPIENT_STATES: dict[str, _State] = {"self": "reasoning", "user": "content"}  # any other recipient: a call
 
 
-class MuseSplitter:
+class MuseSplitter(SteppedSplitter):
     """The live split: reasoning and text bodies as they are sampled, each tool call when its block closes.
 
     A completed call is read by the format's own parser (`read` of the reply up to the block's close),
@@ -142,22 +142,11 @@ class MuseSplitter:
     """
 
     def __init__(self, head: str, read: Reader) -> None:
-        self._read = read
-        self._text = ""  # the whole reply so far; the buffer is its unconsumed end
+        super().__init__(read)
         self._buffer = head  # what the prompt already wrote of the reply (normally nothing)
         self._state: _State = "header"
-        self._calls: list[dict[str, Any]] = []
-
-    def feed(self, text: str) -> list[LiveDelta]:
-        self._text += text
-        self._buffer += text
-        out: list[LiveDelta] = []
-        while self._step(out):
-            pass
-        return out
 
     def _step(self, out: list[LiveDelta]) -> bool:
-        """Advance as far as the buffer allows; True when the state changed and another step may progress."""
         buf, state = self._buffer, self._state
         if state == "header":
             at = buf.find("<|message|>")
@@ -172,12 +161,8 @@ class MuseSplitter:
             if at < 0:
                 return False
             rest = buf[at + len(_CALL_END) :]
-            parsed = self._read(self._text[: len(self._text) - len(rest)])
-            sent = len(self._calls)
-            if parsed.ill_formed or len(parsed.tool_calls) != sent + 1 or parsed.tool_calls[:sent] != self._calls:
+            if not self._send_closed_calls(rest, out):
                 return self._enter("done", "")
-            self._calls.append(parsed.tool_calls[sent])
-            out.append(LiveDelta("tool_call", call=dict(parsed.tool_calls[sent])))
             return self._enter("between", rest)
         if state == "between":  # after a message: the separator, then the next header
             if buf.startswith(NEXT_MESSAGE):
