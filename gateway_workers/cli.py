@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import uvicorn
@@ -342,15 +343,25 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(message)s")
     tokenizer_dir = prepare_tokenizer_dir(args.tokenizer)
-    _check_response_format(args, tokenizer_dir)
     if args.command == "workers":
+        _check_response_format(args, tokenizer_dir)
         _run_workers(args, _worker_config(args, args.broker, tokenizer_dir, curve_keys), None)
         return
     broker = _broker_supervisor(args, tokenizer_dir, curve_keys)
-    try:
-        worker_endpoint, control = broker.start()
-    except BrokerStartError as e:
-        raise SystemExit(f"rollout-gateway: {e}") from None
+    # The broker starts (loading its own tokenizer) while a thread resolves the reply format, side by side.
+    # The broker is spawned from this thread: it is tied to the thread that spawns it (`die_with_parent`).
+    with ThreadPoolExecutor(1, thread_name_prefix="reply-format") as pool:
+        checked = pool.submit(_check_response_format, args, tokenizer_dir)
+        try:
+            worker_endpoint, control = broker.start()
+        except BrokerStartError as e:
+            checked.result()  # a refused format is the clearer message
+            raise SystemExit(f"rollout-gateway: {e}") from None
+        try:
+            checked.result()
+        except SystemExit:
+            broker.stop()
+            raise
     try:
         _run_workers(args, _worker_config(args, worker_endpoint, tokenizer_dir, curve_keys), control)
     finally:
