@@ -109,7 +109,7 @@ class LinearHistory:
         # sessions as have commit bases here: the match it serves needs the base too.
         self._prompted: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # One copy of each tools context, by the tools' sorted orjson text: the context's own JSON encoding is
-        # stdlib's (recorded digests depend on it), twenty times orjson's time, and the tools rarely change.
+        # stdlib's (recorded digests depend on it), many times orjson's time, and the tools rarely change.
         self._tool_sets: dict[bytes, str] = {}
         self._tool_chars = 0
 
