@@ -30,7 +30,8 @@ def note_head(heads: list[list[Any]], seq: int, turn_id: str, flags: dict[str, A
     `keep`); returns the counter its `history` flag names (None: not a linear turn)."""
     echo = flags.get("echo")
     if isinstance(echo, list) and len(echo) == 2 and isinstance(echo[0], int) and isinstance(echo[1], str):
-        at = next((i for i, head in enumerate(heads) if head[0] < seq), len(heads))
+        # newest first; a commit is usually the newest (a retried one may come in late)
+        at = 0 if not heads or heads[0][0] < seq else next((i for i, h in enumerate(heads) if h[0] < seq), len(heads))
         if at < keep:
             heads.insert(at, [seq, turn_id, echo[0], echo[1]])
             del heads[keep:]

@@ -25,6 +25,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -45,6 +46,7 @@ LINEAR_ASK_FIRST_S = 0.005
 LINEAR_ASK_MAX_S = 0.2
 # The characters of distinct tool sets a worker keeps one copy of (the sessions of one run share theirs).
 TOOL_SETS_CHARS = 8 * 1024 * 1024
+_TEXT_TYPES = {str, type(None)}
 
 
 def render_context(tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -108,7 +110,7 @@ class LinearHistory:
         # Each linear session's last turn prompted here, with its tools context: (turn id, context). As many
         # sessions as have commit bases here: the match it serves needs the base too.
         self._prompted: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        # One copy of each tools context, by the tools' sorted orjson text: the context's own JSON encoding is
+        # One copy of each tools context, by the tools' orjson text: the context's own JSON encoding is
         # stdlib's (recorded digests depend on it), many times orjson's time, and the tools rarely change.
         self._tool_sets: dict[bytes, str] = {}
         self._tool_chars = 0
@@ -173,9 +175,10 @@ class LinearHistory:
     def _tools_context(self, tools: Any) -> str:
         """`render_context(tools)`, kept once per tool set. orjson's text tells apart every two tool sets a body
         can hold (it writes NaN as null, but a body's JSON has no NaN); it refuses integers past 64 bits, whose
-        tools are rendered every time."""
+        tools are rendered every time. Unsorted: a tool set sent with its keys in another order is kept twice,
+        with the same context, and no request pays for sorting."""
         try:
-            key = orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS)
+            key = orjson.dumps(tools or [])
         except orjson.JSONEncodeError:
             return render_context(tools)
         context = self._tool_sets.get(key)
@@ -277,8 +280,25 @@ def _local_head(
 
 
 def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
-    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested)."""
-    return len(messages) > len(held) and all(map(_same_message, messages, held))
+    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested).
+
+    An unchanged echo is the usual case, and it is settled in C: the lists compare equal, every content is
+    text, and the tool calls, the one place equal dicts can hold other JSON (see `_same_message`), write the
+    same JSON, all of them in one orjson call per side (no Python step per message: this runs on every
+    turn, over the whole history). Anything else is compared message by message."""
+    n = len(held)
+    if len(messages) <= n:
+        return False
+    echoed = messages[:n]
+    if echoed == held:
+        try:
+            calls = orjson.dumps(list(map(dict.get, echoed, repeat("tool_calls"))))
+            texts = set(map(type, map(dict.get, echoed, repeat("content")))) <= _TEXT_TYPES
+            if texts and calls == orjson.dumps(list(map(dict.get, held, repeat("tool_calls")))):
+                return True
+        except (TypeError, orjson.JSONEncodeError):  # not dicts; keys that are not strings, integers past 64 bits
+            pass
+    return all(map(_same_message, echoed, held))
 
 
 def _same_message(a: Any, b: Any) -> bool:
@@ -288,7 +308,7 @@ def _same_message(a: Any, b: Any) -> bool:
     time rather than the keys' (the one value orjson writes as another, NaN as null, never compares equal
     to it). Anything else is keyed."""
     if type(a) is dict and a == b:
-        if not a.get("tool_calls") and type(a.get("content")) in (str, type(None)):
+        if not a.get("tool_calls") and type(a.get("content")) in _TEXT_TYPES:
             return True
         try:
             if orjson.dumps(a, option=orjson.OPT_SORT_KEYS) == orjson.dumps(b, option=orjson.OPT_SORT_KEYS):

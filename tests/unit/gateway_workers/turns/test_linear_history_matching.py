@@ -15,6 +15,7 @@ from gateway_workers.turns.history import (
     _extended_head,
     _local_head,
     _same_message,
+    _same_messages,
     echo_flag,
     render_context,
 )
@@ -133,6 +134,31 @@ def test_same_message_is_the_keys_verdict_however_it_gets_there(first, second, r
     a = {"role": "assistant", "content": content, "tool_calls": [{"name": "f", "arguments": first}]}
     for b in (call(first), call(second)):
         assert _same_message(a, b) == (message_key(a) == message_key(b))
+
+
+_content = st.sampled_from(["x", " x ", None, [1], [1.0], [True], [{"type": "text", "text": "x"}]])
+
+
+@given(st.lists(st.tuples(_args, _args, st.booleans(), _content, _content, st.booleans()), min_size=1, max_size=5))
+def test_same_messages_is_the_keys_verdict_message_by_message(pairs):
+    """The whole-list shortcut (equal lists, one orjson call per side for the tool calls) says yes exactly where
+    every message's keys agree: a type hidden in an equal list (1 against 1.0 or True, text against other
+    content) is caught, and a reordered argument still matches through the keys."""
+    def message(arguments, content, calls):
+        m = {"role": "assistant" if calls else "tool", "content": content}
+        if calls:
+            m["tool_calls"] = [{"name": "f", "arguments": arguments}]
+        return m
+
+    held = [message(first, content, calls) for first, _, _, content, _, calls in pairs]
+    echoed = [
+        message(dict(reversed(list(second.items()))) if reorder else second, content, calls)
+        for _, second, reorder, _, content, calls in pairs
+    ]
+    for request in (held, echoed):
+        expected = all(message_key(a) == message_key(b) for a, b in zip(request, held, strict=True))
+        assert _same_messages([*request, {"role": "user", "content": "next"}], held) == expected
+    assert not _same_messages(held, held)  # a request must add a message
 
 
 def test_a_tie_between_heads_goes_to_the_fingerprints():
