@@ -3,9 +3,9 @@
 `python tests/fake_engine.py --port 0 --tokenizer DIR` prints `FAKE ENGINE READY http://HOST:PORT`.
 Routes: vLLM `POST /inference/v1/generate`, SGLang `POST /generate` + `POST /abort_request`,
 and test controls `POST /_fake/config` (delay, per-token delay and the faults of `Fault`: HTTP errors, hangs,
-dropped connections, error events, answers of the wrong kind or shape; scoped to a routing key so tests sharing
-the process do not collide, and to a number of requests) and `GET /_fake/log` (requests, each with the fault that
-struck it or None, aborts, disconnects, finished streams). `stream: true` streams one token per
+dropped connections, error events, answers of the wrong kind or shape, a fixed text; scoped to a routing key so
+tests sharing the process do not collide, and to a number of requests) and `GET /_fake/log` (requests, each
+with the fault that struck it or None, aborts, disconnects, finished streams). `stream: true` streams one token per
 step as SSE: vLLM's new-ids chunks + usage + [DONE], SGLang's cumulative events + [DONE].
 Policy: tools declared and fewer than `tool_rounds` tool responses since the last user turn ->
 `<think>..</think>` + one or two Qwen3 `<tool_call>`s with arguments from the prompt; else a final
@@ -78,6 +78,7 @@ class Fault:
     hang_after: int | None = None  # streaming: send nothing more after this many tokens, until the client leaves
     answer: str | None = None  # one of ANSWERS
     answer_after: int = 0  # streaming: the token from which `answer` applies
+    text: str | None = None  # answer these words (`text_reply`), whatever the prompt: a degenerate model's output
 
     def __post_init__(self) -> None:
         if self.answer is not None and self.answer not in ANSWERS:
@@ -89,7 +90,7 @@ class Fault:
             return f"status {self.status}"
         if self.hang:
             return "hang"
-        for what in ("error_after", "drop_after", "hang_after"):
+        for what in ("error_after", "drop_after", "hang_after", "text"):
             if getattr(self, what) is not None:
                 return what
         return self.answer
@@ -170,6 +171,19 @@ def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[in
         ids, finish = ids[:max_tokens], "length"
     logprobs = [-rng.randrange(1, 8192) / 1024.0 for _ in ids]
     return ids, logprobs, finish
+
+
+def text_reply(state: State, text: str, max_tokens: int) -> tuple[list[int], list[float], str]:
+    """A fixed answer: `text`'s ids and the stop token (cut at `max_tokens`), with logprobs derived from them."""
+    ids = state.tokenizer.encode(text, add_special_tokens=False).ids + [state.eos_id]
+    finish = "stop"
+    if len(ids) > max_tokens:
+        ids, finish = ids[:max_tokens], "length"
+    return ids, [-1.0 - (token % 64) / 64 for token in ids], finish
+
+
+def _sampled(state: State, prompt: list[int], max_tokens: int, fault: Fault) -> tuple[list[int], list[float], str]:
+    return reply(state, prompt, max_tokens) if fault.text is None else text_reply(state, fault.text, max_tokens)
 
 
 def _format_reply(state: State, text: str, rng: random.Random, digest: bytes,
@@ -272,7 +286,7 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     if fault.answer == "garbage" and (not body.get("stream") or fault.answer_after == 0):
         return Response(GARBAGE, media_type="text/html")
     if (body.get("stream") or fault.answer == "sse") and fault.answer != "json":
-        ids, logprobs, finish = reply(state, prompt, int(params.get(max_key, 16)))
+        ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault)
         return SseReply(state, api, rid, key, body, prompt, (ids, logprobs, finish), fault)
     state.running[rid] = asyncio.Event()
     try:
@@ -282,7 +296,7 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     if outcome == "disconnect":
         state.disconnects.append({"api": api, "rid": rid, "key": key})
         return Response(status_code=499)
-    ids, logprobs, finish = reply(state, prompt, int(params.get(max_key, 16)))
+    ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault)
     if outcome == "abort":
         ids, logprobs, finish = [], [], "abort"
     elif fault.answer == "aborted":

@@ -55,9 +55,8 @@ def tokenizer(tokenizer_dir: str) -> Any:
     return Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
 
 
-@functools.cache
-def fake_policy(tokenizer_dir: str) -> Policy:
-    """The fake engine's own reply function (tool_rounds=2), to recompute what it sampled for a prompt."""
+def _fake_engine_state(tokenizer_dir: str) -> tuple[Any, Any]:
+    """The fake engine's module and a State like its process's (tool_rounds=2)."""
     spec = importlib.util.spec_from_file_location("fake_engine_policy", FAKE_ENGINE)
     assert spec is not None and spec.loader is not None
     module = sys.modules.get(spec.name)
@@ -66,14 +65,27 @@ def fake_policy(tokenizer_dir: str) -> Policy:
         sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
         spec.loader.exec_module(module)
     tok = tokenizer(tokenizer_dir)
-    state = module.State(tokenizer=tok, eos_id=tok.token_to_id("<|im_end|>"), tool_rounds=2)
+    return module, module.State(tokenizer=tok, eos_id=tok.token_to_id("<|im_end|>"), tool_rounds=2)
+
+
+@functools.cache
+def fake_policy(tokenizer_dir: str) -> Policy:
+    """The fake engine's own reply function, to recompute what it sampled for a prompt."""
+    module, state = _fake_engine_state(tokenizer_dir)
     return lambda prompt, max_tokens: module.reply(state, prompt, max_tokens)
 
 
-def engine_turns(fake_engine: FakeEngine, sid: str, policy: Policy) -> list[TurnRecord]:
-    """What the engine sampled and answered properly for one session, in request order (no fault struck it)."""
+def text_policy(tokenizer_dir: str, text: str) -> Policy:
+    """What the fake engine answers under a `text` fault."""
+    module, state = _fake_engine_state(tokenizer_dir)
+    return lambda prompt, max_tokens: module.text_reply(state, text, max_tokens)
+
+
+def engine_turns(fake_engine: FakeEngine, sid: str, policy: Policy, fault: str | None = None) -> list[TurnRecord]:
+    """What the engine sampled and answered for one session, in request order: the requests no fault struck
+    (or, with `fault`, those that fault answered)."""
     turns = []
-    answered = [req for req in fake_engine.log(routing_key(sid))["requests"] if req["fault"] is None]
+    answered = [req for req in fake_engine.log(routing_key(sid))["requests"] if req["fault"] == fault]
     for i, req in enumerate(answered):
         body = req["body"]
         prompt = body.get("token_ids") or body.get("input_ids")

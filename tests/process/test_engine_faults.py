@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 from assets import TOOLS, FakeEngine, wait_until
-from dialects import engine_turns, fake_policy
+from dialects import engine_turns, fake_policy, text_policy
 from fidelity import assert_fidelity
 from scrapes import scrape
 
@@ -71,6 +71,12 @@ MID_STREAM: dict[str, tuple[dict[str, Any], str, str, bool]] = {
     "garbage": ({"answer": "garbage", "answer_after": MID}, "responses", "incomplete", False),
     "short logprobs": ({"answer": "short_logprobs", "answer_after": MID}, "chat", "bad_answer", True),
 }
+# A degenerate model's reply: a 40k-space run in its text. The format's patterns took seconds on such a reply
+# before 31b5bc3, holding the worker's event loop (docs/performance.md, "Degenerate replies").
+DEGENERATE = "<think>\nr\n</think>\n\nx" + " " * 40_000 + "y"
+DEGENERATE_REPLIES = 3
+DEGENERATE_WITHIN_S = 3.0  # the verdict takes milliseconds, the reply's HTTP and capture a few more
+OTHERS_WITHIN_S = 2.0  # another agent's one-turn request on the same worker meanwhile
 
 
 class StreamFailed(Exception):
@@ -304,3 +310,54 @@ def test_a_fault_that_outlasts_the_retries_is_the_sdks_5xx_error_within_a_bound(
         fake_engine.configure(fault={"key": key})
         assert gateway.client.finish_session(sid, wait_timeout=5.0) == []
         _assert_healthy(gateway)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_degenerate_reply_is_read_fast_while_other_agents_are_served(
+    gateway: Any, fake_engine: FakeEngine, qwen3_tokenizer_dir: str, stream: bool
+) -> None:
+    """What a degenerate model samples is the engine's to answer and ours to read: the agent gets its text back
+    within a bound, every other agent on the worker is served meanwhile, and the reply is trained as sampled."""
+    sid = gateway.client.open_session()
+    key = routing_key(sid)
+    fake_engine.configure(fault={"text": DEGENERATE, "key": key})
+    waits: list[float] = []
+    stop = threading.Event()
+
+    def other_agents() -> None:
+        while not stop.is_set() or not waits:
+            other = gateway.client.open_session()
+            started = time.monotonic()
+            assert _ask(gateway, other, "chat", False, []).startswith("Final answer")
+            waits.append(time.monotonic() - started)
+            gateway.client.finish_session(other, wait_timeout=10.0)
+
+    took = []
+    with ThreadPoolExecutor(1) as pool:
+        others = pool.submit(other_agents)
+        try:
+            with openai.OpenAI(base_url=gateway.base_url, api_key=sid, timeout=SDK_TIMEOUT_S) as client:
+                for _ in range(DEGENERATE_REPLIES):
+                    started = time.monotonic()
+                    if stream:
+                        with client.chat.completions.stream(model="q", messages=QUESTION, tools=TOOLS) as events:
+                            message = events.get_final_completion().choices[0].message
+                    else:
+                        reply = client.chat.completions.create(model="q", messages=QUESTION, tools=TOOLS)
+                        message = reply.choices[0].message
+                    took.append(time.monotonic() - started)
+                    content = message.content or ""
+                    assert content.startswith("x") and content.endswith("y") and len(content) > 40_000, content[:80]
+                    assert not message.tool_calls and getattr(message, "reasoning_content", None) == "r"
+        finally:
+            stop.set()
+            others.result(timeout=LOAD_JOIN_S)
+    assert max(took) < DEGENERATE_WITHIN_S, took
+    assert max(waits) < OTHERS_WITHIN_S, waits
+    fake_engine.configure(fault={"key": key})
+    turns = engine_turns(fake_engine, sid, text_policy(qwen3_tokenizer_dir, DEGENERATE), fault="text")
+    rows = gateway.client.finish_session(sid, wait_timeout=10.0)
+    assert len(turns) == DEGENERATE_REPLIES
+    assert_fidelity(turns, rows)
+    assert not any(row.metadata["ill_formed"] for row in rows)
+    _assert_healthy(gateway)
