@@ -104,7 +104,11 @@ class BlockedFinish:
         assert wait_until(lambda: gw.client.stats()["turns_in_flight"] == 1, timeout=20)
         self._thread = threading.Thread(target=self._finish, args=(gw.client, sid))
         self._thread.start()
-        assert wait_until(lambda: gw.client.stats()["finishes_parked"] == 1, timeout=10)
+        # Once seen failing in CI: the turn had left flight before the finish came, and the agent's retry met the
+        # finished session (403). The gateway's log then says why the first attempt ended.
+        if not wait_until(lambda: gw.client.stats()["finishes_parked"] == 1, timeout=10):
+            self._thread.join(5)
+            raise AssertionError(f"the finish was not parked: {self.outcome}\n" + "".join(list(gw.output)[-40:]))
 
     def _finish(self, client: Any, sid: str) -> None:
         t0 = time.monotonic()
