@@ -99,13 +99,15 @@ class BlockedFinish:
 
     def __init__(self, gw: Any, sid: str) -> None:
         self.outcome: dict[str, Any] = {}
+        # An agent has its reply before the broker has that turn's commit: the turn in flight must be this one
+        # (seen in CI: an earlier turn's commit still on its way, the finish came before this turn's OPEN and
+        # finished the session, and the turn met it with a 403).
+        assert wait_until(lambda: gw.client.stats()["turns_in_flight"] == 0, timeout=20)
         self._agent = threading.Thread(target=turn, args=(gw, sid, "in flight"))
         self._agent.start()
         assert wait_until(lambda: gw.client.stats()["turns_in_flight"] == 1, timeout=20)
         self._thread = threading.Thread(target=self._finish, args=(gw.client, sid))
         self._thread.start()
-        # Once seen failing in CI: the turn had left flight before the finish came, and the agent's retry met the
-        # finished session (403). The gateway's log then says why the first attempt ended.
         if not wait_until(lambda: gw.client.stats()["finishes_parked"] == 1, timeout=10):
             self._thread.join(5)
             raise AssertionError(f"the finish was not parked: {self.outcome}\n" + "".join(list(gw.output)[-40:]))
