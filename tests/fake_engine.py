@@ -143,6 +143,11 @@ def _fault_for(state: State, key: str | None) -> Fault:
 # --- the policy -------------------------------------------------------------------------------
 
 
+def _cut(ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """A generation's ids and finish reason under its max_tokens: cut there, it finished by "length"."""
+    return (ids[:max_tokens], "length") if len(ids) > max_tokens else (ids, "stop")
+
+
 def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float], str]:
     """(output ids, logprobs, finish 'stop'|'length') for a prompt; deterministic."""
     digest = hashlib.sha256(json.dumps(prompt_ids).encode()).digest()
@@ -166,9 +171,7 @@ def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[in
     else:
         out = thought + f"Final answer after {answered} tool results: {rng.choice(_WORDS)}."
     ids = state.tokenizer.encode(out, add_special_tokens=False).ids + [state.eos_id]
-    finish = "stop"
-    if len(ids) > max_tokens:
-        ids, finish = ids[:max_tokens], "length"
+    ids, finish = _cut(ids, max_tokens)
     logprobs = [-rng.randrange(1, 8192) / 1024.0 for _ in ids]
     return ids, logprobs, finish
 
@@ -176,9 +179,7 @@ def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[in
 def text_reply(state: State, text: str, max_tokens: int) -> tuple[list[int], list[float], str]:
     """A fixed answer: `text`'s ids and the stop token (cut at `max_tokens`), with logprobs derived from them."""
     ids = state.tokenizer.encode(text, add_special_tokens=False).ids + [state.eos_id]
-    finish = "stop"
-    if len(ids) > max_tokens:
-        ids, finish = ids[:max_tokens], "length"
+    ids, finish = _cut(ids, max_tokens)
     return ids, [-1.0 - (token % 64) / 64 for token in ids], finish
 
 
@@ -196,9 +197,7 @@ def _format_reply(state: State, text: str, rng: random.Random, digest: bytes,
     if stop_id is None:
         raise RuntimeError(f"fake engine: the tokenizer has no {stop} token (format {state.format})")
     ids = state.tokenizer.encode(out, add_special_tokens=False).ids + [stop_id]
-    finish = "stop"
-    if len(ids) > max_tokens:
-        ids, finish = ids[:max_tokens], "length"
+    ids, finish = _cut(ids, max_tokens)
     return ids, [-rng.randrange(1, 8192) / 1024.0 for _ in ids], finish
 
 
