@@ -6,7 +6,8 @@ SDK as agent (one plain and one streaming session). Checked: every call the engi
 the agent with its arguments typed, the echoes extend the row (one row where the template
 re-renders replies exactly), and every sampled token is trained once (`assert_fidelity`). Then the
 same agent in a linear session, stripping its replies' reasoning and a connection per request (its
-turns spread over both workers): one row, each prompt the ids the engine saw + a tail. Then:
+turns spread over both workers), in the chat, messages and responses dialects (the anthropic SDK for
+messages): one row each, each prompt the ids the engine saw + a tail. Then:
 an unknown template refuses to start, `--response-format` overrides detection, and
 `--allow-plain-text` serves text but answers requests with tools with a 400.
 """
@@ -24,10 +25,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
 from assets import FAKE_ENGINE_START_TIMEOUT_S, TOOLS, FakeEngine
+from dialects import ANTHROPIC_TOOLS, RESPONSES_TOOLS, SYSTEM, tool_output
 from fake_formats import FAMILIES, WRITERS, family_tokenizer_dir, plan, read_prompt, template_path
 from fidelity import assert_fidelity
 from processes import TestProcess
@@ -249,7 +252,7 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
             assert len(records) == len(turns) and records[1].metadata["row_start"] in ("realign", "fork")
         else:
             assert len(records) == 1, [r.metadata for r in records]  # every echo extended the row exactly
-    _linear_episode_is_one_row(gw, key, engine, policy, tools)
+    _linear_episode_is_one_row(gw, key, engine, policy, tools, ("chat", "messages", "responses"))
     fmt = FORMATS[family.format_name]
     if not fmt.supports_tools:
         _tools_are_refused(gw, family.format_name)
@@ -271,30 +274,81 @@ def held_counts(gw: Any) -> dict[int, dict[str, float]]:
             for pid, values in worker_snapshots(root, 2).items()}  # fmt: skip
 
 
-def _linear_episode_is_one_row(gw: Any, key: str, engine: FakeEngine, policy: Any, tools: Any) -> list[Any]:
+def _linear_episode_is_one_row(
+    gw: Any, key: str, engine: FakeEngine, policy: Any, tools: Any, dialects: Sequence[str] = ("chat",)
+) -> list[Any]:
     """An agent that strips its replies' reasoning (a row per turn in tree mode on thinking templates), in a
-    linear session: one row, every sampled token trained once right after the ids the engine saw, and each
-    turn's prompt the previous prompt + output + a tail. Returns the session's records."""
-    before, held_before = gw.client.stats(), held_counts(gw)
-    sid = gw.client.open_session(sampling_defaults={"temperature": 1.0}, history_mode="linear")
-    received = _run_agent(connection_per_request(gw, sid), tools, False, echo_reasoning=False)
-    records = gw.client.finish_session(sid, reward=1.0, wait_timeout=10.0)
-    turns, prompts = _engine_turns(engine, sid, policy)
-    assert len(turns) == len(received) >= 2
-    assert_fidelity(turns, records)
-    assert len(records) == 1, (key, [r.metadata for r in records])
-    assert len(records[0].metadata["turn_ids"]) == len(turns)
-    for turn, nxt in zip(turns, prompts[1:], strict=False):  # each prompt extends what the engine saw
-        held = list(turn.prompt_ids) + list(turn.output_ids)
-        assert nxt[: len(held)] == held, key
-    stats = gw.client.stats()
-    assert stats["linear_first"] - before["linear_first"] == 1
-    assert stats["linear_turns"] - before["linear_turns"] == len(turns) - 1
-    assert stats["linear_forks"] == before["linear_forks"] and stats["linear_rerenders"] == before["linear_rerenders"]
-    held_after = held_counts(gw)
-    held = sum(sum(w.values()) for w in held_after.values()) - sum(sum(w.values()) for w in held_before.values())
-    assert held == len(turns) - 1, (held_before, held_after)  # every turn after the first held its head's ids
+    linear session, in each of `dialects` (chat, messages, responses): one row, every sampled token trained
+    once right after the ids the engine saw, and each turn's prompt the previous prompt + output + a tail.
+    Returns the last session's records."""
+    for dialect in dialects:
+        before, held_before = gw.client.stats(), held_counts(gw)
+        sid = gw.client.open_session(sampling_defaults={"temperature": 1.0}, history_mode="linear")
+        if dialect == "chat":
+            received = len(_run_agent(connection_per_request(gw, sid), tools, False, echo_reasoning=False))
+        else:
+            received = dialect_episode(gw, sid, dialect, tools)
+        records = gw.client.finish_session(sid, reward=1.0, wait_timeout=10.0)
+        turns, prompts = _engine_turns(engine, sid, policy)
+        assert len(turns) == received >= 2, (key, dialect)
+        assert_fidelity(turns, records)
+        assert len(records) == 1, (key, dialect, [r.metadata for r in records])
+        assert len(records[0].metadata["turn_ids"]) == len(turns)
+        for turn, nxt in zip(turns, prompts[1:], strict=False):  # each prompt extends what the engine saw
+            held = list(turn.prompt_ids) + list(turn.output_ids)
+            assert nxt[: len(held)] == held, (key, dialect)
+        stats = gw.client.stats()
+        assert stats["linear_first"] - before["linear_first"] == 1
+        assert stats["linear_turns"] - before["linear_turns"] == len(turns) - 1, (key, dialect)
+        assert stats["linear_forks"] == before["linear_forks"]
+        assert stats["linear_rerenders"] == before["linear_rerenders"]
+        held_after = held_counts(gw)
+        held_now = sum(sum(w.values()) for w in held_after.values())
+        held_count = held_now - sum(sum(w.values()) for w in held_before.values())
+        assert held_count == len(turns) - 1, (held_before, held_after)  # every later turn held its head's ids
     return records
+
+
+def dialect_episode(gw: Any, sid: str, dialect: str, tools: Any, question: str = "What is the weather in Oslo?") -> int:
+    """A tool loop (without tools: a two-question chat) in the messages or responses dialect, through the
+    official SDK, echoing each reply without its reasoning, a connection per request; returns the replies."""
+    received = 0
+    if dialect == "messages":
+        claude = anthropic.Anthropic(base_url=gw.base_url.removesuffix("/v1"), api_key=sid, max_retries=2,
+                                     timeout=60, default_headers={"Connection": "close"})  # fmt: skip
+        extra: dict[str, Any] = {"tools": ANTHROPIC_TOOLS} if tools else {}
+        messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+        for _ in range(MAX_TURNS):
+            message = claude.messages.create(model="m", max_tokens=512, system=SYSTEM, messages=messages, **extra)
+            received += 1
+            blocks = [b.model_dump(exclude_none=True) for b in message.content if b.type != "thinking"]
+            messages.append({"role": "assistant", "content": blocks})
+            uses = [b for b in message.content if b.type == "tool_use"]
+            if uses:
+                messages.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": u.id, "content": tool_output(u.name, u.input)} for u in uses
+                ]})  # fmt: skip
+            elif tools or received > 1:  # a tool episode ends on the answer; a chat runs two user turns
+                break
+            else:
+                messages.append({"role": "user", "content": "And tomorrow?"})
+        return received
+    client = connection_per_request(gw, sid)
+    extra = {"tools": RESPONSES_TOOLS} if tools else {}
+    items: list[Any] = [{"role": "user", "content": question}]
+    for _ in range(MAX_TURNS):
+        response = client.responses.create(model="m", instructions=SYSTEM, input=items, **extra)
+        received += 1
+        calls = [item for item in response.output if item.type == "function_call"]
+        items += [item.model_dump(exclude_none=True) for item in response.output if item.type != "reasoning"]
+        if calls:
+            items += [{"type": "function_call_output", "call_id": c.call_id,
+                       "output": tool_output(c.name, json.loads(c.arguments))} for c in calls]  # fmt: skip
+        elif tools or received > 1:
+            break
+        else:
+            items.append({"role": "user", "content": "And tomorrow?"})
+    return received
 
 
 def _tools_are_refused(gw: Any, format_name: str) -> None:

@@ -10,7 +10,6 @@ one row too, and a broker killed mid-episode (`--state-dir`) comes back with the
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -18,11 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import openai
 import pytest
 from assets import TOOLS, FakeEngine, wait_until
-from dialects import ANTHROPIC_TOOLS, RESPONSES_TOOLS, SYSTEM, tool_output
+from dialects import SYSTEM
 from fake_formats import FAMILIES
 from fidelity import assert_fidelity
 from scrapes import worker_snapshots
@@ -170,42 +168,7 @@ def test_reject_answers_a_400_naming_the_first_message_that_differs_and_records_
 def test_the_messages_and_responses_dialects_are_one_row_too_with_reasoning_stripped(qwen3_gateway: Any) -> None:
     gw, engine, tokenizer_dir = qwen3_gateway
     _, policy = _policy(tokenizer_dir, FAMILIES["qwen3"].writer)
-    for dialect in ("messages", "responses"):
-        sid = gw.client.open_session()
-        received = 0
-        if dialect == "messages":
-            claude = anthropic.Anthropic(base_url=gw.base_url.removesuffix("/v1"), api_key=sid, max_retries=2,
-                                         default_headers={"Connection": "close"})  # fmt: skip
-            messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Oslo?"}]
-            for _ in range(MAX_TURNS):
-                message = claude.messages.create(model="m", max_tokens=512, system=SYSTEM, tools=ANTHROPIC_TOOLS,
-                                                 messages=messages)  # fmt: skip
-                received += 1
-                blocks = [b.model_dump(exclude_none=True) for b in message.content if b.type != "thinking"]
-                messages.append({"role": "assistant", "content": blocks})
-                uses = [b for b in message.content if b.type == "tool_use"]
-                if not uses:
-                    break
-                messages.append({"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": u.id, "content": tool_output(u.name, u.input)} for u in uses
-                ]})  # fmt: skip
-        else:
-            client = connection_per_request(gw, sid)
-            items: list[Any] = [{"role": "user", "content": "What is the weather in Lima?"}]
-            for _ in range(MAX_TURNS):
-                response = client.responses.create(model="m", instructions=SYSTEM, tools=RESPONSES_TOOLS, input=items)
-                received += 1
-                calls = [item for item in response.output if item.type == "function_call"]
-                items += [item.model_dump(exclude_none=True) for item in response.output if item.type != "reasoning"]
-                if not calls:
-                    break
-                items += [{"type": "function_call_output", "call_id": c.call_id,
-                           "output": tool_output(c.name, json.loads(c.arguments))} for c in calls]  # fmt: skip
-        records = gw.client.finish_session(sid, wait_timeout=10.0)
-        turns, _ = _engine_turns(engine, sid, policy)
-        assert len(turns) == received >= 2, dialect
-        assert_fidelity(turns, records)
-        assert len(records) == 1, (dialect, [r.metadata for r in records])
+    _linear_episode_is_one_row(gw, "qwen3", engine, policy, TOOLS, ("messages", "responses"))
 
 
 def test_a_linear_episode_stays_one_row_through_a_broker_killed_mid_episode(tmp_path: Path) -> None:
