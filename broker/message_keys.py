@@ -11,14 +11,32 @@ written once, here. Stdlib only, nothing else of `broker`; workers may import it
 from __future__ import annotations
 
 import json
+import struct
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 MessageKey = tuple[Any, ...]
+_LENGTH = struct.Struct("<Q").pack  # a key part's length, as the digest writes it
 
 # What json.dumps(value, sort_keys=True, separators=(",", ":"), default=str) builds on every call.
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _canonical_writer() -> Any:
+    """`_CANONICAL.encode` without its per-call cost: `JSONEncoder.encode` makes the stdlib's C encoder afresh on
+    every call, which is most of what a tool call's arguments cost to key. Made once here, with the arguments
+    `encode` gives it (no circular-reference check: the values are decoded JSON); where the C encoder is
+    missing or refuses them, `encode` itself."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    try:
+        write = make(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", True, False, True)
+    except TypeError:  # None (no C accelerator) or another signature
+        return _CANONICAL.encode
+    return lambda value: "".join(write(value, 0))
+
+
+_write_canonical = _canonical_writer()
 
 
 def message_key(m: Any) -> MessageKey:
@@ -57,10 +75,13 @@ class EchoDigest:
         chunks: list[bytes] = []
         for m in messages:
             role, content, calls = message_key(m)
-            for part in (role, content, *(p for call in calls for p in (call if isinstance(call, tuple) else (call,)))):
-                data = part.encode("utf-8", "surrogatepass")
-                chunks += (len(data).to_bytes(8, "little"), data)
-            chunks.append(len(calls).to_bytes(8, "little"))
+            r, c = role.encode("utf-8", "surrogatepass"), content.encode("utf-8", "surrogatepass")
+            chunks += (_LENGTH(len(r)), r, _LENGTH(len(c)), c)
+            for call in calls:
+                for part in call if isinstance(call, tuple) else (call,):
+                    data = part.encode("utf-8", "surrogatepass")
+                    chunks += (_LENGTH(len(data)), data)
+            chunks.append(_LENGTH(len(calls)))
         self.crc, self.count = zlib.crc32(b"".join(chunks), self.crc), self.count + len(messages)
         return self
 
@@ -86,7 +107,7 @@ def echo_digests(context: str, messages: Sequence[Any], at: Sequence[int]) -> tu
 def canonical_json(value: Any) -> str:
     """Stable text of a JSON-like value (sorted keys, no spaces); repr where keys cannot be sorted."""
     try:
-        return _CANONICAL.encode(value)
+        return _write_canonical(value)
     except (TypeError, ValueError):  # mixed-type keys cannot be sorted: any stable text will do
         return repr(value)
 

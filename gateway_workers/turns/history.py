@@ -269,8 +269,13 @@ def _local_head(
     if head is None or head[1] != n or n >= len(messages) or type(head[2]) is not str:
         return None
     # Another head as long or longer may be the one to extend (the fingerprints pick the newest of a tie)
-    rival = any(h[0] != base.turn_id and type(h[1]) is int and n <= h[1] < len(messages) for h in heads)
-    if rival or not _same_messages(messages, base.messages):
+    if any(h[0] != base.turn_id and type(h[1]) is int and n <= h[1] < len(messages) for h in heads):
+        return None
+    if _unchanged_echo(messages, base.messages):
+        # The same JSON, message for message: the held objects take their place, so the commit's delta against
+        # this base finds them shared by identity instead of comparing the history a second time.
+        messages[:n] = base.messages
+    elif not _same_keys(messages, base.messages):
         return None
     try:
         crc = int(head[2], 16)
@@ -280,41 +285,53 @@ def _local_head(
 
 
 def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
-    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested).
+    """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested), and add more."""
+    return _unchanged_echo(messages, held) or _same_keys(messages, held)
 
-    An unchanged echo is the usual case, and it is settled in C: the lists compare equal, every content is
-    text, and the tool calls, the one place equal dicts can hold other JSON (see `_same_message`), write the
-    same JSON, all of them in one orjson call per side (no Python step per message: this runs on every
-    turn, over the whole history). Anything else is compared message by message."""
+
+def _unchanged_echo(messages: Sequence[Any], held: Sequence[Any]) -> bool:
+    """Whether `messages` begin with `held` written as the same JSON, and add more: the usual case, settled in C.
+    The lists compare equal, every content is text, and the tool calls, the one place equal dicts can hold
+    other JSON (see `_same_message`), write the same JSON, all of them in one orjson call per side (no Python
+    step per message: this runs on every turn, over the whole history). Roles are text: the adapters admit
+    no other."""
     n = len(held)
-    if len(messages) <= n:
-        return False
     echoed = messages[:n]
-    if echoed == held:
-        try:
-            calls = orjson.dumps(list(map(dict.get, echoed, repeat("tool_calls"))))
-            texts = set(map(type, map(dict.get, echoed, repeat("content")))) <= _TEXT_TYPES
-            if texts and calls == orjson.dumps(list(map(dict.get, held, repeat("tool_calls")))):
-                return True
-        except (TypeError, orjson.JSONEncodeError):  # not dicts; keys that are not strings, integers past 64 bits
-            pass
-    return all(map(_same_message, echoed, held))
+    if len(messages) <= n or echoed != held:
+        return False
+    try:
+        texts = set(map(type, map(dict.get, echoed, repeat("content")))) <= _TEXT_TYPES
+        return texts and orjson.dumps(list(map(dict.get, echoed, repeat("tool_calls")))) == orjson.dumps(
+            list(map(dict.get, held, repeat("tool_calls")))
+        )
+    except (TypeError, orjson.JSONEncodeError):  # not dicts; keys that are not strings, integers past 64 bits
+        return False
+
+
+def _same_keys(messages: Sequence[Any], held: Sequence[Any]) -> bool:
+    """Whether `messages` begin with `held` key for key, compared message by message, and add more."""
+    return len(messages) > len(held) and all(map(_same_message, messages, held))
 
 
 def _same_message(a: Any, b: Any) -> bool:
-    """Equal text messages have equal keys, and compare at C speed. Equal dicts with tool calls need not have
-    equal keys where values of other types compare equal (1 == 1.0 == True in tool-call arguments, which the
-    keys write as JSON), so theirs must also write the same JSON, which tells those types apart, in orjson's
-    time rather than the keys' (the one value orjson writes as another, NaN as null, never compares equal
-    to it). Anything else is keyed."""
-    if type(a) is dict and a == b:
-        if not a.get("tool_calls") and type(a.get("content")) in _TEXT_TYPES:
-            return True
-        try:
-            if orjson.dumps(a, option=orjson.OPT_SORT_KEYS) == orjson.dumps(b, option=orjson.OPT_SORT_KEYS):
+    """A key is made of a message's role, content and tool calls, whatever else it holds (the reasoning a client
+    drops on echo, a name it adds), so messages whose three compare equal at C speed have the same key, but for
+    values of other types that compare equal (1 == 1.0 == True in tool-call arguments, which the keys write as
+    JSON): where there are tool calls or content that is not text, the three must also write the same JSON,
+    which tells those types apart, in orjson's time rather than the keys' (the one value orjson writes as
+    another, NaN as null, never compares equal to it). Anything else is keyed."""
+    if type(a) is dict and type(b) is dict:
+        keyed = (a.get("role"), a.get("content"), a.get("tool_calls"))
+        if type(keyed[0]) is str and keyed == (b.get("role"), b.get("content"), b.get("tool_calls")):
+            if not keyed[2] and type(keyed[1]) in _TEXT_TYPES:
                 return True
-        except orjson.JSONEncodeError:  # keys that are not strings, integers past 64 bits: keyed
-            pass
+            try:
+                if orjson.dumps(keyed, option=orjson.OPT_SORT_KEYS) == orjson.dumps(
+                    (keyed[0], b.get("content"), b.get("tool_calls")), option=orjson.OPT_SORT_KEYS
+                ):
+                    return True
+            except orjson.JSONEncodeError:  # keys that are not strings, integers past 64 bits: keyed
+                pass
     return message_key(a) == message_key(b)
 
 

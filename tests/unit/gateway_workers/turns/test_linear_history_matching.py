@@ -122,43 +122,82 @@ _scalar = st.sampled_from([0, 1, 1.0, True, False, None, math.nan, math.inf, "1"
 _args = st.dictionaries(st.sampled_from(["a", "b", "c"]), st.one_of(_scalar, st.lists(_scalar, max_size=2)), max_size=3)
 
 
-@given(_args, _args, st.booleans(), st.sampled_from(["", " x ", None]))
-def test_same_message_is_the_keys_verdict_however_it_gets_there(first, second, reorder, content):
-    """The orjson shortcut for equal tool-call dicts says yes only where the keys would (1, 1.0 and True apart;
-    NaN against null; integers orjson cannot write)."""
-    def call(arguments):
+# What no key holds: the reasoning a client drops on echo, a name it adds (any JSON, as a body may hold)
+_unkeyed = st.fixed_dictionaries({}, optional={"reasoning": st.sampled_from(["Think.", "", None]), "name": _scalar})
+_roles = st.sampled_from(["assistant", "tool", 1, True, None])
+
+
+@given(_args, _args, st.booleans(), st.sampled_from(["", " x ", None]), _unkeyed, _unkeyed, _roles, _roles)
+def test_same_message_is_the_keys_verdict_however_it_gets_there(first, second, reorder, content, extra, other,
+                                                                 role, other_role):  # fmt: skip
+    """The shortcut for messages whose role, content and calls compare equal says yes only where the keys would
+    (1, 1.0 and True apart, as arguments or as roles; NaN against null; integers orjson cannot write), whatever
+    unkeyed fields either side holds."""
+
+    def call(arguments, role, extra):
         if reorder:
             arguments = dict(reversed(list(arguments.items())))
-        return {"role": "assistant", "content": content, "tool_calls": [{"name": "f", "arguments": arguments}]}
+        return {"role": role, "content": content, "tool_calls": [{"name": "f", "arguments": arguments}], **extra}
 
-    a = {"role": "assistant", "content": content, "tool_calls": [{"name": "f", "arguments": first}]}
-    for b in (call(first), call(second)):
+    a = {"role": role, "content": content, "tool_calls": [{"name": "f", "arguments": first}], **extra}
+    for b in (call(first, role, other), call(second, role, other), call(first, other_role, extra)):
         assert _same_message(a, b) == (message_key(a) == message_key(b))
 
 
 _content = st.sampled_from(["x", " x ", None, [1], [1.0], [True], [{"type": "text", "text": "x"}]])
 
 
-@given(st.lists(st.tuples(_args, _args, st.booleans(), _content, _content, st.booleans()), min_size=1, max_size=5))
+_side = st.tuples(_roles, _content, _args, st.booleans(), _unkeyed)  # role, content, arguments, calls, extras
+
+
+@given(st.lists(st.tuples(_side, _side, st.booleans()), min_size=1, max_size=3))
 def test_same_messages_is_the_keys_verdict_message_by_message(pairs):
-    """The whole-list shortcut (equal lists, one orjson call per side for the tool calls) says yes exactly where
-    every message's keys agree: a type hidden in an equal list (1 against 1.0 or True, text against other
-    content) is caught, and a reordered argument still matches through the keys."""
-    def message(arguments, content, calls):
-        m = {"role": "assistant" if calls else "tool", "content": content}
+    """The whole-list shortcut (equal lists, one orjson call per side for the tool calls) and the one per message say
+    yes exactly where every message's keys agree: a type hidden in an equal list (1 against 1.0 or True; text
+    against other content) is caught, a reordered argument still matches through the keys, and fields no key
+    holds (the reasoning, a name) are ignored."""
+
+    def message(side, reorder=False):
+        role, content, arguments, calls, extra = side
+        m = {"role": role, "content": content, **extra}
         if calls:
-            m["tool_calls"] = [{"name": "f", "arguments": arguments}]
+            m["tool_calls"] = [{"name": "f", "arguments": dict(reversed(list(arguments.items())))
+                                if reorder else arguments}]  # fmt: skip
         return m
 
-    held = [message(first, content, calls) for first, _, _, content, _, calls in pairs]
-    echoed = [
-        message(dict(reversed(list(second.items()))) if reorder else second, content, calls)
-        for _, second, reorder, _, content, calls in pairs
-    ]
-    for request in (held, echoed):
+    def text_role(side):  # canonical roles are text (the adapters admit no other): `_same_message` checks them
+        role, *rest = side
+        return (role if isinstance(role, str) else "assistant", *rest)
+
+    pairs = [(text_role(first), text_role(second), reorder) for first, second, reorder in pairs]
+    held = [message(first) for first, _, _ in pairs]
+    for request in (held, [message(first, reorder) for first, _, reorder in pairs],
+                    [message(second, reorder) for _, second, reorder in pairs]):  # fmt: skip
         expected = all(message_key(a) == message_key(b) for a, b in zip(request, held, strict=True))
         assert _same_messages([*request, {"role": "user", "content": "next"}], held) == expected
     assert not _same_messages(held, held)  # a request must add a message
+
+
+def test_values_that_compare_equal_but_key_apart_never_match():
+    """1 == 1.0 == True wherever a key holds it (a content, an argument, a role), and null where orjson writes NaN:
+    each shortcut, the one for equal lists, the one field by field and the one per message, must tell them
+    apart as the keys do."""
+
+    def message(role="assistant", content="x", argument=1):
+        return {"role": role, "content": content, "tool_calls": [{"name": "f", "arguments": {"a": argument}}]}
+
+    assert not _same_message(message(role=True), message(role=1))  # canonical roles are text, but not here
+    for held, echoed in [
+        (message(content=[1]), message(content=[1.0])),
+        (message(argument=1), message(argument=1.0)),
+        (message(argument=True), message(argument=1)),
+        (message(argument=None), message(argument=math.nan)),  # orjson writes NaN and infinities as null
+        (message(argument=None), message(argument=math.inf)),
+    ]:
+        assert message_key(held) != message_key(echoed)
+        assert not _same_message(echoed, held)
+        for extra in ({}, {"reasoning": "only the held reply kept it"}):  # equal lists, then equal fields
+            assert not _same_messages([{**echoed}, {"role": "user", "content": "next"}], [{**held, **extra}])
 
 
 def test_a_tie_between_heads_goes_to_the_fingerprints():
