@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MessageKey = tuple[Any, ...]
@@ -23,7 +23,7 @@ _LENGTH = struct.Struct("<Q").pack  # a key part's length, as the digest writes 
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
 
 
-def _canonical_writer() -> Any:
+def _canonical_writer() -> Callable[[Any], str]:
     """`_CANONICAL.encode` without its per-call cost: `JSONEncoder.encode` makes the stdlib's C encoder afresh on
     every call, which is most of what a tool call's arguments cost to key. Made once here, with the arguments
     `encode` gives it (no circular-reference check: the values are decoded JSON); where the C encoder is

@@ -261,7 +261,8 @@ def _local_head(
     """(turn id, message count) of the head `messages` extends, and their running digest, when that head is the
     session's commit base here (`base`), was prompted here with the same tools (`last`), and no head with more
     messages could be extended instead: found by comparing messages (confirmed, unlike a fingerprint), the
-    digest continued from the head's; else None."""
+    digest continued from the head's; else None. An unchanged echo's messages are replaced in `messages` by
+    the base's own (equal, the same JSON)."""
     if base is None or last is None or last != (base.turn_id, context):
         return None
     n = len(base.messages)
