@@ -230,9 +230,10 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, dialect: str, a
         request_headers = Headers(scope=scope)
         sid = _key(request_headers)
         body = await read_body(request_headers.get("content-length"), receive, limits)
-        decode = functools.partial(state["bodies"].decode, sid, scope["path"], adapter.HISTORY_FIELD)
-        decoded = _json(decode, body, limits)
-        parsed = adapter.parse_request(decoded.value, limits)
+        bodies = state["bodies"]
+        decoded = _json(functools.partial(bodies.decode, sid, scope["path"], adapter.HISTORY_FIELD), body, limits)
+        parsed = adapter.parse_request(decoded.value, limits, decoded.earlier)
+        bodies.attach(sid, parsed)
         labels.stream = "true" if parsed.stream else "false"
         parsed = await adapter.load_history(parsed, sid, pipeline)
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)

@@ -27,6 +27,7 @@ from gateway_workers.adapters.common import (
     check_known,
     check_object,
     check_types,
+    earlier_elements,
     flag,
     integer,
     number,
@@ -83,10 +84,13 @@ def error_body(error: ApiError) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class MessagesRequest:
-    """A validated Messages body."""
+    """A validated Messages body; `raw_system` and `raw_messages`, its system prompt and messages as sent, which
+    the next request's parse compares its own with (`Adapter.parse_request`'s `earlier`)."""
 
     turn: TurnRequest
     stream: bool
+    raw_system: Any = None
+    raw_messages: list[Any] | None = None
 
 
 def _text_blocks(content: Any, where: str, joiner: str, limits: RequestLimits) -> str:
@@ -185,19 +189,24 @@ def _user(content: Any, where: str, pending: OpenCalls, limits: RequestLimits) -
     return out
 
 
-def _messages(body: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any], limits: RequestLimits, earlier: MessagesRequest | None) -> list[dict[str, Any]]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list", "messages")
     check_count(len(raw), limits.max_messages, "messages", "messages")
-    messages: list[dict[str, Any]] = []
     system = body.get("system")
-    if system is not None:
+    # A message converts to canonical messages of its own, whatever comes before it but open calls
+    messages: list[dict[str, Any]] = []
+    start = 0
+    if earlier is not None and system is earlier.raw_system:
+        start = earlier_elements(earlier.raw_messages, raw)
+        messages = [*earlier.turn.messages] if start else []
+    if not start and system is not None:
         text = _text_blocks(system, "system", "\n", limits)
         if text:
             messages.append({"role": "system", "content": text})
     pending: OpenCalls = {}
-    for i, message in enumerate(raw):
+    for i, message in enumerate(raw[start:], start):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise bad(f"{where} must be an object with role 'user' or 'assistant'", "messages")
@@ -258,7 +267,9 @@ def _check_thinking(thinking: Any, max_tokens: int | None) -> None:
 load_history = no_history  # a request carries its whole conversation
 
 
-def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, *, counting: bool = False) -> MessagesRequest:
+def parse_request(
+    body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: MessagesRequest | None = None, *, counting: bool = False
+) -> MessagesRequest:
     """Validate a Messages body (`counting`: a count_tokens body, without max_tokens)."""
     body = check_object(body)
     check_known(body, _HANDLED, _IGNORED)
@@ -273,7 +284,7 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, *, counting
     if max_tokens is None and not counting:
         raise bad("'max_tokens' is required", "max_tokens", code="missing_required_parameter")
     _check_thinking(body.get("thinking"), max_tokens)
-    messages, tools = _messages(body, limits), _tools(body.get("tools"))
+    messages, tools = _messages(body, limits, earlier), _tools(body.get("tools"))
     check_turn(tools, limits)
     turn = TurnRequest(
         messages=messages,
@@ -284,7 +295,7 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, *, counting
         top_k=integer(body, "top_k", 0),
         stop=tuple(stop or ()),
     )
-    return MessagesRequest(turn, flag(body, "stream"))
+    return MessagesRequest(turn, flag(body, "stream"), body.get("system"), body["messages"])
 
 
 def _stop_reason(finish_reason: str) -> str:

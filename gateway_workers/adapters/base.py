@@ -38,8 +38,11 @@ class Adapter(Protocol[RequestT]):
     # (`http.bodies` decodes only what it adds).
     HISTORY_FIELD: str
 
-    def parse_request(self, body: Any, limits: RequestLimits = ..., /) -> RequestT:
-        """The validated request within `limits`, or an ApiError (400) naming the field."""
+    def parse_request(self, body: Any, limits: RequestLimits = ..., earlier: RequestT | None = None, /) -> RequestT:
+        """The validated request within `limits`, or an ApiError (400) naming the field. `earlier`: the session's
+        previous request parsed here, whose canonical messages this one takes for the elements of its
+        conversation that are that request's own objects (`http.bodies`), converting only what follows; the
+        same request as a parse without it."""
         ...
 
     async def load_history(self, request: RequestT, session_id: str, pipeline: TurnPipeline, /) -> RequestT:

@@ -9,6 +9,7 @@ not import the app.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,16 @@ _TYPE_NAMES = {str: "a string", bool: "a boolean", dict: "an object", list: "a l
 def bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
     """A 400 for a request the agent must fix (the SDKs never retry a 400)."""
     return ApiError(400, "invalid_request", message, code=code, param=param)
+
+
+def earlier_elements(earlier: list[Any] | None, elements: list[Any]) -> int:
+    """How many leading `elements` a parse of the session's previous request converted already: all of that
+    request's (`earlier`, its conversation's elements), when `elements` begins with those very objects
+    (`http.bodies` shares them between a session's consecutive bodies), else 0. Only a whole valid request
+    counts: it leaves no tool call open, so the elements after it convert as they would after its own."""
+    if earlier is None or len(earlier) > len(elements) or not all(map(operator.is_, elements, earlier)):
+        return 0
+    return len(earlier)
 
 
 def check_object(body: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from gateway_workers.adapters.common import (
     bad,
     canonical_tools,
     check_types,
+    earlier_elements,
     flag,
     integer,
     number,
@@ -190,20 +191,22 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
 
 
 class ChatRequest:
-    """A validated Chat Completions body."""
+    """A validated Chat Completions body; `raw_messages`, its messages as sent, which the next request's parse
+    compares its own with (`Adapter.parse_request`'s `earlier`)."""
 
-    __slots__ = ("turn", "stream", "include_usage")
+    __slots__ = ("turn", "stream", "include_usage", "raw_messages")
 
-    def __init__(self, turn: TurnRequest, stream: bool, include_usage: bool) -> None:
+    def __init__(self, turn: TurnRequest, stream: bool, include_usage: bool, raw_messages: list[Any]) -> None:
         self.turn = turn
         self.stream = stream
         self.include_usage = include_usage
+        self.raw_messages = raw_messages
 
 
 load_history = no_history  # a request carries its whole conversation
 
 
-def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
+def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: ChatRequest | None = None) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     unknown = sorted(set(body) - _HANDLED - _IGNORED)
@@ -221,7 +224,10 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
     if tool_choice not in ("auto", None):
         raise bad("only tool_choice='auto' is supported", "tool_choice")
     pending: OpenCalls = {}
-    messages = [_message(m, i, pending, limits) for i, m in enumerate(raw_messages)]
+    # A message converts to one canonical message, whatever comes before it but open calls
+    start = earlier_elements(earlier.raw_messages, raw_messages) if earlier is not None else 0
+    messages = earlier.turn.messages[:start] if earlier is not None and start else []
+    messages += [_message(m, i, pending, limits) for i, m in enumerate(raw_messages[start:], start)]
     if pending:
         raise bad(
             "an assistant message with 'tool_calls' must be followed by tool messages responding to each "
@@ -256,7 +262,7 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequ
         stop=tuple(stop or ()),
         seed=seed,
     )
-    return ChatRequest(turn, stream, bool(include_usage))
+    return ChatRequest(turn, stream, bool(include_usage), raw_messages)
 
 
 def _wire_call(turn_id: str, index: int, call: dict[str, Any]) -> dict[str, Any]:

@@ -29,13 +29,14 @@ from gateway_workers.adapters.common import (
     check_known,
     check_object,
     check_types,
+    earlier_elements,
     flag,
     integer,
     number,
     sse,
 )
 from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the Responses API shares its error shape
-from gateway_workers.adapters.responses_items import canonical_messages
+from gateway_workers.adapters.responses_items import canonical_messages, ends_model_turns
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
@@ -94,7 +95,9 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
     return canonical_tools(raw, "function", lambda t: (t.get("name"), t.get("description"), t.get("parameters")))
 
 
-def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ResponsesRequest:
+def parse_request(
+    body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: ResponsesRequest | None = None
+) -> ResponsesRequest:
     body = check_object(body)
     check_known(body, _HANDLED, _IGNORED)
     check_types(body, _TYPES)
@@ -121,9 +124,12 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> Response
     if type(items) is list:
         check_count(len(items), limits.max_messages, "input items", "input")
     # With previous_response_id, call outputs may answer that response's calls: checked once it is loaded.
-    messages = canonical_messages(items, None if previous_turn is not None else {}, limits)
-    if instructions:
-        messages.insert(0, {"role": "system", "content": instructions})
+    if previous_turn is None and (start := _earlier_items(earlier, items, instructions)):
+        messages = [*earlier.turn.messages, *canonical_messages(items, {}, limits, start)]  # type: ignore[union-attr]
+    else:
+        messages = canonical_messages(items, None if previous_turn is not None else {}, limits)
+        if instructions:
+            messages.insert(0, {"role": "system", "content": instructions})
     tools = _tools(body.get("tools"))
     check_turn(tools, limits)
     turn = TurnRequest(
@@ -142,6 +148,16 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> Response
         previous,
         previous_turn,
     )
+
+
+def _earlier_items(earlier: ResponsesRequest | None, items: Any, instructions: str | None) -> int:
+    """How many leading `items` are `earlier`'s, converted already (`Adapter.parse_request`'s `earlier`): when
+    that request stood alone (no previous_response_id: its messages are its items'), had these instructions,
+    and left no model turn open, for the items after it to convert on their own; else 0."""
+    if (earlier is None or earlier.previous_turn_id is not None or earlier.instructions is not instructions
+            or type(items) is not list or not ends_model_turns(earlier.items[-1])):
+        return 0
+    return earlier_elements(earlier.items, items)
 
 
 async def load_history(request: ResponsesRequest, session_id: str, pipeline: TurnPipeline) -> ResponsesRequest:

@@ -47,15 +47,23 @@ def _reasoning_text(item: dict[str, Any], where: str, limits: RequestLimits | No
     return "".join(t for t in texts if t)
 
 
+def ends_model_turns(item: Any) -> bool:
+    """Whether no model turn is left open after `item` (a call output or a message not from the assistant), so
+    the items that follow it convert as they would on their own (`canonical_messages`' `start`)."""
+    kind = item.get("type", "message") if type(item) is dict else None
+    return kind == "function_call_output" or (kind == "message" and item.get("role") != "assistant")
+
+
 def canonical_messages(
-    items: Any, earlier_calls: dict[str, str] | None, limits: RequestLimits | None
+    items: Any, earlier_calls: dict[str, str] | None, limits: RequestLimits | None, start: int = 0
 ) -> list[dict[str, Any]]:
     """Input items -> canonical messages, each call output answering a call by its id.
 
     `earlier_calls` (call id -> name) are the calls of the response this input continues, which the
     input must answer too; None while that response is not known yet (the check is then left to the
     call that knows it: `openai_responses.with_history`). `limits` bounds parts and argument nesting
-    (None: the items were checked when the request was first parsed).
+    (None: the items were checked when the request was first parsed). `start`: only the items from there
+    on, those before having converted already and left no call open and no model turn (`ends_model_turns`).
     """
     pending: OpenCalls = dict(earlier_calls or {})
     if isinstance(items, str):
@@ -71,7 +79,7 @@ def canonical_messages(
             out.append(turn)
             turn = None
 
-    for i, item in enumerate(items):
+    for i, item in enumerate(items[start:], start):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":

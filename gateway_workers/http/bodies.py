@@ -11,7 +11,9 @@ So each recent session's last body is kept with its decode, and a body that
 
 has only the elements between decoded, as a JSON array of their own; the rest of its value is the earlier
 one's (shared, never mutated: the adapters build their own messages), and its CRC-32 continues from the
-shared beginning's. Any other body is decoded whole, exactly as without this.
+shared beginning's. Any other body is decoded whole, exactly as without this. What the caller made of the
+earlier body (`attach`: the adapter's parsed request) comes back with the body that shares its elements
+(`DecodedBody.earlier`), so an adapter converts only the new ones too.
 
 Why the splice is the whole body's decode: a JSON parser reads the shared beginning as it read it before,
 which leaves it inside the history array just after an element; a comma and a sequence of whole elements
@@ -50,9 +52,12 @@ class DecodedBody:
     crc32: int
     fresh: tuple[tuple[Any, str], ...]
     fresh_bytes: int
+    # What was attached to the session's previous body when this one's history begins with that body's
+    # elements, the same objects (extended, or repeated); else None.
+    earlier: Any = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Last:
     path: str
     raw: bytes
@@ -63,6 +68,7 @@ class _Last:
     end: int | None = None
     end_crc32: int = 0
     cost: int = 0  # `_cost` of the body
+    attached: Any = None  # `BodyDecoder.attach`
 
 
 def _nothing(decoded: DecodedBody) -> None:
@@ -96,7 +102,7 @@ class BodyDecoder:
         if last is not None and raw == last.raw:  # a retry: the same request again
             self.counts["repeated"] += 1
             self._keep(session_id, last)
-            return DecodedBody(last.value, last.crc32, (), 0)
+            return DecodedBody(last.value, last.crc32, (), 0, last.attached)
         extended = _extend(last, field, raw) if last is not None and last.end is not None else None
         if extended is not None:
             self.counts["extended"] += 1
@@ -115,6 +121,15 @@ class BodyDecoder:
         check(decoded)
         self._keep(session_id, entry)
         return decoded
+
+    def attach(self, session_id: str, parsed: Any) -> None:
+        """Keep `parsed` (what the caller made of the body just decoded for the session) with that body, for the
+        next body that shares its history elements (`DecodedBody.earlier`). Nothing of it may change later
+        but for equal values: the next body's parse takes it as its own. `_cost` allows for it (an adapter's
+        parse shares the decode's strings; tracemalloc of tool-calling chat bodies: decode + parse within it)."""
+        last = self._last.get(session_id)
+        if last is not None:
+            last.attached = parsed
 
     def forget(self, sessions: list[str]) -> None:
         for session in sessions:
@@ -160,7 +175,7 @@ def _extend(last: _Last, field: str, raw: bytes) -> tuple[_Last, DecodedBody] | 
     crc = zlib.crc32(memoryview(raw)[stop:], end_crc)
     fresh = tuple((item, f"{field}.[{i}]") for i, item in enumerate(added, len(history)))
     entry = _Last(last.path, raw, value, crc, stop, end_crc, last.cost + _cost(raw, end, stop))
-    return entry, DecodedBody(value, crc, fresh, len(inserted))
+    return entry, DecodedBody(value, crc, fresh, len(inserted), last.attached)
 
 
 def _end_learnt(last: _Last, field: str, raw: bytes, value: Any) -> int | None:

@@ -25,7 +25,8 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import compress, count, repeat
+from operator import is_not
 from typing import Any
 
 import orjson
@@ -292,13 +293,16 @@ def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
 
 def _unchanged_echo(messages: Sequence[Any], held: Sequence[Any]) -> bool:
     """Whether `messages` begin with `held` written as the same JSON, and add more: the usual case, settled in C.
-    The lists compare equal, every content is text, and the tool calls, the one place equal dicts can hold
-    other JSON (see `_same_message`), write the same JSON, all of them in one orjson call per side (no Python
-    step per message: this runs on every turn, over the whole history). Roles are text: the adapters admit
-    no other."""
+    Past the messages that are the held objects themselves (`_identical`), the lists compare equal, every
+    content is text, and the tool calls, the one place equal dicts can hold other JSON (see `_same_message`),
+    write the same JSON, all of them in one orjson call per side (no Python step per message). Roles are
+    text: the adapters admit no other."""
     n = len(held)
-    echoed = messages[:n]
-    if len(messages) <= n or echoed != held:
+    if len(messages) <= n:
+        return False
+    same = _identical(messages, held)
+    echoed, held = messages[same:n], held[same:]
+    if echoed != held:
         return False
     try:
         texts = set(map(type, map(dict.get, echoed, repeat("content")))) <= _TEXT_TYPES
@@ -311,7 +315,18 @@ def _unchanged_echo(messages: Sequence[Any], held: Sequence[Any]) -> bool:
 
 def _same_keys(messages: Sequence[Any], held: Sequence[Any]) -> bool:
     """Whether `messages` begin with `held` key for key, compared message by message, and add more."""
-    return len(messages) > len(held) and all(map(_same_message, messages, held))
+    n = len(held)
+    if len(messages) <= n:
+        return False
+    same = _identical(messages, held)
+    return all(map(_same_message, messages[same:n], held[same:]))
+
+
+def _identical(messages: Sequence[Any], held: Sequence[Any]) -> int:
+    """How many leading `messages` are `held`'s own objects: a request parsed from the body that extends the
+    one before takes that one's messages (`Adapter.parse_request`'s `earlier`), which were the held turn's
+    when it was matched to it, so only the messages since need comparing. One pass in C."""
+    return next(compress(count(), map(is_not, messages, held)), min(len(messages), len(held)))
 
 
 def _same_message(a: Any, b: Any) -> bool:

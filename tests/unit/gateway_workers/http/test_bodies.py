@@ -75,6 +75,33 @@ def test_an_extension_shares_the_earlier_messages_and_copies_the_list() -> None:
     assert third["messages"] is not second["messages"] and len(second["messages"]) == 2
 
 
+def test_what_is_attached_to_a_body_comes_back_with_the_next_that_shares_its_elements() -> None:
+    """An extension or a repeat carries what the caller attached to the body before (the adapter's parse, which
+    the next parse takes its messages from); a body decoded whole, and a body after one refused, carry nothing."""
+    decoder = BodyDecoder()
+    bodies = [_body([_message(i) for i in range(n)]) for n in (1, 2, 3, 3)]
+    earlier = []
+    for n, raw in enumerate(bodies):
+        decoded = decoder.decode("s", CHAT, "messages", raw)
+        earlier.append(decoded.earlier)
+        decoder.attach("s", f"parse {n}")
+    assert earlier == [None, None, "parse 1", "parse 2"]  # whole, whole (learns the bracket), extended, repeated
+    assert decoder.decode("other", CHAT, "messages", bodies[2]).earlier is None
+    assert decoder.decode("s", "/v1/messages", "messages", bodies[3]).earlier is None  # another route's body
+
+    def refuse(decoded: Any) -> None:
+        raise ValueError("refused")
+
+    decoder = BodyDecoder()
+    for raw in bodies[:3]:
+        decoder.decode("s", CHAT, "messages", raw)
+        decoder.attach("s", raw)
+    with pytest.raises(ValueError):
+        decoder.decode("s", CHAT, "messages", _body([_message(i) for i in range(4)]), refuse)
+    decoder.attach("s", "never kept")  # the session has no body now: nothing to attach to
+    assert decoder.decode("s", CHAT, "messages", _body([_message(i) for i in range(5)])).earlier is None
+
+
 @pytest.mark.parametrize(
     "following",
     [
