@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import zlib
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from broker.message_keys import EchoDigest, message_key
@@ -226,13 +226,28 @@ def test_each_tool_set_gets_its_own_context_however_often_it_is_seen(tool_sets):
 
 
 _text = st.text(alphabet=st.sampled_from(["a", " ", "é", "\n", "\ud800", "<"]), max_size=6)
-_message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.one_of(st.none(), _text)},
-    optional={"tool_calls": st.lists(st.fixed_dictionaries({"name": _text, "arguments": _args}), max_size=2)},
+# Canonical messages, and whatever else a key is made of: other roles and contents (the digest's short way for
+# text messages must give what the keys give), calls of every shape, messages that are no dicts.
+_call = st.one_of(
+    st.fixed_dictionaries({"name": _text, "arguments": st.one_of(_args, _text, st.just('{"b": 1, "a": [2]}'))}),
+    st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": _text, "arguments": _text})}),
+    st.sampled_from(["raw", 1, None]),
+)
+_message = st.one_of(
+    st.fixed_dictionaries(
+        {"content": st.one_of(st.none(), _text, _text.map(lambda t: f"{t}</think>{t}"),
+                              st.sampled_from([0, False, 1.5, [], {}, [{"type": "text", "text": " x "}], ["y"]]))},
+        optional={
+            "role": st.sampled_from(["user", "assistant", "tool", "system", "developer", "", 1, None]),
+            "tool_calls": st.one_of(st.lists(_call, max_size=2), st.sampled_from([None, [], "x", {"name": "a"}])),
+        },
+    ),
+    st.sampled_from(["text", 1, None, ["x"]]),
 )
 
 
 @given(st.text(max_size=8), st.lists(_message, max_size=4), st.integers(0, 4))
+@example("", [{"role": "assistant", "content": "Hmm.</think> Done."}, {"role": "user", "content": 0}], 1)
 def test_the_echo_digest_is_the_checksum_of_each_part_after_its_length(context, messages, split):
     """What workers commit and others compare (kept in the broker's log): CRC-32 over the context, then per
     message each key part after its length (8 bytes, little-endian) and its number of calls, whatever the
