@@ -263,7 +263,8 @@ def _local_head(
     session's commit base here (`base`), was prompted here with the same tools (`last`), and no head with more
     messages could be extended instead: found by comparing messages (confirmed, unlike a fingerprint), the
     digest continued from the head's; else None. An unchanged echo's messages are replaced in `messages` by
-    the base's own (equal, the same JSON)."""
+    the base's own (equal, the same JSON), in the list the request's parse holds: the session's next request
+    takes them from there (`Adapter.parse_request`'s `earlier`), so its match finds them identical."""
     if base is None or last is None or last != (base.turn_id, context):
         return None
     n = len(base.messages)
