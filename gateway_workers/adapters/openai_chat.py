@@ -226,7 +226,7 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: Ch
     pending: OpenCalls = {}
     # A message converts to one canonical message, whatever comes before it but open calls
     start = earlier_elements(earlier.raw_messages, raw_messages) if earlier is not None else 0
-    messages = earlier.turn.messages[:start] if earlier is not None and start else []
+    messages = earlier.turn.messages[:start] if earlier is not None else []
     messages += [_message(m, i, pending, limits) for i, m in enumerate(raw_messages[start:], start)]
     if pending:
         raise bad(

@@ -124,8 +124,9 @@ def parse_request(
     if type(items) is list:
         check_count(len(items), limits.max_messages, "input items", "input")
     # With previous_response_id, call outputs may answer that response's calls: checked once it is loaded.
-    if previous_turn is None and (start := _earlier_items(earlier, items, instructions)):
-        messages = [*earlier.turn.messages, *canonical_messages(items, {}, limits, start)]  # type: ignore[union-attr]
+    start = _earlier_items(earlier, items, instructions) if earlier is not None and previous_turn is None else 0
+    if earlier is not None and start:
+        messages = [*earlier.turn.messages, *canonical_messages(items, {}, limits, start)]
     else:
         messages = canonical_messages(items, None if previous_turn is not None else {}, limits)
         if instructions:
@@ -150,12 +151,12 @@ def parse_request(
     )
 
 
-def _earlier_items(earlier: ResponsesRequest | None, items: Any, instructions: str | None) -> int:
+def _earlier_items(earlier: ResponsesRequest, items: Any, instructions: str | None) -> int:
     """How many leading `items` are `earlier`'s, converted already (`Adapter.parse_request`'s `earlier`): when
     that request stood alone (no previous_response_id: its messages are its items'), had these instructions,
     and left no model turn open, for the items after it to convert on their own; else 0."""
-    if (earlier is None or earlier.previous_turn_id is not None or earlier.instructions is not instructions
-            or type(items) is not list or not ends_model_turns(earlier.items[-1])):
+    if (earlier.previous_turn_id is not None or earlier.instructions is not instructions or type(items) is not list
+            or not ends_model_turns(earlier.items[-1])):
         return 0
     return earlier_elements(earlier.items, items)
 

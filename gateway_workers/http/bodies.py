@@ -125,8 +125,10 @@ class BodyDecoder:
     def attach(self, session_id: str, parsed: Any) -> None:
         """Keep `parsed` (what the caller made of the body just decoded for the session) with that body, for the
         next body that shares its history elements (`DecodedBody.earlier`). Nothing of it may change later
-        but for equal values: the next body's parse takes it as its own. `_cost` allows for it (an adapter's
-        parse shares the decode's strings; tracemalloc of tool-calling chat bodies: decode + parse within it)."""
+        but for equal values: the next body's parse takes it as its own. `_cost` allows for it: an adapter's
+        parse shares the decode's strings (tracemalloc of tool-calling chat bodies: decode + parse within it).
+        Not for one case: a linear session's parse takes its commit base's messages in place of an unchanged
+        echo (`turns.history`), which after a body decoded whole are an earlier decode's, held once more."""
         last = self._last.get(session_id)
         if last is not None:
             last.attached = parsed

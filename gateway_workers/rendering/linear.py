@@ -111,10 +111,6 @@ class _Head:
     prompted: str  # and with it
 
 
-# The previous messages a session's stand-in was last taken from, and the index of their last user message.
-_Seen = tuple[Sequence[Mapping[str, Any]], int | None]
-
-
 class HeadRenders:
     """Each recent session's stand-in head (`stand_in`), rendered without and with the generation prompt.
 
@@ -132,23 +128,10 @@ class HeadRenders:
         self.max_sessions, self.max_chars = max_sessions, max_chars
         self._lock = threading.Lock()
         self._heads: OrderedDict[str, _Head] = OrderedDict()
-        self._seen: dict[str, _Seen] = {}  # of the sessions whose head is kept
         self._chars = 0
 
     def __len__(self) -> int:
         return len(self._heads)
-
-    def stand_in(self, session: str, previous_messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        """`stand_in(previous_messages)`, searching for the last user message only among the messages the
-        session's previous turn did not have: in a tool-calling episode that message is near the start, and
-        a search from the end crossed the whole history on every turn."""
-        with self._lock:
-            seen = self._seen.get(session)
-        last_user = _last_user(previous_messages, seen)
-        with self._lock:
-            if session in self._heads:
-                self._seen[session] = (previous_messages, last_user)
-        return _stand_in(previous_messages, last_user)
 
     def renders(
         self,
@@ -169,9 +152,7 @@ class HeadRenders:
             return kept.text, kept.prompted
         text, prompted = head_texts(renderer, head, tools, template_kwargs)
         with self._lock:
-            replaced = self._heads.pop(session, None)
-            if replaced is not None:
-                self._chars -= len(replaced.text) + len(replaced.prompted)
+            self._drop(session)
             self._heads[session] = _Head(head, tools, template_kwargs, text, prompted)
             self._chars += len(text) + len(prompted)
             while self._heads and (len(self._heads) > self.max_sessions or self._chars > self.max_chars):
@@ -184,7 +165,6 @@ class HeadRenders:
                 self._drop(session)
 
     def _drop(self, session: str) -> None:
-        self._seen.pop(session, None)
         kept = self._heads.pop(session, None)
         if kept is not None:
             self._chars -= len(kept.text) + len(kept.prompted)
@@ -219,7 +199,7 @@ def linear_tail(
         return TailRefusal("no_new_messages", "nothing follows the previous reply")
     if response.get("role") != "assistant" or not output_ids:
         return TailRefusal("not_a_reply", "the previous response is not an assistant message with output ids")
-    head = heads[0].stand_in(heads[1], previous_messages) if heads is not None else stand_in(previous_messages)
+    head = stand_in(previous_messages)
     try:
         if heads is not None:
             head_text, prompted = heads[0].renders(renderer, heads[1], head, tools, template_kwargs)
@@ -275,29 +255,17 @@ def stand_in(previous_messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str
     long history, whose rendering nothing after the previous reply reads. Other assistant messages are left
     out too, so no earlier reasoning is re-rendered (or dropped) in the stand-in.
     """
-    return _stand_in(previous_messages, _last_user(previous_messages, None))
-
-
-def _stand_in(previous_messages: Sequence[Mapping[str, Any]], last_user: int | None) -> list[Mapping[str, Any]]:
     first = 1 if previous_messages and previous_messages[0].get("role") == "system" else 0
     keep = list(range(first))
-    if last_user is not None:  # never the system message at 0
+    last_user = next(
+        (i for i in range(len(previous_messages) - 1, first - 1, -1) if previous_messages[i].get("role") == "user"),
+        None,
+    )
+    if last_user is not None:
         keep.append(last_user)
     elif first < len(previous_messages):
         keep.append(first)
     return [previous_messages[i] for i in keep]
-
-
-def _last_user(messages: Sequence[Mapping[str, Any]], seen: _Seen | None) -> int | None:
-    """The index of the last user message; `seen`: messages these begin with (equal, message for message) and
-    theirs, so that only what follows them is searched."""
-    start, found = 0, None
-    if seen is not None:
-        earlier, at = seen
-        n = len(earlier)
-        if 0 < n <= len(messages) and messages[:n] == earlier:  # the held objects: compared by identity
-            start, found = n, at
-    return next((i for i in range(len(messages) - 1, start - 1, -1) if messages[i].get("role") == "user"), found)
 
 
 def head_texts(

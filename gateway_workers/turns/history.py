@@ -274,11 +274,12 @@ def _local_head(
     # Another head as long or longer may be the one to extend (the fingerprints pick the newest of a tie)
     if any(h[0] != base.turn_id and type(h[1]) is int and n <= h[1] < len(messages) for h in heads):
         return None
-    if _unchanged_echo(messages, base.messages):
+    same = _identical(messages, base.messages)
+    if _unchanged_echo(messages, base.messages, same):
         # The same JSON, message for message: the held objects take their place, so the commit's delta against
         # this base finds them shared by identity instead of comparing the history a second time.
         messages[:n] = base.messages
-    elif not _same_keys(messages, base.messages):
+    elif not _same_keys(messages, base.messages, same):
         return None
     try:
         crc = int(head[2], 16)
@@ -289,19 +290,19 @@ def _local_head(
 
 def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:
     """Whether `messages` begin with `held`, key for key (what the fingerprint only suggested), and add more."""
-    return _unchanged_echo(messages, held) or _same_keys(messages, held)
+    same = _identical(messages, held)
+    return _unchanged_echo(messages, held, same) or _same_keys(messages, held, same)
 
 
-def _unchanged_echo(messages: Sequence[Any], held: Sequence[Any]) -> bool:
+def _unchanged_echo(messages: Sequence[Any], held: Sequence[Any], same: int) -> bool:
     """Whether `messages` begin with `held` written as the same JSON, and add more: the usual case, settled in C.
-    Past the messages that are the held objects themselves (`_identical`), the lists compare equal, every
+    Past the `same` messages that are the held objects themselves (`_identical`), the lists compare equal, every
     content is text, and the tool calls, the one place equal dicts can hold other JSON (see `_same_message`),
     write the same JSON, all of them in one orjson call per side (no Python step per message). Roles are
     text: the adapters admit no other."""
     n = len(held)
     if len(messages) <= n:
         return False
-    same = _identical(messages, held)
     echoed, held = messages[same:n], held[same:]
     if echoed != held:
         return False
@@ -314,13 +315,11 @@ def _unchanged_echo(messages: Sequence[Any], held: Sequence[Any]) -> bool:
         return False
 
 
-def _same_keys(messages: Sequence[Any], held: Sequence[Any]) -> bool:
-    """Whether `messages` begin with `held` key for key, compared message by message, and add more."""
+def _same_keys(messages: Sequence[Any], held: Sequence[Any], same: int) -> bool:
+    """Whether `messages` begin with `held` key for key, compared message by message past the `same` ones that
+    are the held objects (`_identical`), and add more."""
     n = len(held)
-    if len(messages) <= n:
-        return False
-    same = _identical(messages, held)
-    return all(map(_same_message, messages[same:n], held[same:]))
+    return len(messages) > n and all(map(_same_message, messages[same:n], held[same:]))
 
 
 def _identical(messages: Sequence[Any], held: Sequence[Any]) -> int:

@@ -683,56 +683,6 @@ def test_the_head_renders_are_reused_while_the_head_and_tools_are_the_same():
     assert place("b", tools=reordered) > whole
 
 
-class _RoleReads(dict):
-    """A message that counts how often its role is read."""
-
-    reads = 0
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        if key == "role":
-            _RoleReads.reads += 1
-        return super().get(key, default)
-
-
-_role = st.sampled_from(["system", "user", "assistant", "tool"])
-
-
-@settings(max_examples=200, deadline=None, database=None)
-@given(st.lists(st.tuples(st.sampled_from(["extend", "extend", "extend", "edit", "cut", "other"]),
-                          st.lists(_role, max_size=4)), min_size=1, max_size=8))
-def test_a_sessions_stand_in_is_the_stand_in_however_its_history_goes_on(steps):
-    """Kept per session, the stand-in searches only what the previous turn's messages did not hold; whether
-    the history extends them, or is edited, cut or replaced, it is the stand-in of the whole."""
-    heads, history = HeadRenders(), []
-    heads._heads["s"] = None  # type: ignore[assignment]  # a head is kept for the session (its renders aside)
-    for how, roles in steps:
-        added = [{"role": role, "content": str(len(history) + i)} for i, role in enumerate(roles)]
-        if how == "extend":
-            history = [*history, *added]
-        elif how == "edit" and history:
-            history = [*history[:-1], {"role": "user", "content": "edited"}, *added]
-        elif how == "cut":
-            history = history[: len(history) // 2]
-        else:
-            history = added
-        assert heads.stand_in("s", history) == stand_in(history)
-
-
-def test_a_sessions_stand_in_reads_only_the_new_roles():
-    heads, history = HeadRenders(), [_RoleReads(role="system"), _RoleReads(role="user")]
-    heads._heads["s"] = None  # type: ignore[assignment]
-    heads.stand_in("s", history)
-    for turn in range(20):
-        history = [*history, _RoleReads(role="assistant"), _RoleReads(role="tool")]
-        _RoleReads.reads = 0
-        assert heads.stand_in("s", history) == history[:2]
-        assert _RoleReads.reads == 3  # the two new messages, and whether the first is a system message
-    heads.forget(["s"])
-    _RoleReads.reads = 0
-    heads.stand_in("s", history)
-    assert _RoleReads.reads == len(history)  # forgotten with the session: back from the end to the query at 1
-
-
 def test_the_stand_in_keeps_the_last_user_query():
     """Qwen3.5 refuses a conversation without a user query: one that opens with an assistant greeting still has a
     tail, because the stand-in keeps the last user message (and only it, after the system message: templates
