@@ -178,6 +178,21 @@ def test_same_messages_is_the_keys_verdict_message_by_message(pairs):
     assert not _same_messages(held, held)  # a request must add a message
 
 
+def test_only_the_messages_past_the_held_objects_themselves_are_compared():
+    """A request parsed from its predecessor's parse holds the held turn's own message objects at its start
+    (`_identical`); what follows them is still compared, key for key."""
+    held = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"name": "search", "arguments": {"n": 1}}]}, {"role": "tool", "content": "r"}]
+    new = {"role": "user", "content": "next"}
+    assert _same_messages([*held, new], held)  # all of them the held objects
+    echo = {"role": "assistant", "content": "", "tool_calls": [{"name": "search", "arguments": {"n": 1}}]}
+    assert _same_messages([held[0], echo, held[2], new], held)  # an equal echo past the first
+    for other in ({"n": 1.0}, {"n": True}, {"n": 2}):  # keyed apart
+        changed = {**echo, "tool_calls": [{"name": "search", "arguments": other}]}
+        assert not _same_messages([held[0], changed, held[2], new], held), other
+    assert not _same_messages([held[0], held[1], {"role": "tool", "content": "other"}, new], held)
+
+
 def test_values_that_compare_equal_but_key_apart_never_match():
     """1 == 1.0 == True wherever a key holds it (a content, an argument, a role), and null where orjson writes NaN:
     each shortcut, the one for equal lists, the one field by field and the one per message, must tell them
