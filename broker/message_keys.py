@@ -19,7 +19,7 @@ from typing import Any
 MessageKey = tuple[Any, ...]
 _LENGTH = struct.Struct("<Q").pack  # a key part's length, as the digest writes it
 # The canonical roles' parts, each after its length; and the last parts of a message without calls, whose key
-# holds one in their place, ("?",) (`message_key`), and their number, 1.
+# holds ("?",) in their place (`message_key`), and their number, 1.
 _ROLE_PARTS = {role: _LENGTH(len(role)) + role.encode() for role in ("system", "user", "assistant", "tool")}
 _NO_CALLS = _LENGTH(1) + b"?" + _LENGTH(1)
 
@@ -75,35 +75,33 @@ class EchoDigest:
     def add(self, messages: Sequence[Any]) -> EchoDigest:
         """Each message's key parts, each after its length (8 bytes, little-endian), then its number of calls:
         joined and checksummed in one call (CRC-32 continues across concatenation, so the digest is the
-        part-by-part one, at one call's cost instead of two per part). A message of text alone, nearly every
-        one but a reply with calls, takes a short way to the same parts."""
+        part-by-part one, at one call's cost instead of two per part). A dict of text and a list of calls, nearly
+        every message, takes a short way to its key's parts."""
         chunks: list[bytes] = []
         for m in messages:
+            role = content = calls = None
             if type(m) is dict:
                 role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
-                head = _ROLE_PARTS.get(role) if type(role) is str else None
                 if content is None:
                     content = ""
-                if (head is not None and type(content) is str and (not calls or type(calls) is list)
-                        and (role != "assistant" or "</think>" not in content)):
-                    c = content.strip().encode("utf-8", "surrogatepass")
-                    chunks += (head, _LENGTH(len(c)), c)
-                    if calls:
-                        for call in calls:
-                            name, arguments = _call_key(call)
-                            n, a = name.encode("utf-8", "surrogatepass"), arguments.encode("utf-8", "surrogatepass")
-                            chunks += (_LENGTH(len(n)), n, _LENGTH(len(a)), a)
-                        chunks.append(_LENGTH(len(calls)))
-                    else:
-                        chunks.append(_NO_CALLS)
-                    continue
-            role, content, calls = message_key(m)
-            r, c = role.encode("utf-8", "surrogatepass"), content.encode("utf-8", "surrogatepass")
-            chunks += (_LENGTH(len(r)), r, _LENGTH(len(c)), c)
-            for call in calls:
-                for part in call if isinstance(call, tuple) else (call,):
-                    data = part.encode("utf-8", "surrogatepass")
-                    chunks += (_LENGTH(len(data)), data)
+            if (type(role) is str and type(content) is str and (not calls or type(calls) is list)
+                    and (role != "assistant" or "</think>" not in content)):
+                text, keyed = content.strip(), map(_call_key, calls) if calls else None
+            else:
+                role, text, calls = message_key(m)
+                keyed = None if calls == ("?",) else calls  # None: no calls, which the key writes as ("?",)
+            head = _ROLE_PARTS.get(role)
+            if head is None:
+                r = role.encode("utf-8", "surrogatepass")
+                head = _LENGTH(len(r)) + r
+            c = text.encode("utf-8", "surrogatepass")
+            chunks += (head, _LENGTH(len(c)), c)
+            if keyed is None:
+                chunks.append(_NO_CALLS)
+                continue
+            for name, arguments in keyed:
+                n, a = name.encode("utf-8", "surrogatepass"), arguments.encode("utf-8", "surrogatepass")
+                chunks += (_LENGTH(len(n)), n, _LENGTH(len(a)), a)
             chunks.append(_LENGTH(len(calls)))
         self.crc, self.count = zlib.crc32(b"".join(chunks), self.crc), self.count + len(messages)
         return self
