@@ -39,7 +39,6 @@ from broker.metrics import exposition
 from broker.metrics.gateway import GatewayMetrics
 from broker.protocol import session_tag
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
-from broker.sessions.history import wire_heads
 from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry, check_chosen_key
 from broker.sessions.replicas import ReplicaTable
 from broker.sessions.workers import WorkerLiveness, abandon_turns_of
@@ -444,7 +443,7 @@ class BrokerServer:
                         max_context_tokens=session.max_context_tokens,
                         history_mode=session.history_mode,
                         linear_fallback=session.linear_fallback if linear else "",
-                        heads=wire_heads(session.heads) if linear else [],
+                        heads=session.heads if linear else [],
                         pending=len(session.in_flight) - 1 if linear else 0,
                         weight_version=self.registry.weight_version,
                         replica=self.replicas.assign(msg.session_id),

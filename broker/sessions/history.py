@@ -25,23 +25,22 @@ _COUNTER_OF = {
 }
 
 
-def note_head(heads: list[list[Any]], seq: int, turn_id: str, flags: dict[str, Any], keep: int) -> str | None:
-    """Add a committed linear turn to `heads` (`[seq, turn_id, message_count, digest]`, newest seq first, at most
-    `keep`); returns the counter its `history` flag names (None: not a linear turn)."""
+def note_head(
+    heads: list[list[Any]], seqs: list[int], seq: int, turn_id: str, flags: dict[str, Any], keep: int
+) -> str | None:
+    """Add a committed linear turn to `heads` (`TurnOpened.heads`: `[turn_id, message_count, digest]`, newest
+    seq first, at most `keep`; the OPEN reply sends them as they are) and its seq to `seqs` (theirs, in the same
+    order); returns the counter its `history` flag names (None: not a linear turn)."""
     echo = flags.get("echo")
     if isinstance(echo, list) and len(echo) == 2 and isinstance(echo[0], int) and isinstance(echo[1], str):
         # newest first; a commit is usually the newest (a retried one may come in late)
-        at = 0 if not heads or heads[0][0] < seq else next((i for i, h in enumerate(heads) if h[0] < seq), len(heads))
+        at = 0 if not seqs or seqs[0] < seq else next((i for i, s in enumerate(seqs) if s < seq), len(seqs))
         if at < keep:
-            heads.insert(at, [seq, turn_id, echo[0], echo[1]])
-            del heads[keep:]
+            heads.insert(at, [turn_id, echo[0], echo[1]])
+            seqs.insert(at, seq)
+            del heads[keep:], seqs[keep:]
     return _COUNTER_OF.get(flags.get("history", ""))
 
 
 def heads_kept(linear_fallback: str) -> int:
     return FORK_HEADS if linear_fallback == "fork" else 1
-
-
-def wire_heads(heads: list[list[Any]]) -> list[list[Any]]:
-    """`TurnOpened.heads`: `[turn_id, message_count, digest]`, newest first."""
-    return [head[1:] for head in heads]

@@ -48,7 +48,7 @@ def session_image(session: Session, *, closing: bool) -> list[Any]:
         session.digests,
         session.history_mode,
         session.linear_fallback,
-        session.heads,
+        [[seq, *head] for seq, head in zip(session.head_seqs, session.heads, strict=True)],
     ]
 
 
@@ -67,7 +67,7 @@ def restore_session(image: list[Any]) -> Session:
         ) = image  # fmt: skip
         session = Session(
             sid, sampling_defaults, max_context_tokens, max_turns, metadata, client_id, group, history_mode,
-            linear_fallback, [list(head) for head in heads],
+            linear_fallback, [head[1:] for head in heads], [head[0] for head in heads],
         )  # fmt: skip
         if finished_by is not None:
             session.state = "closing"

@@ -73,6 +73,7 @@ class Session:
     history_mode: str = "tree"  # how its prompts are built (`history`)
     linear_fallback: str = "fork"  # what a linear session's request that extends no head gets
     heads: list[list[Any]] = field(default_factory=list)  # a linear session's (`history.note_head`)
+    head_seqs: list[int] = field(default_factory=list)  # their seqs
     state: State = "open"
     finished_by: FinishOrigin | None = None  # set when a finish closes it
     next_seq: int = 0
@@ -434,7 +435,7 @@ class SessionRegistry:
             session.owners.pop(turn_id, None)
         if session.history_mode == "linear" and msg.flags:
             keep = history.heads_kept(session.linear_fallback)
-            kind = history.note_head(session.heads, seq, turn_id, msg.flags, keep)
+            kind = history.note_head(session.heads, session.head_seqs, seq, turn_id, msg.flags, keep)
             if kind is not None:
                 counters[kind] += 1
         counters["commits_stored"] += 1

@@ -200,4 +200,5 @@ def test_an_image_keeps_a_linear_sessions_settings_and_heads():
     assert reg.commit_turn(commit) == "stored"
     restored = restore_session(session_image(reg.session(sid), closing=False))
     assert (restored.history_mode, restored.linear_fallback) == ("linear", "reject")
-    assert restored.heads == [[0, "t0", 2, "ab" * 16]]
+    assert (restored.heads, restored.head_seqs) == ([["t0", 2, "ab" * 16]], [0])
+    assert session_image(restored, closing=False)[-1] == [[0, "t0", 2, "ab" * 16]]  # the layout is unchanged

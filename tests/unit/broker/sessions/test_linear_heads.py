@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker import protocol
-from broker.sessions.history import FORK_HEADS, note_head, wire_heads
+from broker.sessions.history import FORK_HEADS, note_head
 from broker.sessions.registry import Refusal, SessionRegistry
 
 SID = "linear-session-key-xxxxxxx"
@@ -31,22 +31,26 @@ def test_heads_are_the_newest_by_seq_whatever_order_commits_arrive_in():
     for n in (2, 0, 1):  # commits land out of OPEN order
         kind = "first" if n == 0 else "linear"
         assert reg.commit_turn(_commit(f"t{n}", {"history": kind, "echo": [2 * n + 2, f"d{n}"]})) == "stored"
-    assert wire_heads(reg.session(SID).heads) == [["t2", 6, "d2"], ["t1", 4, "d1"], ["t0", 2, "d0"]]
+    session = reg.session(SID)
+    assert (session.heads, session.head_seqs) == ([["t2", 6, "d2"], ["t1", 4, "d1"], ["t0", 2, "d0"]], [2, 1, 0])
     assert (reg.counters["linear_first"], reg.counters["linear_turns"]) == (1, 2)
 
 
 def test_a_forking_session_keeps_a_bounded_number_of_heads_the_others_one():
     heads: list = []
+    seqs: list = []
     for seq in range(FORK_HEADS + 3):
-        note_head(heads, seq, f"t{seq}", {"echo": [1, "d"]}, FORK_HEADS)
-    assert [h[0] for h in heads] == list(range(FORK_HEADS + 2, 2, -1))
-    note_head(heads, 0, "old", {"echo": [1, "d"]}, FORK_HEADS)  # older than all it keeps: left out
-    assert len(heads) == FORK_HEADS and "old" not in [h[1] for h in heads]
+        note_head(heads, seqs, seq, f"t{seq}", {"echo": [1, "d"]}, FORK_HEADS)
+    assert seqs == list(range(FORK_HEADS + 2, 2, -1)) and [h[0] for h in heads] == [f"t{s}" for s in seqs]
+    note_head(heads, seqs, 0, "old", {"echo": [1, "d"]}, FORK_HEADS)  # older than all it keeps: left out
+    assert len(heads) == len(seqs) == FORK_HEADS and "old" not in [h[0] for h in heads]
+    note_head(heads, seqs, 5, "again", {"echo": [1, "d"]}, FORK_HEADS)  # a late commit goes in by its seq
+    assert seqs == [10, 9, 8, 7, 6, 5, 5, 4] and heads[6][0] == "again" and heads[5][0] == "t5"
     reg = _linear("reject")
     for n in range(2):
         reg.open_turn(SID, f"t{n}")
         reg.commit_turn(_commit(f"t{n}", {"history": "linear", "echo": [2, "d"]}))
-    assert wire_heads(reg.session(SID).heads) == [["t1", 2, "d"]]
+    assert reg.session(SID).heads == [["t1", 2, "d"]]
 
 
 def test_a_turn_without_an_echo_or_of_a_tree_session_is_no_head():
