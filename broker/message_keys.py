@@ -22,6 +22,15 @@ _LENGTH = struct.Struct("<Q").pack  # a key part's length, as the digest writes 
 # holds ("?",) in their place (`message_key`), and their number, 1.
 _ROLE_PARTS = {role: _LENGTH(len(role)) + role.encode() for role in ("system", "user", "assistant", "tool")}
 _NO_CALLS = _LENGTH(1) + b"?" + _LENGTH(1)
+# A text or arguments longer than 2 * _ENDS characters is written as its length in characters, marked, and its
+# first and last _ENDS characters: a fingerprint only picks a candidate, and the CRC of a long tool result was
+# most of what a turn's digest cost (docs/performance.md).
+_ENDS = 128
+_CUT = 1 << 63
+_WHOLE = 1 << 62
+# What ends every fingerprint of this format (`EchoDigest.hexdigest`). The first format wrote every part whole
+# and had no ending: a broker's log or image from before may hold such heads (`EchoDigest(whole=True)`).
+DIGEST_FORMAT = "/2"
 
 # What json.dumps(value, sort_keys=True, separators=(",", ":"), default=str) builds on every call.
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
@@ -61,23 +70,27 @@ class EchoDigest:
 
     `context` is what else must match for two prompts to continue alike (a linear session: the tools). A
     fingerprint picks a candidate, it proves nothing: a linear match is confirmed by comparing the keys with
-    the held turn's messages (`gateway_workers.turns.history`). CRC-32 over length-prefixed parts: a pass a
-    request's history costs anyway (its JSON is parsed), at a fraction of a cryptographic hash's instructions
-    and with no escaping pass over long contents (docs/performance.md).
+    the held turn's messages (`gateway_workers.turns.history`). CRC-32 over length-prefixed parts, a long part
+    by its length and ends: a fraction of a cryptographic hash's instructions, no escaping pass over long
+    contents, and a cost per message that does not grow with its text (docs/performance.md).
     """
 
-    __slots__ = ("crc", "count")
+    __slots__ = ("crc", "count", "whole")
 
-    def __init__(self, context: str = "", crc: int | None = None, count: int = 0) -> None:
+    def __init__(self, context: str = "", crc: int | None = None, count: int = 0, whole: bool = False) -> None:
         self.crc = crc if crc is not None else zlib.crc32(context.encode("utf-8", "surrogatepass"))
         self.count = count  # messages added
+        self.whole = whole  # the first format: every part whole, no DIGEST_FORMAT
 
     def add(self, messages: Sequence[Any]) -> EchoDigest:
         """Each message's key parts, each after its length (8 bytes, little-endian), then its number of calls:
         joined and checksummed in one call (CRC-32 continues across concatenation, so the digest is the
-        part-by-part one, at one call's cost instead of two per part). A dict of text and a list of calls, nearly
-        every message, takes a short way to its key's parts."""
+        part-by-part one, at one call's cost instead of two per part). A text or a call's arguments longer than
+        2 * _ENDS characters is written as its length in characters with the top bit set and its first and
+        last _ENDS characters (`_ends`). A dict of text and a list of calls, nearly every message, takes a
+        short way to its key's parts."""
         chunks: list[bytes] = []
+        longest = _WHOLE if self.whole else 2 * _ENDS
         for m in messages:
             role = content = calls = None
             if type(m) is dict:
@@ -94,29 +107,59 @@ class EchoDigest:
             if head is None:
                 r = role.encode("utf-8", "surrogatepass")
                 head = _LENGTH(len(r)) + r
-            c = text.encode("utf-8", "surrogatepass")
-            chunks += (head, _LENGTH(len(c)), c)
+            if len(text) > longest:
+                chunks.append(head)
+                chunks += _ends(text)
+            else:
+                c = text.encode("utf-8", "surrogatepass")
+                chunks += (head, _LENGTH(len(c)), c)
             if keyed is None:
                 chunks.append(_NO_CALLS)
                 continue
             for name, arguments in keyed:
-                n, a = name.encode("utf-8", "surrogatepass"), arguments.encode("utf-8", "surrogatepass")
-                chunks += (_LENGTH(len(n)), n, _LENGTH(len(a)), a)
+                n = name.encode("utf-8", "surrogatepass")
+                if len(arguments) > longest:
+                    chunks += (_LENGTH(len(n)), n, *_ends(arguments))
+                else:
+                    a = arguments.encode("utf-8", "surrogatepass")
+                    chunks += (_LENGTH(len(n)), n, _LENGTH(len(a)), a)
             chunks.append(_LENGTH(len(calls)))
         self.crc, self.count = zlib.crc32(b"".join(chunks), self.crc), self.count + len(messages)
         return self
 
     def copy(self) -> EchoDigest:
-        return EchoDigest(crc=self.crc, count=self.count)
+        return EchoDigest(crc=self.crc, count=self.count, whole=self.whole)
 
     def hexdigest(self) -> str:
-        return f"{self.crc:08x}"
+        return f"{self.crc:08x}" if self.whole else f"{self.crc:08x}{DIGEST_FORMAT}"
+
+    @classmethod
+    def resume(cls, digest: Any, count: int) -> EchoDigest | None:
+        """The running digest whose `hexdigest()` is `digest` (this format's), `count` messages in; else None."""
+        if type(digest) is not str or not digest.endswith(DIGEST_FORMAT):
+            return None
+        try:
+            return cls(crc=int(digest[: -len(DIGEST_FORMAT)], 16), count=count)
+        except ValueError:
+            return None
 
 
-def echo_digests(context: str, messages: Sequence[Any], at: Sequence[int]) -> tuple[dict[int, str], EchoDigest]:
+def is_whole_digest(digest: Any) -> bool:
+    """Whether `digest` is a fingerprint of the first format (`EchoDigest(whole=True)`)."""
+    return type(digest) is str and len(digest) == 8
+
+
+def _ends(part: str) -> tuple[bytes, bytes]:
+    """A long part as the digest writes it: its length in characters with the top bit set, and its ends."""
+    return _LENGTH(len(part) | _CUT), (part[:_ENDS] + part[-_ENDS:]).encode("utf-8", "surrogatepass")
+
+
+def echo_digests(
+    context: str, messages: Sequence[Any], at: Sequence[int], whole: bool = False
+) -> tuple[dict[int, str], EchoDigest]:
     """The digest of `context` and `messages[:n]` for each n in `at`, and the running digest of all `messages`:
-    one pass over them, whatever `at` holds."""
-    digest, out = EchoDigest(context), {}
+    one pass over them, whatever `at` holds (`whole`: in the first format)."""
+    digest, out = EchoDigest(context, whole=whole), {}
     for n in sorted(set(at)):
         if n > len(messages):
             break

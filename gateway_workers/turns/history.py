@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 
 from broker import protocol
-from broker.message_keys import EchoDigest, canonical_json, echo_digests, message_key
+from broker.message_keys import EchoDigest, canonical_json, echo_digests, is_whole_digest, message_key
 from gateway_workers.capture.backplane import Backplane, TurnRefused
 from gateway_workers.capture.commit_bases import CommitBase
 from gateway_workers.http.errors import ApiError
@@ -242,12 +242,14 @@ def _extended_head(
     heads: list[list[Any]], messages: list[dict[str, Any]], context: str
 ) -> tuple[tuple[str, int] | None, EchoDigest]:
     """(turn id, message count) of the head with the most messages that `messages` extends (by more), or None;
-    and the running digest of all `messages`."""
+    and the running digest of all `messages`. A head recorded before the digest's format changed (a broker's
+    log or image) is compared in its own format."""
     counts = [h[1] for h in heads if type(h[1]) is int and 0 < h[1] < len(messages)]
     digests, echo = echo_digests(context, messages, counts)
+    whole = echo_digests(context, messages, counts, whole=True)[0] if any(is_whole_digest(h[2]) for h in heads) else {}
     best: tuple[str, int] | None = None
     for turn_id, n, digest in heads:  # newest first: the newest wins a tie
-        if digests.get(n) == digest and (best is None or n > best[1]):
+        if (digests.get(n) == digest or whole.get(n) == digest) and (best is None or n > best[1]):
             best = (turn_id, n)
     return best, echo
 
@@ -269,7 +271,7 @@ def _local_head(
         return None
     n = len(base.messages)
     head = next((h for h in heads if h[0] == base.turn_id), None)
-    if head is None or head[1] != n or n >= len(messages) or type(head[2]) is not str:
+    if head is None or head[1] != n or n >= len(messages):
         return None
     # Another head as long or longer may be the one to extend (the fingerprints pick the newest of a tie)
     if any(h[0] != base.turn_id and type(h[1]) is int and n <= h[1] < len(messages) for h in heads):
@@ -281,11 +283,8 @@ def _local_head(
         messages[:n] = base.messages
     elif not _same_keys(messages, base.messages, same):
         return None
-    try:
-        crc = int(head[2], 16)
-    except ValueError:
-        return None
-    return (base.turn_id, n), EchoDigest(crc=crc, count=n).add(messages[n:])
+    digest = EchoDigest.resume(head[2], n)
+    return None if digest is None else ((base.turn_id, n), digest.add(messages[n:]))
 
 
 def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:

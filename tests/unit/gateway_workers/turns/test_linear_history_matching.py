@@ -73,6 +73,42 @@ def test_the_commit_continues_the_running_digest_of_the_match():
     assert echo_flag(running, answer) == echo_flag(running, answer)  # the running digest is left as it was
 
 
+def test_a_head_recorded_in_the_first_digest_format_is_still_extended():
+    """A broker's log or image from before the digest wrote long parts by their ends holds 8-digit fingerprints
+    of every part whole: such a head is compared in its own format, and the commit's is the current one."""
+    long_result = {"role": "tool", "content": "line\n" * 200}
+    asked = [*ASKED, REPLY, long_result]
+    answer = {"role": "assistant", "content": "Nothing new."}
+    old_n, old_digest = echo_flag(EchoDigest(render_context(TOOLS), whole=True).add(asked), answer)
+    assert len(old_digest) == 8 and old_digest != _head("t0", asked, answer)[2]
+    heads = [["t1", 2, _head("t1", ASKED[:1], ASKED[1])[2]], ["t0", old_n, old_digest]]
+    request = [*asked, answer, {"role": "user", "content": "More."}]
+    context = render_context(TOOLS)
+    found, running = _extended_head(heads, request, context)
+    assert found == ("t0", 5) and running.hexdigest() == EchoDigest(context).add(request).hexdigest()
+    base = CommitBase("t0", b"", [*asked, answer])
+    assert _local_head(base, ("t0", context), heads, request, context) is None  # its digest cannot be continued
+    edited = [*asked[:-1], {"role": "tool", "content": "line\n" * 199 + "lime\n"}, answer, request[-1]]
+    assert _extended_head(heads, edited, context)[0] == ("t1", 2)  # whole: the middle counts
+
+
+def test_a_long_part_is_fingerprinted_by_its_length_and_ends():
+    """Only a candidate: the match is confirmed by comparing the messages (`_same_messages`)."""
+    context = render_context(TOOLS)
+    result = "a" * 200 + "b" * 200 + "c" * 200
+    heads = [_head("t0", [*ASKED, REPLY, {"role": "tool", "content": result}], {"role": "assistant", "content": "ok"})]
+
+    def extends(text: str) -> bool:
+        request = [*ASKED, REPLY, {"role": "tool", "content": text}, {"role": "assistant", "content": "ok"},
+                   {"role": "user", "content": "go"}]  # fmt: skip
+        return _extended_head(heads, request, context)[0] is not None
+
+    assert extends(result) and extends(result.replace("bb", "xx")), "a middle edit is the confirmation's to find"
+    assert not extends(result[:-1] + "d") and not extends("d" + result[1:]) and not extends(result + "c")
+    assert not _same_messages([{"role": "tool", "content": result.replace("bb", "xx")}], [{"role": "tool",
+                                                                                             "content": result}])
+
+
 def test_the_head_committed_here_is_matched_by_comparing_messages_and_its_digest_continued():
     base = CommitBase("t0", b"", [*ASKED, REPLY])
     call = {"name": "search", "arguments": {"n": 3, "query": "news"}}
@@ -261,18 +297,38 @@ _message = st.one_of(
 )
 
 
-@given(st.text(max_size=8), st.lists(_message, max_size=4), st.integers(0, 4))
-@example("", [{"role": "assistant", "content": "Hmm.</think> Done."}, {"role": "user", "content": 0}], 1)
-def test_the_echo_digest_is_the_checksum_of_each_part_after_its_length(context, messages, split):
+# Texts and arguments either side of the length past which the digest writes only their ends
+_long = st.builds(lambda a, n, b: a + "x" * n + b, _text, st.integers(240, 272), _text)
+_long_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.one_of(_text, _long)},
+    optional={"tool_calls": st.lists(st.fixed_dictionaries({"name": _text, "arguments": st.one_of(_text, _long)}),
+                                     max_size=2)},
+)
+
+
+@given(st.text(max_size=8), st.lists(st.one_of(_message, _long_message), max_size=4), st.integers(0, 4), st.booleans())
+@example("", [{"role": "assistant", "content": "Hmm.</think> Done."}, {"role": "user", "content": 0}], 1, False)
+@example("", [{"role": "tool", "content": "é" * 257}, {"role": "user", "content": " " + "a" * 256 + " "}], 1, False)
+def test_the_echo_digest_is_the_checksum_of_each_part_after_its_length(context, messages, split, whole):
     """What workers commit and others compare (kept in the broker's log): CRC-32 over the context, then per
     message each key part after its length (8 bytes, little-endian) and its number of calls, whatever the
-    batches the messages are added in."""
+    batches the messages are added in. A text or arguments past 256 characters: its length in characters with
+    the top bit set, then its first and last 128 (in the first format, `whole`, every part whole)."""
     crc = zlib.crc32(context.encode("utf-8", "surrogatepass"))
     for m in messages:
         role, content, calls = message_key(m)
-        for part in (role, content, *(p for call in calls for p in (call if isinstance(call, tuple) else (call,)))):
-            data = part.encode("utf-8", "surrogatepass")
-            crc = zlib.crc32(data, zlib.crc32(len(data).to_bytes(8, "little"), crc))
+        parts = [(role, False), (content, True)]
+        for call in calls:
+            parts += [(call[0], False), (call[1], True)] if isinstance(call, tuple) else [(call, False)]
+        for part, may_cut in parts:
+            if may_cut and len(part) > 256 and not whole:
+                length, data = (len(part) | 1 << 63), (part[:128] + part[-128:]).encode("utf-8", "surrogatepass")
+            else:
+                data = part.encode("utf-8", "surrogatepass")
+                length = len(data)
+            crc = zlib.crc32(data, zlib.crc32(length.to_bytes(8, "little"), crc))
         crc = zlib.crc32(len(calls).to_bytes(8, "little"), crc)
-    digest = EchoDigest(context).add(messages[:split]).add(messages[split:])
+    digest = EchoDigest(context, whole=whole).add(messages[:split]).add(messages[split:])
     assert (digest.crc, digest.count) == (crc, len(messages))
+    resumed = EchoDigest.resume(digest.hexdigest(), len(messages))  # what a worker continues a head's digest from
+    assert resumed is None if whole else (resumed.crc, resumed.count) == (crc, len(messages))
