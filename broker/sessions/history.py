@@ -32,15 +32,13 @@ def note_head(
     seq first, at most `keep`; the OPEN reply sends them as they are) and its seq to `seqs` (theirs, in the same
     order); returns the counter its `history` flag names (None: not a linear turn)."""
     echo = flags.get("echo")
-    if isinstance(echo, list) and len(echo) == 2 and isinstance(echo[0], int) and isinstance(echo[1], str):
+    if type(echo) is list and len(echo) == 2 and type(echo[0]) is int and type(echo[1]) is str:
         # newest first; a commit is usually the newest (a retried one may come in late)
         at = 0 if not seqs or seqs[0] < seq else next((i for i, s in enumerate(seqs) if s < seq), len(seqs))
         if at < keep:
             heads.insert(at, [turn_id, echo[0], echo[1]])
             seqs.insert(at, seq)
-            del heads[keep:], seqs[keep:]
-    return _COUNTER_OF.get(flags.get("history", ""))
-
-
-def heads_kept(linear_fallback: str) -> int:
-    return FORK_HEADS if linear_fallback == "fork" else 1
+            if len(seqs) > keep:
+                heads.pop()
+                seqs.pop()
+    return _COUNTER_OF.get(flags.get("history"))

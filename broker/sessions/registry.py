@@ -434,7 +434,7 @@ class SessionRegistry:
         if session.owners:
             session.owners.pop(turn_id, None)
         if session.history_mode == "linear" and msg.flags:
-            keep = history.heads_kept(session.linear_fallback)
+            keep = history.FORK_HEADS if session.linear_fallback == "fork" else 1
             kind = history.note_head(session.heads, session.head_seqs, seq, turn_id, msg.flags, keep)
             if kind is not None:
                 counters[kind] += 1
