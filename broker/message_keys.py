@@ -29,7 +29,7 @@ _ENDS = 128
 _CUT = 1 << 63
 _WHOLE = 1 << 62
 # What ends every fingerprint of this format (`EchoDigest.hexdigest`). The first format wrote every part whole
-# and had no ending: a broker's log or image from before may hold such heads (`EchoDigest(whole=True)`).
+# and had no ending: a broker's log or image from before may hold such heads (`first_format_digests`).
 DIGEST_FORMAT = "/2"
 
 # What json.dumps(value, sort_keys=True, separators=(",", ":"), default=str) builds on every call.
@@ -133,19 +133,9 @@ class EchoDigest:
     def hexdigest(self) -> str:
         return f"{self.crc:08x}" if self.whole else f"{self.crc:08x}{DIGEST_FORMAT}"
 
-    @classmethod
-    def resume(cls, digest: Any, count: int) -> EchoDigest | None:
-        """The running digest whose `hexdigest()` is `digest` (this format's), `count` messages in; else None."""
-        if type(digest) is not str or not digest.endswith(DIGEST_FORMAT):
-            return None
-        try:
-            return cls(crc=int(digest[: -len(DIGEST_FORMAT)], 16), count=count)
-        except ValueError:
-            return None
 
-
-def is_whole_digest(digest: Any) -> bool:
-    """Whether `digest` is a fingerprint of the first format (`EchoDigest(whole=True)`)."""
+def is_first_format(digest: Any) -> bool:
+    """Whether `digest` is a fingerprint of the first format (`first_format_digests`)."""
     return type(digest) is str and len(digest) == 8
 
 
@@ -154,18 +144,14 @@ def _ends(part: str) -> tuple[bytes, bytes]:
     return _LENGTH(len(part) | _CUT), (part[:_ENDS] + part[-_ENDS:]).encode("utf-8", "surrogatepass")
 
 
-def echo_digests(
-    context: str, messages: Sequence[Any], at: Sequence[int], whole: bool = False
-) -> tuple[dict[int, str], EchoDigest]:
-    """The digest of `context` and `messages[:n]` for each n in `at`, and the running digest of all `messages`:
-    one pass over them, whatever `at` holds (`whole`: in the first format)."""
-    digest, out = EchoDigest(context, whole=whole), {}
-    for n in sorted(set(at)):
-        if n > len(messages):
-            break
+def first_format_digests(context: str, messages: Sequence[Any], at: Sequence[int]) -> dict[int, str]:
+    """The first format's fingerprint of each head with n messages, for each n in `at`: the digest of `context`
+    and all of `messages[:n]`, every part whole. One pass over them, whatever `at` holds."""
+    digest, out = EchoDigest(context, whole=True), {}
+    for n in sorted({n for n in at if type(n) is int and 0 <= n <= len(messages)}):
         digest.add(messages[digest.count : n])
         out[n] = digest.hexdigest()
-    return out, digest.add(messages[digest.count :])
+    return out
 
 
 def canonical_json(value: Any) -> str:

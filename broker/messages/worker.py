@@ -65,8 +65,9 @@ class CommitTurn(Message):
     optional `tool_calls` ([{"name": str, "arguments": object}], no wire ids) and, for
     tool results, optional `name`. `flags` holds parse verdicts (`ill_formed`, ...) and, in a linear
     session, `history` (how its prompt was built: linear, first, fork or rerender) and `echo`
-    (`[message_count, fingerprint]`: `broker.message_keys.EchoDigest` of its prompt messages + response,
-    for the next request to be matched against; the broker lists it among the session's heads).
+    (`[message_count, fingerprint]`: the message count of its prompt messages + response, and the
+    `broker.message_keys.EchoDigest` of its tools context + response, for the next request to be matched
+    against; the broker lists it among the session's heads).
     On the wire each message is a bin holding its own msgpack encoding (`pack_message`), so the
     broker stores it without decoding it; decoded, such a message is that `bytes` (a map from an
     older sender decodes as a dict, and either form is accepted on the way in).

@@ -1,11 +1,12 @@
 """Linear history on the worker: a request that extends a held turn is prompted with that turn's ids.
 
 In a linear session (`TurnOpened.history_mode`) the broker names the session's heads: its newest committed
-turns, each with the echo fingerprint of its prompt messages + response (`broker.message_keys`), recorded by
-the worker that committed it. A request whose first n messages have a head's fingerprint, and the same keys
-as that head's messages (compared once the held turn is at hand), extends that head: its prompt is the
-head's prompt ids + output ids, the ids the engine saw, then the template's rendering of only the new
-messages (`rendering.linear.linear_tail`). The trajectory builder then finds the turn on the head's row, so
+turns, each with its message count n and the echo fingerprint of its tools and its response, the message it
+ends with (`broker.message_keys`), recorded by the worker that committed it. A request whose n-th message
+has a head's fingerprint (with the same tools), and whose first n messages have the same keys as that head's
+(compared once the held turn is at hand), extends that head: its prompt is the head's prompt ids + output
+ids, the ids the engine saw, then the template's rendering of only the new messages
+(`rendering.linear.linear_tail`). The trajectory builder then finds the turn on the head's row, so
 an append-only episode is one row and every trained token follows exactly what the engine saw. The held
 ids come from this worker's commit base when it committed the head, else from the broker
 (`GetTurn.with_ids`), so no session is pinned to a worker.
@@ -32,7 +33,7 @@ from typing import Any
 import orjson
 
 from broker import protocol
-from broker.message_keys import EchoDigest, canonical_json, echo_digests, is_whole_digest, message_key
+from broker.message_keys import EchoDigest, canonical_json, first_format_digests, is_first_format, message_key
 from gateway_workers.capture.backplane import Backplane, TurnRefused
 from gateway_workers.capture.commit_bases import CommitBase
 from gateway_workers.http.errors import ApiError
@@ -56,8 +57,8 @@ def render_context(tools: Sequence[Mapping[str, Any]] | None) -> str:
 
 
 def echo_flag(echo: EchoDigest, response: Mapping[str, Any]) -> list[Any]:
-    """`CommitTurn.flags["echo"]` of a linear turn: `[message_count, digest]` of its messages (`echo`, their
-    running digest) + its response."""
+    """`CommitTurn.flags["echo"]` of a linear turn: `[message_count, fingerprint]` of its messages + its response;
+    `echo` is the digest of its tools context, as many messages in as it was prompted with."""
     with_response = echo.copy().add([response])
     return [with_response.count, with_response.hexdigest()]
 
@@ -81,7 +82,8 @@ class HeldTurn:
 class LinearPrompt:
     """How a linear session's turn is prompted: `rendered` (None: render the messages in full) and its
     `kind` for the commit's `history` flag: linear, first, fork or rerender. `opened` is the latest OPEN reply;
-    `echo` the running digest of the request's messages, which the commit continues with the response."""
+    `echo` the digest of the tools context, as many messages in as the request has, which the commit continues
+    with the response (`echo_flag`)."""
 
     kind: str
     rendered: RenderedPrompt | None
@@ -94,9 +96,9 @@ class LinearHistory:
 
     A request usually extends the turn its session last committed through this worker (one connection per
     agent): that head is matched by comparing the request's messages with the commit base's (echoed
-    unchanged, they compare equal at C speed) and the tools with those that turn was prompted with, and the
-    running digest continues from the head's fingerprint, so a turn digests only its new messages. Any other
-    head is found by fingerprinting the request's messages (`_extended_head`), a pass over the whole history.
+    unchanged, they compare equal at C speed) and the tools with those that turn was prompted with. Any other
+    head is found by the fingerprints (`_extended_heads`): one message digested per head, whatever the history.
+    A turn's own fingerprint digests only its response.
     """
 
     def __init__(self, backplane: Backplane, renderer: Renderer, end_markers: Sequence[str]) -> None:
@@ -111,9 +113,10 @@ class LinearHistory:
         # Each linear session's last turn prompted here, with its tools context: (turn id, context). As many
         # sessions as have commit bases here: the match it serves needs the base too.
         self._prompted: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        # One copy of each tools context, by the tools' orjson text: the context's own JSON encoding is
-        # stdlib's (recorded digests depend on it), many times orjson's time, and the tools rarely change.
-        self._tool_sets: dict[bytes, str] = {}
+        # One copy of each tools context and its CRC (where every fingerprint starts), by the tools' orjson
+        # text: the context's own JSON encoding is stdlib's (recorded digests depend on it), many times
+        # orjson's time, and the tools rarely change.
+        self._tool_sets: dict[bytes, tuple[str, int]] = {}
         self._tool_chars = 0
 
     def forget_sessions(self, sessions: list[str]) -> None:
@@ -126,29 +129,30 @@ class LinearHistory:
         self, session_id: str, turn_id: str, messages: list[dict[str, Any]], tools: Any, opened: protocol.TurnOpened
     ) -> LinearPrompt:
         """The prompt of turn `turn_id` (OPENed: `opened`); raises ApiError (reject) or the backplane's errors."""
-        context, last = self._note_prompted(session_id, turn_id, tools)
+        (context, start), last = self._note_prompted(session_id, turn_id, tools)
+        echo = EchoDigest(crc=start, count=len(messages))
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + LINEAR_WAIT_S, LINEAR_ASK_FIRST_S
         while True:
             local = _local_head(self.backplane.bases.get(session_id), last, opened.heads, messages, context)
-            found, echo = local or _extended_head(opened.heads, messages, context)
-            new = messages[found[1] :] if found is not None else messages
+            candidates = [local] if local else _extended_heads(opened.heads, messages, context, start)
+            new = messages[candidates[0][1] :] if candidates else messages
             if not (opened.pending and any(m.get("role") == "assistant" for m in new)) or loop.time() > deadline:
                 break
             self.counters["linear_waits"] += 1
             await asyncio.sleep(pause)
             pause = min(2 * pause, LINEAR_ASK_MAX_S)
             opened = await self.backplane.open_turn(session_id, turn_id)  # type: ignore[assignment]
-        if found is None:
+        if not candidates:
             if not opened.heads:
                 return LinearPrompt("first", None, opened, echo)
             return await self._fallback(session_id, messages, opened, echo, None)
         if local:
             self.counters["linear_matched_local"] += 1
-        held = await self._held(session_id, found[0])
-        if held is None or not (local or _same_messages(messages, [*held.prompt_messages, held.response])):
-            # gone since the OPEN (the session is finishing), or a fingerprint that matched by chance
+        held = await self._extended(session_id, messages, candidates, bool(local))
+        if held is None:  # gone since the OPEN (the session is finishing), or fingerprints that matched by chance
             return await self._fallback(session_id, messages, opened, echo, None)
+        new = messages[len(held.prompt_messages) + 1 :]
 
         def place() -> LinearTail | TailRefusal:
             return linear_tail(self.renderer, held.prompt_messages, held.response, held.output_ids, new,
@@ -162,37 +166,52 @@ class LinearHistory:
             return await self._fallback(session_id, messages, opened, echo, tail)
         return LinearPrompt("linear", _prompt(held, tail), opened, echo)
 
-    def _note_prompted(self, session_id: str, turn_id: str, tools: Any) -> tuple[str, tuple[str, str] | None]:
-        """The request's tools context, kept once per tool set; and the session's last turn prompted here before
-        this one, with its context: `turn_id` takes its place."""
+    def _note_prompted(
+        self, session_id: str, turn_id: str, tools: Any
+    ) -> tuple[tuple[str, int], tuple[str, str] | None]:
+        """The request's tools context and its CRC, kept once per tool set; and the session's last turn prompted
+        here before this one, with its context: `turn_id` takes its place."""
         context = self._tools_context(tools)
         prompted = self._prompted
         last = prompted.pop(session_id, None)
-        prompted[session_id] = (turn_id, context)
+        prompted[session_id] = (turn_id, context[0])
         if len(prompted) > self.backplane.bases.max_sessions:
             prompted.popitem(last=False)
         return context, last
 
-    def _tools_context(self, tools: Any) -> str:
-        """`render_context(tools)`, kept once per tool set. orjson's text tells apart every two tool sets a body
-        can hold (it writes NaN as null, but a body's JSON has no NaN); it refuses integers past 64 bits, whose
-        tools are rendered every time. Unsorted: a tool set sent with its keys in another order is kept twice,
-        with the same context, and no request pays for sorting."""
+    def _tools_context(self, tools: Any) -> tuple[str, int]:
+        """`render_context(tools)` and its CRC, kept once per tool set. orjson's text tells apart every two tool
+        sets a body can hold (it writes NaN as null, but a body's JSON has no NaN); it refuses integers past 64
+        bits, whose tools are rendered every time. Unsorted: a tool set sent with its keys in another order is
+        kept twice, with the same context, and no request pays for sorting."""
         try:
             key = orjson.dumps(tools or [])
         except orjson.JSONEncodeError:
-            return render_context(tools)
+            text = render_context(tools)
+            return text, EchoDigest(text).crc
         context = self._tool_sets.get(key)
         if context is None:
-            context = render_context(tools)
-            if self._tool_chars + len(key) + len(context) > TOOL_SETS_CHARS:
+            text = render_context(tools)
+            context = (text, EchoDigest(text).crc)
+            if self._tool_chars + len(key) + len(text) > TOOL_SETS_CHARS:
                 # Full: start over, and forget what referred to the old copies, so the bound holds
                 self._tool_sets.clear()
                 self._prompted.clear()
                 self._tool_chars = 0
             self._tool_sets[key] = context
-            self._tool_chars += len(key) + len(context)
+            self._tool_chars += len(key) + len(text)
         return context
+
+    async def _extended(
+        self, session_id: str, messages: list[dict[str, Any]], candidates: list[tuple[str, int]], compared: bool
+    ) -> HeldTurn | None:
+        """The first of `candidates` still held whose messages `messages` begin with, key for key (what its
+        fingerprint only suggested; `compared`: the one candidate was compared already), or None."""
+        for turn_id, _ in candidates:
+            held = await self._held(session_id, turn_id)
+            if held is not None and (compared or _same_messages(messages, [*held.prompt_messages, held.response])):
+                return held
+        return None
 
     async def _held(self, session_id: str, turn_id: str) -> HeldTurn | None:
         base = self.backplane.bases.get(session_id)
@@ -238,20 +257,35 @@ class LinearHistory:
         )  # fmt: skip
 
 
-def _extended_head(
-    heads: list[list[Any]], messages: list[dict[str, Any]], context: str
-) -> tuple[tuple[str, int] | None, EchoDigest]:
-    """(turn id, message count) of the head with the most messages that `messages` extends (by more), or None;
-    and the running digest of all `messages`. A head recorded before the digest's format changed (a broker's
-    log or image) is compared in its own format."""
-    counts = [h[1] for h in heads if type(h[1]) is int and 0 < h[1] < len(messages)]
-    digests, echo = echo_digests(context, messages, counts)
-    whole = echo_digests(context, messages, counts, whole=True)[0] if any(is_whole_digest(h[2]) for h in heads) else {}
-    best: tuple[str, int] | None = None
-    for turn_id, n, digest in heads:  # newest first: the newest wins a tie
-        if (digests.get(n) == digest or whole.get(n) == digest) and (best is None or n > best[1]):
-            best = (turn_id, n)
-    return best, echo
+def _extended_heads(
+    heads: list[list[Any]], messages: list[dict[str, Any]], context: str, start: int
+) -> list[tuple[str, int]]:
+    """(turn id, message count n) of each head that `messages` may extend (by more), as the fingerprints tell:
+    the tools context's (`context`, whose CRC is `start`) continued with the n-th message, the head's reply as
+    echoed. Those with the most messages first, then the newest. A head recorded before the fingerprints'
+    format changed (a broker's log or image) is compared in its own format, which digests every message."""
+    found: list[tuple[str, int]] = []
+    digests: dict[int, str] = {}
+    first_format: dict[int, str] | None = None
+    for turn_id, n, digest in heads:  # newest first
+        if type(n) is not int or not 0 < n < len(messages):
+            continue
+        if is_first_format(digest):
+            if first_format is None:
+                first_format = first_format_digests(context, messages, [h[1] for h in heads])
+            expected = first_format.get(n)
+        else:
+            expected = digests.get(n)
+            if expected is None:
+                expected = digests[n] = EchoDigest(crc=start).add(messages[n - 1 : n]).hexdigest()
+        if expected == digest:
+            found.append((turn_id, n))
+    found.sort(key=_minus_count)  # stable: the newest first of those as long
+    return found
+
+
+def _minus_count(head: tuple[str, int]) -> int:
+    return -head[1]
 
 
 def _local_head(
@@ -260,13 +294,13 @@ def _local_head(
     heads: list[list[Any]],
     messages: list[dict[str, Any]],
     context: str,
-) -> tuple[tuple[str, int], EchoDigest] | None:
-    """(turn id, message count) of the head `messages` extends, and their running digest, when that head is the
-    session's commit base here (`base`), was prompted here with the same tools (`last`), and no head with more
-    messages could be extended instead: found by comparing messages (confirmed, unlike a fingerprint), the
-    digest continued from the head's; else None. An unchanged echo's messages are replaced in `messages` by
-    the base's own (equal, the same JSON), in the list the request's parse holds: the session's next request
-    takes them from there (`Adapter.parse_request`'s `earlier`), so its match finds them identical."""
+) -> tuple[str, int] | None:
+    """(turn id, message count) of the head `messages` extends when that head is the session's commit base here
+    (`base`), was prompted here with the same tools (`last`), and no head with more messages could be extended
+    instead: found by comparing messages (confirmed, unlike a fingerprint); else None. An unchanged echo's
+    messages are replaced in `messages` by the base's own (equal, the same JSON), in the list the request's
+    parse holds: the session's next request takes them from there (`Adapter.parse_request`'s `earlier`), so
+    its match finds them identical."""
     if base is None or last is None or last != (base.turn_id, context):
         return None
     n = len(base.messages)
@@ -283,8 +317,7 @@ def _local_head(
         messages[:n] = base.messages
     elif not _same_keys(messages, base.messages, same):
         return None
-    digest = EchoDigest.resume(head[2], n)
-    return None if digest is None else ((base.turn_id, n), digest.add(messages[n:]))
+    return base.turn_id, n
 
 
 def _same_messages(messages: Sequence[Any], held: Sequence[Any]) -> bool:

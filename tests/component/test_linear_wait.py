@@ -29,18 +29,20 @@ SAMPLE = '<tool_call>\n{"name": "search", "arguments": {"query": "news"}}\n</too
 FOLLOW_UP = [*ASKED, REPLY, {"role": "tool", "name": "search", "content": "Nothing new."}]
 
 
-def _first_commit(backplane: Backplane, renderer: Renderer, sid: str) -> protocol.CommitTurn:
-    """The first turn's COMMIT as a worker builds it: its prompt, its output, the echo digest of both."""
-    prompt = renderer.render(ASKED, TOOLS).prompt_ids
+def _first_commit(
+    backplane: Backplane, renderer: Renderer, sid: str, turn_id: str = "t1", asked: list[Any] = ASKED
+) -> protocol.CommitTurn:
+    """The first turn's COMMIT as a worker builds it: its prompt, its output, their echo fingerprint."""
+    prompt = renderer.render(asked, TOOLS).prompt_ids
     output = array("i", renderer.tokenizer.encode(SAMPLE, add_special_tokens=False))
     flags = {
         "ill_formed": False,
         "history": "first",
-        "echo": echo_flag(EchoDigest(render_context(TOOLS)).add(ASKED), REPLY),
+        "echo": echo_flag(EchoDigest(render_context(TOOLS), count=len(asked)), REPLY),
     }
     return protocol.CommitTurn(
-        backplane.request_id(), sid, "t1", prompt, output, array("f", [-0.5] * len(output)), "stop",
-        [*ASKED], REPLY, flags,
+        backplane.request_id(), sid, turn_id, prompt, output, array("f", [-0.5] * len(output)), "stop",
+        [*asked], REPLY, flags,
     )  # fmt: skip
 
 
@@ -104,8 +106,32 @@ def test_the_head_committed_here_is_matched_without_fingerprints(make_broker, qw
         assert prompt.kind == "linear" and prompt.rendered is not None
         assert history.counters["linear_matched_local"] == 1 and history.counters["linear_held_local"] == 1
         assert list(prompt.rendered.prompt_ids) == list(renderer.render(FOLLOW_UP, TOOLS).prompt_ids)
-        full = EchoDigest(render_context(TOOLS)).add(FOLLOW_UP)
-        assert (prompt.echo.count, prompt.echo.hexdigest()) == (full.count, full.hexdigest())
+        tools = EchoDigest(render_context(TOOLS))  # the commit continues it with its reply (`echo_flag`)
+        assert (prompt.echo.count, prompt.echo.crc) == (len(FOLLOW_UP), tools.crc)
+
+    _run(make_broker, qwen3_tokenizer, scenario)
+
+
+def test_a_fingerprint_shared_by_two_lines_goes_to_the_one_whose_messages_match(make_broker, qwen3_tokenizer):
+    """Two lines of a forking session end with the same reply at the same count (a fingerprint is the tools'
+    and the reply's): the newest is tried first, its messages differ, so the request extends the other."""
+
+    async def scenario(backplane: Backplane, renderer: Renderer, history: LinearHistory, sid: str) -> None:
+        other = [ASKED[0], {"role": "user", "content": "Find old news."}]
+        for turn_id, asked in (("t1", ASKED), ("t2", other)):
+            await backplane.open_turn(sid, turn_id)
+            backplane.commit_in_background(_first_commit(backplane, renderer, sid, turn_id, asked))
+            while (base := backplane.bases.get(sid)) is None or base.turn_id != turn_id:  # ACKed
+                await asyncio.sleep(0.01)
+        opened = await backplane.open_turn(sid, "t3")
+        assert [head[0] for head in opened.heads] == ["t2", "t1"] and opened.heads[0][1:] == opened.heads[1][1:]
+        prompt = await history.prompt(sid, "t3", [*FOLLOW_UP], TOOLS, opened)  # no base prompted here: fetched
+        assert prompt.kind == "linear" and prompt.rendered is not None
+        t1 = await backplane.get_turn(sid, "t1", with_ids=True)
+        ids = list(prompt.rendered.prompt_ids)
+        assert ids[: len(t1.prompt_ids) + len(t1.output_ids)] == [*t1.prompt_ids, *t1.output_ids]
+        assert ids == list(renderer.render(FOLLOW_UP, TOOLS).prompt_ids)
+        assert (history.counters["linear_held_local"], history.counters["linear_held_fetched"]) == (1, 1)  # t2, t1
 
     _run(make_broker, qwen3_tokenizer, scenario)
 

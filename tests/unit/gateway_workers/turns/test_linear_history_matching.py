@@ -8,11 +8,11 @@ import zlib
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from broker.message_keys import EchoDigest, message_key
+from broker.message_keys import DIGEST_FORMAT, EchoDigest, is_first_format, message_key
 from gateway_workers.capture.commit_bases import CommitBase
 from gateway_workers.turns.history import (
     LinearHistory,
-    _extended_head,
+    _extended_heads,
     _local_head,
     _same_message,
     _same_messages,
@@ -31,8 +31,15 @@ REPLY = {
 
 
 def _head(turn_id, messages, response, tools=TOOLS):
-    n, digest = echo_flag(EchoDigest(render_context(tools)).add(messages), response)
+    n, digest = echo_flag(EchoDigest(render_context(tools), count=len(messages)), response)
     return [turn_id, n, digest]
+
+
+def _extend(heads, messages, tools=TOOLS):
+    """The head the fingerprints say `messages` most likely extends (`_extended_heads`), with `tools`."""
+    context = render_context(tools)
+    candidates = _extended_heads(heads, messages, context, EchoDigest(context).crc)
+    return candidates[0] if candidates else None
 
 
 def test_a_request_extends_the_turn_it_echoes_whatever_the_client_changed_on_the_way():
@@ -45,7 +52,7 @@ def test_a_request_extends_the_turn_it_echoes_whatever_the_client_changed_on_the
         ],
     }
     request = [*ASKED, echoed, {"role": "tool", "name": "search", "content": "none"}]
-    assert _extended_head(heads, request, render_context(TOOLS))[0] == ("t0", 3)
+    assert _extend(heads, request) == ("t0", 3)
 
 
 def test_the_longest_match_wins_and_anything_else_extends_nothing():
@@ -53,29 +60,37 @@ def test_the_longest_match_wins_and_anything_else_extends_nothing():
     answer = {"role": "assistant", "content": "Nothing new."}
     heads = [_head("t1", second, answer), _head("t0", ASKED, REPLY)]
     follow = [*second, answer, {"role": "user", "content": "Thanks."}]
-    assert _extended_head(heads, follow, render_context(TOOLS))[0] == ("t1", 5)
+    assert _extend(heads, follow) == ("t1", 5)
     # a sibling of t1 (t0's reply, then another tool result) extends only t0
     sibling = [*ASKED, REPLY, {"role": "tool", "content": "x"}]
-    assert _extended_head(heads, sibling, render_context(TOOLS))[0] == ("t0", 3)
+    assert _extend(heads, sibling) == ("t0", 3)
+    assert _extend(heads, [*ASKED, REPLY]) is None  # nothing new after it
+    assert _extend(heads, follow, None) is None  # other tools: the tail cannot follow
+    assert _extend([], follow) is None
+    other_reply = {"role": "assistant", "content": "Other."}
+    assert _extend(heads, [*ASKED, other_reply, {"role": "user", "content": "x"}]) is None
+    # The fingerprint is the tools' and the reply's: an edit before the reply is for the comparison to find,
+    # once the held turn is at hand (`LinearHistory.prompt`)
     edited = [ASKED[0], {"role": "user", "content": "Find old news."}, REPLY, {"role": "tool", "content": "x"}]
-    assert _extended_head(heads, edited, render_context(TOOLS))[0] is None
-    assert _extended_head(heads, [*ASKED, REPLY], render_context(TOOLS))[0] is None  # nothing new after it
-    assert _extended_head(heads, follow, render_context(None))[0] is None  # other tools: the tail cannot follow
-    assert _extended_head([], follow, render_context(TOOLS))[0] is None
+    assert _extend(heads, edited) == ("t0", 3) and not _same_messages(edited, [*ASKED, REPLY])
 
 
-def test_the_commit_continues_the_running_digest_of_the_match():
+def test_a_commits_fingerprint_is_its_tools_and_its_reply_and_the_next_request_finds_it():
     request = [*ASKED, REPLY, {"role": "tool", "content": "none"}]
     answer = {"role": "assistant", "content": "Nothing new."}
-    _, running = _extended_head([_head("t0", ASKED, REPLY)], request, render_context(TOOLS))
-    assert running.count == len(request)
-    assert echo_flag(running, answer) == _head("t1", request, answer)[1:]
-    assert echo_flag(running, answer) == echo_flag(running, answer)  # the running digest is left as it was
+    context = render_context(TOOLS)
+    echo = EchoDigest(crc=EchoDigest(context).crc, count=len(request))  # what `LinearHistory.prompt` gives
+    flag = echo_flag(echo, answer)
+    assert flag == [5, EchoDigest(context).add([answer]).hexdigest()] and flag[1].endswith(DIGEST_FORMAT)
+    assert echo_flag(echo, answer) == flag  # the digest it continues is left as it was
+    follow = [*request, {"role": "assistant", "content": " Nothing new. ", "reasoning": "dropped"},
+              {"role": "user", "content": "ok"}]  # fmt: skip
+    assert _extend([["t1", *flag]], follow) == ("t1", 5)
 
 
 def test_a_head_recorded_in_the_first_digest_format_is_still_extended():
-    """A broker's log or image from before the digest wrote long parts by their ends holds 8-digit fingerprints
-    of every part whole: such a head is compared in its own format, and the commit's is the current one."""
+    """A broker's log or image from before the fingerprints were the tools' and the reply's holds 8-digit
+    fingerprints of every message, every part whole: such a head is compared in its own format."""
     long_result = {"role": "tool", "content": "line\n" * 200}
     asked = [*ASKED, REPLY, long_result]
     answer = {"role": "assistant", "content": "Nothing new."}
@@ -83,30 +98,26 @@ def test_a_head_recorded_in_the_first_digest_format_is_still_extended():
     assert len(old_digest) == 8 and old_digest != _head("t0", asked, answer)[2]
     heads = [["t1", 2, _head("t1", ASKED[:1], ASKED[1])[2]], ["t0", old_n, old_digest]]
     request = [*asked, answer, {"role": "user", "content": "More."}]
-    context = render_context(TOOLS)
-    found, running = _extended_head(heads, request, context)
-    assert found == ("t0", 5) and running.hexdigest() == EchoDigest(context).add(request).hexdigest()
-    base = CommitBase("t0", b"", [*asked, answer])
-    assert _local_head(base, ("t0", context), heads, request, context) is None  # its digest cannot be continued
+    assert _extend(heads, request) == ("t0", 5)
     edited = [*asked[:-1], {"role": "tool", "content": "line\n" * 199 + "lime\n"}, answer, request[-1]]
-    assert _extended_head(heads, edited, context)[0] == ("t1", 2)  # whole: the middle counts
+    assert _extend(heads, edited) == ("t1", 2)  # all of it, every part whole
+    assert _extend(heads, request, None) is None  # and the tools
 
 
 def test_a_long_part_is_fingerprinted_by_its_length_and_ends():
     """Only a candidate: the match is confirmed by comparing the messages (`_same_messages`)."""
-    context = render_context(TOOLS)
-    result = "a" * 200 + "b" * 200 + "c" * 200
-    heads = [_head("t0", [*ASKED, REPLY, {"role": "tool", "content": result}], {"role": "assistant", "content": "ok"})]
+    reply = "a" * 200 + "b" * 200 + "c" * 200
+    heads = [_head("t0", ASKED, {"role": "assistant", "content": reply})]
 
     def extends(text: str) -> bool:
-        request = [*ASKED, REPLY, {"role": "tool", "content": text}, {"role": "assistant", "content": "ok"},
-                   {"role": "user", "content": "go"}]  # fmt: skip
-        return _extended_head(heads, request, context)[0] is not None
+        request = [*ASKED, {"role": "assistant", "content": text}, {"role": "user", "content": "go"}]
+        return _extend(heads, request) is not None
 
-    assert extends(result) and extends(result.replace("bb", "xx")), "a middle edit is the confirmation's to find"
-    assert not extends(result[:-1] + "d") and not extends("d" + result[1:]) and not extends(result + "c")
-    assert not _same_messages([{"role": "tool", "content": result.replace("bb", "xx")}], [{"role": "tool",
-                                                                                             "content": result}])
+    assert extends(reply) and extends(reply.replace("bb", "xx")), "a middle edit is the comparison's to find"
+    assert not extends(reply[:-1] + "d") and not extends("d" + reply[1:]) and not extends(reply + "c")
+    edited = {"role": "assistant", "content": reply.replace("bb", "xx")}
+    assert not _same_messages([*ASKED, edited, {"role": "user", "content": "go"}],
+                              [*ASKED, {"role": "assistant", "content": reply}])  # fmt: skip
 
 
 def test_the_head_committed_here_is_matched_by_comparing_messages_and_its_digest_continued():
@@ -116,10 +127,7 @@ def test_the_head_committed_here_is_matched_by_comparing_messages_and_its_digest
     request = [*ASKED, echoed, {"role": "tool", "content": "none"}]
     context = render_context(TOOLS)
     heads = [_head("t0", ASKED, REPLY)]
-    found, running = _local_head(base, ("t0", context), heads, request, context)
-    fingerprinted, digest = _extended_head(heads, request, context)
-    assert found == fingerprinted == ("t0", 3)
-    assert (running.count, running.hexdigest()) == (digest.count, digest.hexdigest())  # what a full pass gives
+    assert _local_head(base, ("t0", context), heads, request, context) == _extend(heads, request) == ("t0", 3)
     # anything it cannot vouch for is left to the fingerprints
     assert _local_head(base, ("t0", render_context(None)), heads, request, context) is None  # prompted with other tools
     assert _local_head(base, ("t9", context), heads, request, context) is None  # a later turn prompted here
@@ -133,7 +141,7 @@ def test_the_head_committed_here_is_matched_by_comparing_messages_and_its_digest
     follow = [*longer, {"role": "user", "content": "ok"}]
     both = [_head("t1", request, longer[-1]), *heads]
     assert _local_head(base, ("t0", context), both, follow, context) is None
-    assert _extended_head(both, follow, context)[0] == ("t1", 5)
+    assert _extend(both, follow) == ("t1", 5)
 
 
 def test_equal_dicts_with_other_json_are_keyed_not_taken_as_echoes():
@@ -151,7 +159,7 @@ def test_equal_dicts_with_other_json_are_keyed_not_taken_as_echoes():
     context = render_context(TOOLS)
     heads = [_head("t0", ASKED, reply)]
     assert _local_head(base, ("t0", context), heads, request, context) is None
-    assert _extended_head(heads, request, context)[0] is None
+    assert _extend(heads, request) is None
 
 
 _scalar = st.sampled_from([0, 1, 1.0, True, False, None, math.nan, math.inf, "1", "", 2**70])
@@ -259,7 +267,7 @@ def test_a_tie_between_heads_goes_to_the_fingerprints():
     context = render_context(TOOLS)
     heads = [_head("t2", ASKED, REPLY), _head("t1", ASKED, REPLY)]  # newest first
     assert _local_head(base, ("t1", context), heads, request, context) is None
-    assert _extended_head(heads, request, context)[0] == ("t2", 3)
+    assert _extend(heads, request) == ("t2", 3)
 
 
 _json_scalar = st.sampled_from([0, 1, 1.0, True, False, None, "1", "", 2**70, 0.1, -0.0])  # what a JSON body holds
@@ -269,11 +277,12 @@ _schemas = st.dictionaries(st.sampled_from(["a", "b"]), st.one_of(_json_scalar, 
 @given(st.lists(st.lists(_schemas, max_size=2), min_size=1, max_size=12))
 def test_each_tool_set_gets_its_own_context_however_often_it_is_seen(tool_sets):
     """The tools context is kept by the tools' orjson text: what the digest gets is always `render_context`'s,
-    for tool sets that compare equal but write other JSON (1, 1.0, True) too."""
+    and its CRC, for tool sets that compare equal but write other JSON (1, 1.0, True) too."""
     history = LinearHistory(None, None, ())  # the contexts need neither a backplane nor a renderer
     for schemas in [*tool_sets, *tool_sets]:
         tools = [{"type": "function", "function": {"name": "f", "parameters": schema}} for schema in schemas]
-        assert history._tools_context(tools or None) == render_context(tools or None)
+        context = render_context(tools or None)
+        assert history._tools_context(tools or None) == (context, EchoDigest(context).crc)
 
 
 _text = st.text(alphabet=st.sampled_from(["a", " ", "é", "\n", "\ud800", "<"]), max_size=6)
@@ -330,5 +339,5 @@ def test_the_echo_digest_is_the_checksum_of_each_part_after_its_length(context, 
         crc = zlib.crc32(len(calls).to_bytes(8, "little"), crc)
     digest = EchoDigest(context, whole=whole).add(messages[:split]).add(messages[split:])
     assert (digest.crc, digest.count) == (crc, len(messages))
-    resumed = EchoDigest.resume(digest.hexdigest(), len(messages))  # what a worker continues a head's digest from
-    assert resumed is None if whole else (resumed.crc, resumed.count) == (crc, len(messages))
+    assert digest.hexdigest() == f"{crc:08x}" + ("" if whole else DIGEST_FORMAT)
+    assert is_first_format(digest.hexdigest()) == whole
