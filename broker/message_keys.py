@@ -79,7 +79,7 @@ class EchoDigest:
 
     def __init__(self, context: str = "", crc: int | None = None, count: int = 0, whole: bool = False) -> None:
         self.crc = crc if crc is not None else zlib.crc32(context.encode("utf-8", "surrogatepass"))
-        self.count = count  # messages added
+        self.count = count  # messages it stands for: those added, and those `crc` was given for
         self.whole = whole  # the first format: every part whole, no DIGEST_FORMAT
 
     def add(self, messages: Sequence[Any]) -> EchoDigest:

@@ -79,6 +79,6 @@ def restore_session(image: list[Any]) -> Session:
         session.abandoned = dict(abandoned)
         session.digests = dict(digests)
         session.committed = TurnStore.from_image(store)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, IndexError) as e:
         raise ValueError(f"a malformed session image: {e}") from e
     return session

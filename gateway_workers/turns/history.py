@@ -133,26 +133,25 @@ class LinearHistory:
         echo = EchoDigest(crc=start, count=len(messages))
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + LINEAR_WAIT_S, LINEAR_ASK_FIRST_S
+        fetched: dict[str, HeldTurn | None] = {}  # the held turns asked for, kept while the OPEN is asked again
         while True:
             local = _local_head(self.backplane.bases.get(session_id), last, opened.heads, messages, context)
             candidates = [local] if local else _extended_heads(opened.heads, messages, context, start)
-            new = messages[candidates[0][1] :] if candidates else messages
+            # confirmed before the wait is judged: a head of another line may end with the same reply
+            held = await self._extended(session_id, messages, candidates, bool(local), fetched)
+            new = messages[len(held.prompt_messages) + 1 :] if held is not None else messages
             if not (opened.pending and any(m.get("role") == "assistant" for m in new)) or loop.time() > deadline:
                 break
             self.counters["linear_waits"] += 1
             await asyncio.sleep(pause)
             pause = min(2 * pause, LINEAR_ASK_MAX_S)
             opened = await self.backplane.open_turn(session_id, turn_id)  # type: ignore[assignment]
-        if not candidates:
+        if held is None:  # no head; one gone since the OPEN (the session is finishing); chance fingerprints
             if not opened.heads:
                 return LinearPrompt("first", None, opened, echo)
             return await self._fallback(session_id, messages, opened, echo, None)
         if local:
             self.counters["linear_matched_local"] += 1
-        held = await self._extended(session_id, messages, candidates, bool(local))
-        if held is None:  # gone since the OPEN (the session is finishing), or fingerprints that matched by chance
-            return await self._fallback(session_id, messages, opened, echo, None)
-        new = messages[len(held.prompt_messages) + 1 :]
 
         def place() -> LinearTail | TailRefusal:
             return linear_tail(self.renderer, held.prompt_messages, held.response, held.output_ids, new,
@@ -203,14 +202,21 @@ class LinearHistory:
         return context
 
     async def _extended(
-        self, session_id: str, messages: list[dict[str, Any]], candidates: list[tuple[str, int]], compared: bool
+        self,
+        session_id: str,
+        messages: list[dict[str, Any]],
+        candidates: list[tuple[str, int]],
+        compared: bool,
+        fetched: dict[str, HeldTurn | None],
     ) -> HeldTurn | None:
         """The first of `candidates` still held whose messages `messages` begin with, key for key (what its
-        fingerprint only suggested; `compared`: the one candidate was compared already), or None."""
+        fingerprint only suggested; `compared`: the one candidate was compared already), or None. `fetched`
+        keeps the turns held by the broker once asked for."""
         for turn_id, _ in candidates:
-            held = await self._held(session_id, turn_id)
+            held = fetched[turn_id] if turn_id in fetched else await self._held(session_id, turn_id)
             if held is not None and (compared or _same_messages(messages, [*held.prompt_messages, held.response])):
                 return held
+            fetched[turn_id] = held
         return None
 
     async def _held(self, session_id: str, turn_id: str) -> HeldTurn | None:
@@ -296,11 +302,11 @@ def _local_head(
     context: str,
 ) -> tuple[str, int] | None:
     """(turn id, message count) of the head `messages` extends when that head is the session's commit base here
-    (`base`), was prompted here with the same tools (`last`), and no head with more messages could be extended
-    instead: found by comparing messages (confirmed, unlike a fingerprint); else None. An unchanged echo's
-    messages are replaced in `messages` by the base's own (equal, the same JSON), in the list the request's
-    parse holds: the session's next request takes them from there (`Adapter.parse_request`'s `earlier`), so
-    its match finds them identical."""
+    (`base`), was prompted here with the same tools (`last`), and no other head with as many messages or more
+    could be extended instead: found by comparing messages (confirmed, unlike a fingerprint); else None. An
+    unchanged echo's messages are replaced in `messages` by the base's own (equal, the same JSON), in the list
+    the request's parse holds: the session's next request takes them from there (`Adapter.parse_request`'s
+    `earlier`), so its match finds them identical."""
     if base is None or last is None or last != (base.turn_id, context):
         return None
     n = len(base.messages)

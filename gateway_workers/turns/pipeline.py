@@ -113,7 +113,7 @@ class CapturedTurn:
     created: int
     timings: dict[str, float] = field(default_factory=dict)
     flags: dict[str, Any] = field(default_factory=dict)  # extra verdicts for the commit (e.g. stream_diverged)
-    echo: EchoDigest | None = None  # a linear session's: its messages' running digest (`turns.history`)
+    echo: EchoDigest | None = None  # a linear session's: its tools' digest, its messages counted (`turns.history`)
     _backplane: Backplane | None = None
     _settled: bool = False
 
@@ -175,7 +175,7 @@ class PreparedTurn:
     t0: float
     t_render: float
     flags: dict[str, Any] = field(default_factory=dict)  # verdicts of the prompt, committed with the turn
-    echo: EchoDigest | None = None  # a linear session's: its messages' running digest
+    echo: EchoDigest | None = None  # a linear session's: its tools' digest, its messages counted
     replica: str = ""  # the engine replica the broker routes the session to ("": the engine's own choice)
 
 

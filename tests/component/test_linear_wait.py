@@ -136,6 +136,33 @@ def test_a_fingerprint_shared_by_two_lines_goes_to_the_one_whose_messages_match(
     _run(make_broker, qwen3_tokenizer, scenario)
 
 
+def test_a_head_of_another_line_with_the_same_reply_does_not_end_the_wait(make_broker, qwen3_tokenizer):
+    """Another line's head ends with the reply this request echoes, at the same count: its fingerprint matches,
+    its messages do not, so the request still waits for the commit of the turn it does echo."""
+
+    async def scenario(backplane: Backplane, renderer: Renderer, history: LinearHistory, sid: str) -> None:
+        other = [ASKED[0], {"role": "user", "content": "Find old news."}]
+        await backplane.open_turn(sid, "t0")
+        backplane.commit_in_background(_first_commit(backplane, renderer, sid, "t0", other))
+        while backplane.bases.get(sid) is None:
+            await asyncio.sleep(0.01)
+        await backplane.open_turn(sid, "t1")
+        commit = _first_commit(backplane, renderer, sid, "t1")  # the reply the follow-up echoes: not landed yet
+        opened = await backplane.open_turn(sid, "t2")
+        assert [head[0] for head in opened.heads] == ["t0"] and opened.pending == 1
+        prompting = asyncio.ensure_future(history.prompt(sid, "t2", [*FOLLOW_UP], TOOLS, opened))
+        while history.counters["linear_waits"] < 2:
+            assert not prompting.done(), prompting.result()
+            await asyncio.sleep(0.01)
+        backplane.commit_in_background(commit)
+        prompt = await prompting
+        assert prompt.kind == "linear" and prompt.rendered is not None
+        ids = list(prompt.rendered.prompt_ids)
+        assert ids[: len(commit.prompt_ids) + len(commit.output_ids)] == [*commit.prompt_ids, *commit.output_ids]
+
+    _run(make_broker, qwen3_tokenizer, scenario)
+
+
 def test_the_wait_ends_when_nothing_is_in_flight_or_at_its_bound(make_broker, qwen3_tokenizer, monkeypatch):
     monkeypatch.setattr(history_module, "LINEAR_WAIT_S", 0.3)
 
