@@ -27,7 +27,7 @@ _NO_CALLS = _LENGTH(1) + b"?" + _LENGTH(1)
 # most of what a turn's digest cost (docs/performance.md).
 _ENDS = 128
 _CUT = 1 << 63
-_WHOLE = 1 << 62
+_WHOLE = 1 << 62  # longer than any part: the first format cut none
 # What ends every fingerprint of this format (`EchoDigest.hexdigest`). The first format wrote every part whole
 # and had no ending: a broker's log or image from before may hold such heads (`first_format_digests`).
 DIGEST_FORMAT = "/2"

@@ -214,9 +214,9 @@ class LinearHistory:
         keeps the turns held by the broker once asked for."""
         for turn_id, _ in candidates:
             held = fetched[turn_id] if turn_id in fetched else await self._held(session_id, turn_id)
+            fetched[turn_id] = held
             if held is not None and (compared or _same_messages(messages, [*held.prompt_messages, held.response])):
                 return held
-            fetched[turn_id] = held
         return None
 
     async def _held(self, session_id: str, turn_id: str) -> HeldTurn | None:
