@@ -27,7 +27,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, count, repeat
-from operator import is_not
+from operator import is_not, itemgetter
 from typing import Any
 
 import orjson
@@ -286,12 +286,8 @@ def _extended_heads(
                 expected = digests[n] = EchoDigest(crc=start).add(messages[n - 1 : n]).hexdigest()
         if expected == digest:
             found.append((turn_id, n))
-    found.sort(key=_minus_count)  # stable: the newest first of those as long
+    found.sort(key=itemgetter(1), reverse=True)  # stable: the newest first of those as long
     return found
-
-
-def _minus_count(head: tuple[str, int]) -> int:
-    return -head[1]
 
 
 def _local_head(
