@@ -28,13 +28,26 @@ if [ -z "$legacy" ]; then
     legacy=$([ "$#" -eq 0 ] && echo 1 || echo 0)
 fi
 
+run_pytest() {  # run_pytest PYTHON [pytest argument...]; what failed is repeated last, where a log's tail shows it
+    local python="$1" log rc=0
+    shift
+    log=$(mktemp)
+    "$python" -m pytest "$@" 2>&1 | tee "$log" || rc=$?
+    if [ "$rc" != 0 ]; then
+        echo "--- pytest exited $rc; what failed:"
+        grep -E "^(FAILED|ERROR) " "$log" || true
+    fi
+    rm -f "$log"
+    return "$rc"
+}
+
 make_venv "$VENV"
 status=0
-"$VENV/bin/python" -m pytest -n 2 "$@" || status=$?
+run_pytest "$VENV/bin/python" -n 2 "$@" || status=$?
 
 if [ "$legacy" = 1 ]; then
     make_venv "$LEGACY_VENV" "transformers==$LEGACY_TRANSFORMERS"
     echo "--- transformers $LEGACY_TRANSFORMERS (legacy response_schema engine): ${LEGACY_TESTS[*]}"
-    "$LEGACY_VENV/bin/python" -m pytest -n 2 "${LEGACY_TESTS[@]}" || status=$?
+    run_pytest "$LEGACY_VENV/bin/python" -n 2 "${LEGACY_TESTS[@]}" || status=$?
 fi
 exit "$status"
