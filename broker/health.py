@@ -2,13 +2,14 @@
 
 Every `interval_s` the thread asks each replica of `watch`'s latest list for `GET {url}/health` (vLLM and
 SGLang both answer 200 while they serve), one after the other, each bounded by `timeout_s`; an answer
-other than 200, a refused connection or a timeout is a failed check. Verdicts go into `results`, a queue
-the broker's loop drains each pass (`sessions.replicas.ReplicaTable.health`). Certificates of https://
-replicas are checked against the system's CAs. Imports only the stdlib.
+other than 200 or not HTTP at all, a refused connection or a timeout is a failed check. Verdicts go into
+`results`, a queue the broker's loop drains each pass (`sessions.replicas.ReplicaTable.health`).
+Certificates of https:// replicas are checked against the system's CAs. Imports only the stdlib.
 """
 
 from __future__ import annotations
 
+import http.client
 import logging
 import queue
 import threading
@@ -49,7 +50,12 @@ class HealthChecker:
             for url in self._urls:
                 if self._stop.is_set():
                     return
-                self.results.put((url, *self.check(url)))
+                try:
+                    verdict = self.check(url)
+                except Exception:  # a bug of ours: that verdict is lost, never the checks that follow
+                    logger.exception("the health check of %s failed", url)
+                    continue
+                self.results.put((url, *verdict))
 
     def check(self, url: str) -> tuple[bool, str]:
         """(healthy, why not) for one replica."""
@@ -58,5 +64,6 @@ class HealthChecker:
                 return (True, "") if reply.status == 200 else (False, f"/health answered {reply.status}")
         except urllib.error.HTTPError as e:
             return False, f"/health answered {e.code}"
-        except (OSError, ValueError) as e:  # refused, reset, timed out, unresolvable, a malformed url
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            # refused, reset, timed out, unresolvable, a malformed url, an answer that is not HTTP
             return False, f"/health failed: {type(e).__name__}: {e}"[:300]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 from collections import Counter
 
@@ -96,3 +97,56 @@ def test_the_health_checker_reports_each_replica() -> None:
         checker.stop()
         server.shutdown()
         server.server_close()
+
+
+def test_a_replica_answering_garbage_fails_its_check_and_the_checks_go_on() -> None:
+    """Not HTTP (a wrong port, a proxy's banner) is a failed check, not the end of the checker's thread."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer_garbage() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    threading.Thread(target=answer_garbage, daemon=True).start()
+    garbage = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    checker = HealthChecker(0.05, 1.0)
+    try:
+        healthy, why = checker.check(garbage)
+        assert not healthy and "BadStatusLine" in why, why
+        checker.watch((garbage,))
+        checker.start()
+        for _ in range(2):  # a second round: the thread survived the first
+            url, healthy, why = checker.results.get(timeout=5)
+            assert url == garbage and not healthy and "BadStatusLine" in why
+    finally:
+        checker.stop()
+        stop.set()
+        listener.close()
+
+
+def test_a_check_that_raises_is_logged_and_the_next_round_still_runs(caplog) -> None:
+    checker = HealthChecker(0.05, 1.0)
+    calls = []
+
+    def check(url: str) -> tuple[bool, str]:
+        calls.append(url)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the check")
+        return True, ""
+
+    checker.check = check  # type: ignore[method-assign]
+    checker.watch((A,))
+    with caplog.at_level("ERROR", logger="broker.health"):
+        checker.start()
+        try:
+            assert checker.results.get(timeout=5) == (A, True, "")  # the round after the one that raised
+        finally:
+            checker.stop()
+    assert len(calls) >= 2 and "the health check of http://a:1 failed" in caplog.text
