@@ -228,7 +228,8 @@ def test_snapshots_on_other_threads_while_new_keys_are_counted_never_raise_and_a
             t.join()
     assert errors == []
     assert [len(out) for out in taken] == [per_thread, per_thread]
-    assert new >= 2 * per_thread // 4 and len(m.counts) == new + 1 and len(m.histograms) == new // 5 + 1
+    # The pacing aims at a new key per 4 snapshots; a starved counting thread falls behind it, so half is the bound.
+    assert new >= per_thread // 4 and len(m.counts) == new + 1 and len(m.histograms) == new // 5 + 1
     # Across both threads, in seq order: every seq once, and a later seq never carries fewer counts.
     ordered = sorted(s for out in taken for s in out)
     assert len({s[0] for s in ordered}) == 2 * per_thread
