@@ -105,12 +105,7 @@ class FakeEngine:
 
     def stop(self) -> None:
         """SIGTERM the process group, then SIGKILL it if it lingers."""
-        self.process.stop(PROCESS_STOP_TIMEOUT_S)
-        # TestProcess leaves its stdout pipe open after the reader hits EOF; an unclosed pipe is a
-        # ResourceWarning, an error under filterwarnings=error. Close it once the process is gone.
-        proc = getattr(self.process, "_proc", None)
-        if proc is not None and proc.stdout is not None and not proc.stdout.closed:
-            proc.stdout.close()
+        self.process.stop(PROCESS_STOP_TIMEOUT_S)  # its output's reader closes the pipe at EOF
 
     def __enter__(self) -> FakeEngine:
         return self

@@ -59,6 +59,8 @@ class Gateway:
 def _close_output(process: subprocess.Popen[str], reader: threading.Thread | None) -> None:
     if reader is not None:
         reader.join(STOP_TIMEOUT_S)  # it ends at EOF, once every process holding the pipe is gone
+        if reader.is_alive():
+            return  # a process outside the group still holds the pipe: closing it under the reader would raise there
     if process.stdout is not None:
         process.stdout.close()
 

@@ -19,7 +19,7 @@ from broker.config import BrokerConfig
 from broker.server import BrokerServer
 from trainer_client import TrainerClient
 
-STOP_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 15.0  # a bound on hanging, with room for a loaded box
 
 
 class RunningBroker:
@@ -53,6 +53,8 @@ def make_broker() -> Iterator[Callable[..., RunningBroker]]:
         return b
 
     yield make
+    for b in started:  # all asked first: one that hangs leaves none of the others running
+        b.server.request_exit()
     for b in started:
         b.stop()
 
@@ -66,8 +68,8 @@ def broker(make_broker: Callable[..., RunningBroker]) -> RunningBroker:
 def zctx() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
-    ctx.destroy(linger=0)  # closes any socket a test left open
-    t = threading.Thread(target=ctx.term, daemon=True)
+    # closes any socket a test left open, then terms the context, which hangs on a socket still in use: bounded
+    t = threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, daemon=True)
     t.start()
     t.join(STOP_TIMEOUT_S)
     assert not t.is_alive(), "zmq context did not terminate"

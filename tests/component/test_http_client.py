@@ -114,13 +114,13 @@ class TinyServer:
         return tls_sock
 
     def _serve(self, sock: socket.socket, number: int) -> None:
-        if self.tls is not None:
-            wrapped = self._handshake(sock)
-            if wrapped is None:
-                return
-            sock = wrapped
-        buffer = b""
         try:
+            if self.tls is not None:
+                wrapped = self._handshake(sock)
+                if wrapped is None:
+                    return
+                sock = wrapped
+            buffer = b""
             while True:
                 while b"\r\n\r\n" not in buffer:
                     data = sock.recv(65536)
@@ -141,8 +141,8 @@ class TinyServer:
                     self.requests.append((number, path, body, headers))
                 if not self._answer(sock, number, path, body, headers):
                     return
-        except OSError:
-            return
+        except (OSError, ValueError, threading.BrokenBarrierError):
+            return  # stop() closed the socket under this thread (or the test's barrier broke): the exchange is over
         finally:
             sock.close()
 
