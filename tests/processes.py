@@ -4,7 +4,8 @@ Every process test starts its broker / workers / serve through this wrapper: its
 session (process group) so the whole tree is killed together, unbuffered combined
 stdout+stderr captured by a reader thread, `expect(regex, timeout)` instead of sleeps,
 SIGTERM -> wait(timeout) -> SIGKILL of the group on stop, and the captured output
-dumped to stderr when the `with` block fails. Stdlib only.
+dumped to stderr when the `with` block fails. `launch_gateway` is the trainer client's, with a start bound
+that fails inside pytest's per-test timeout. Stdlib only, but for that one lazy import.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPECT_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 KILL_WAIT_S = 5.0
+# Under pytest's per-test timeout (pyproject: 120 s), which also runs the fixture that starts `serve`: a start this
+# slow fails as GatewayStartError with serve's last output, instead of a bare timeout that shows none of it.
+GATEWAY_READY_TIMEOUT_S = 75.0
 
 
 class ProcessExpectError(AssertionError):
@@ -195,3 +200,11 @@ def start_broker(
         proc.stop()
         raise
     return proc, m.group(1), m.group(2)
+
+
+def launch_gateway(**kwargs: Any) -> Any:
+    """`trainer_client.launch_gateway`, ready within `GATEWAY_READY_TIMEOUT_S` unless the test says otherwise."""
+    from trainer_client import launch_gateway as launch
+
+    kwargs.setdefault("ready_timeout", GATEWAY_READY_TIMEOUT_S)
+    return launch(**kwargs)

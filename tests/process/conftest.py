@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 from assets import FakeEngine
 from dialects import ENGINE_TIMEOUT_S
-
-from trainer_client import launch_gateway
+from processes import launch_gateway
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,7 @@ import pytest
 from bad_requests import CORPUS, GOOD, LIMIT_FLAGS, PATHS, mismatch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from trainer_client import launch_gateway
+from processes import launch_gateway
 
 REPLY_WITHIN_S = 5.0  # a 4xx takes milliseconds; anything near this bound is a hang
 HEALTH_WITHIN_S = 1.0

@@ -21,12 +21,12 @@ from pathlib import Path
 import openai
 import pytest
 from component.peers import SyntheticTurn, assert_linear_rows, conversation
-from processes import TestProcess, start_broker
+from processes import TestProcess, launch_gateway, start_broker
 
 from broker import curve, protocol
 from gateway_workers.capture import backplane as backplane_module
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable
-from trainer_client import AuthenticationFailed, BrokerTimeout, TrainerClient, launch_gateway
+from trainer_client import AuthenticationFailed, BrokerTimeout, TrainerClient
 from trainer_client.launcher import GatewayStartError
 
 CALL_TIMEOUT_S = 10.0

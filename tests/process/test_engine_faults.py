@@ -26,11 +26,11 @@ import pytest
 from assets import TOOLS, FakeEngine, wait_until
 from dialects import engine_turns, fake_policy, text_policy
 from fidelity import assert_fidelity
+from processes import launch_gateway
 from scrapes import scrape
 
 from broker.protocol import session_tag
 from gateway_workers.engines.routing import routing_key
-from trainer_client import launch_gateway
 
 ENGINE_TIMEOUT_S = 1.5
 SDK_TIMEOUT_S = 30.0  # the agents' own bound, far above the gateway's

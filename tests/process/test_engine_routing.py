@@ -20,9 +20,9 @@ from typing import Any
 import openai
 import pytest
 from assets import FakeEngine, wait_until
+from processes import launch_gateway
 
 from gateway_workers.engines.routing import routing_key
-from trainer_client import launch_gateway
 
 HEALTH_INTERVAL_S = "0.3"
 LOAD_TURNS = 3

@@ -33,14 +33,13 @@ from assets import FAKE_ENGINE_START_TIMEOUT_S, TOOLS, FakeEngine
 from dialects import ANTHROPIC_TOOLS, RESPONSES_TOOLS, SYSTEM, tool_output
 from fake_formats import FAMILIES, WRITERS, family_tokenizer_dir, plan, read_prompt, template_path
 from fidelity import assert_fidelity
-from processes import TestProcess
+from processes import TestProcess, launch_gateway
 from scrapes import worker_snapshots
 
 from broker.protocol import ids_array, logprobs_array
 from broker.sessions.turn_record import TurnRecord
 from gateway_workers.engines.routing import routing_key
 from gateway_workers.formats import FORMATS
-from trainer_client import launch_gateway
 
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "fake_engine.py"
 MAX_TURNS = 5

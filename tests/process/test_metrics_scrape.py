@@ -25,9 +25,8 @@ import httpx
 import openai
 import pytest
 from assets import wait_until
+from processes import launch_gateway
 from scrapes import Samples, scrape, total
-
-from trainer_client import launch_gateway
 
 SESSIONS = 4
 SETTLE_S = 10.0  # the other worker's counts arrive with its next heartbeat (every second)

@@ -18,8 +18,7 @@ from urllib.parse import urlparse
 import anthropic
 import openai
 import pytest
-
-from trainer_client import launch_gateway
+from processes import launch_gateway
 
 BODY_LIMIT = 1 << 20
 LIMITS = ["--max-body-bytes", str(BODY_LIMIT), "--max-messages", "64", "--max-tools", "8",

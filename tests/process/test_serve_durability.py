@@ -15,8 +15,7 @@ from pathlib import Path
 
 import openai
 from assets import wait_until
-
-from trainer_client import launch_gateway
+from processes import launch_gateway
 
 USER = [{"role": "user", "content": "hello"}]
 RESTART_WITHIN_S = 30.0

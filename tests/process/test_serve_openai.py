@@ -25,11 +25,11 @@ import openai
 import pytest
 from assets import TOOLS, FakeEngine, wait_until
 from fidelity import assert_fidelity
+from processes import launch_gateway
 
 from broker.protocol import ids_array, logprobs_array
 from broker.sessions.turn_record import TurnRecord
 from gateway_workers.engines.routing import routing_key
-from trainer_client import launch_gateway
 
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "fake_engine.py"
 ENGINE_TIMEOUT_S = 4.0

@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 from assets import FakeEngine, wait_until
+from processes import launch_gateway
 
 from broker.protocol import session_tag
 from gateway_workers.engines.routing import routing_key
-from trainer_client import launch_gateway
 
 USER = [{"role": "user", "content": "hello"}]
 FINISH_ROUTE = "/rollout/v1/sessions/finish"

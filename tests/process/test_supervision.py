@@ -17,8 +17,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 from assets import wait_until
-
-from trainer_client import launch_gateway
+from processes import launch_gateway
 
 USER = [{"role": "user", "content": "hello"}]
 GONE_WITHIN_S = 15.0

@@ -26,8 +26,9 @@ import openai
 import pytest
 from assets import wait_until
 from process.test_serve_durability import RESTART_WITHIN_S, broker_pid, turn, turns_in
+from processes import launch_gateway
 
-from trainer_client import EpisodeTimeout, UnknownSession, launch_gateway
+from trainer_client import EpisodeTimeout, UnknownSession
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,9 +17,8 @@ from typing import Any
 import openai
 import pytest
 from assets import FakeEngine, wait_until
+from processes import launch_gateway
 from test_serve_durability import RESTART_WITHIN_S, broker_pid
-
-from trainer_client import launch_gateway
 
 
 def _ask(gw: Any, sid: str, messages: list[dict[str, Any]], content: str) -> None:

@@ -17,8 +17,7 @@ import time
 import openai
 from assets import wait_until
 from process.test_supervision import _descendants
-
-from trainer_client import launch_gateway
+from processes import launch_gateway
 
 USER = [{"role": "user", "content": "hello"}]
 ENGINE_DELAY_S = 1.5

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import openai
 from assets import wait_until
+from processes import launch_gateway
 from scrapes import worker_snapshots
-
-from trainer_client import launch_gateway
 
 AGENTS, TURNS = 8, 3
 TOLD_WITHIN_S = 15.0
