@@ -269,17 +269,23 @@ def _broker_supervisor(args: argparse.Namespace, tokenizer_dir: str | None, curv
 
 
 def _announce_when_healthy(base: str, control: str | None) -> None:
-    """Print the READY line once a worker answers /healthz (it then serves the shared socket)."""
+    """Print the READY line once a worker answers /healthz (it then serves the shared socket). A launcher waits
+    for that line, so whatever a probe raises is asked again (logged where it is not a refused or timed-out
+    connection): a probe's error must not end the thread and leave a healthy serve that never says so."""
     deadline = time.monotonic() + WORKERS_START_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"{base}/healthz", timeout=2) as reply:
-                if reply.status == 200:
-                    line = f"GATEWAY READY base_url={base}/v1"
-                    print(line + (f" control={control}" if control else ""), flush=True)
-                    return
+                healthy = reply.status == 200
         except OSError:
-            time.sleep(0.1)
+            healthy = False
+        except Exception:
+            logger.exception("asking %s/healthz failed; asking again", base)
+            healthy = False
+        if healthy:
+            print(f"GATEWAY READY base_url={base}/v1" + (f" control={control}" if control else ""), flush=True)
+            return
+        time.sleep(0.1)
     logger.error("no worker answered %s/healthz within %ss", base, WORKERS_START_TIMEOUT_S)
 
 

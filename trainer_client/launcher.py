@@ -50,10 +50,15 @@ class Gateway:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # anything left in the group
-        self.process.wait()
-        _close_output(self.process, self.reader)
+        _kill_group(self.process, self.reader)  # anything left in the group
+
+
+def _kill_group(process: subprocess.Popen[str], reader: threading.Thread | None) -> None:
+    """SIGKILL the whole tree at once (a start given up, or what a stop left): running on, it holds its ports."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    _close_output(process, reader)
 
 
 def _close_output(process: subprocess.Popen[str], reader: threading.Thread | None) -> None:
@@ -113,24 +118,18 @@ def launch_gateway(
     reader = threading.Thread(target=pump, name="gateway-output", daemon=True)
     reader.start()
     deadline = time.monotonic() + ready_timeout
-    while not ready and time.monotonic() < deadline and proc.poll() is None:
-        got_ready.wait(0.1)
-    if not ready:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        _close_output(proc, reader)
-        raise GatewayStartError("rollout-gateway serve did not become ready:\n" + "".join(list(output)[-60:]))
-    base_url, control_endpoint = ready[0]
     try:
-        client = TrainerClient(control_endpoint, timeout=client_timeout, curve_keys=curve_keys)
-    except ValueError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        _close_output(proc, reader)
+        while not ready and time.monotonic() < deadline and proc.poll() is None:
+            got_ready.wait(0.1)
+        if ready:
+            client = TrainerClient(ready[0][1], timeout=client_timeout, curve_keys=curve_keys)
+    except BaseException:  # a bad client argument, or an interrupt while waiting (Ctrl-C, a test's timeout)
+        _kill_group(proc, reader)
         raise
-    gateway = Gateway(base_url, control_endpoint, client, proc, output, reader)
+    if not ready:
+        _kill_group(proc, reader)
+        raise GatewayStartError("rollout-gateway serve did not become ready:\n" + "".join(list(output)[-60:]))
+    gateway = Gateway(ready[0][0], ready[0][1], client, proc, output, reader)
     try:
         yield gateway
     finally:

@@ -3,21 +3,25 @@
 A broker killed under `serve` is logged and restarted on the same endpoints: the trainer client and the
 workers reconnect by themselves, new sessions run end to end, and a session the old (in-memory) broker
 held is refused as unknown. A `serve` killed with SIGKILL leaves no broker or worker behind, so its ports
-are free for the next one.
+are free for the next one; neither does one whose launcher was interrupted before it was ready.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 import openai
 import pytest
 from assets import wait_until
-from processes import launch_gateway
+from processes import REPO_ROOT, launch_gateway
 
 USER = [{"role": "user", "content": "hello"}]
 GONE_WITHIN_S = 15.0
@@ -106,3 +110,60 @@ def test_a_process_group_sigterm_stops_serve_without_a_restart() -> None:
         gw.process.wait(GONE_WITHIN_S)
         log = "".join(gw.output)
     assert "restarting it" not in log, log  # the broker's clean exit is part of the stop, not a crash
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def _serve_pid(marker: str) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"gateway_workers.cli" in cmdline and marker.encode() in cmdline:
+                return int(entry.name)
+    return None
+
+
+def test_a_launch_interrupted_before_ready_leaves_nothing_running() -> None:
+    """Ctrl-C (or a test's timeout) while `launch_gateway` waits for READY: the serve it started goes too, rather
+    than serving on, unseen, with its ports."""
+    marker = f"interrupted-launch-{os.getpid()}-{time.monotonic_ns()}"
+    script = (
+        "import sys, time\nfrom trainer_client import launch_gateway\ntry:\n"
+        "    with launch_gateway(workers=1, engine_kind='mock', extra_args=['--model-name', sys.argv[1]]):\n"
+        "        print('LAUNCHED', flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('INTERRUPTED', flush=True)\n"
+        "    time.sleep(60)  # and goes on, as pytest does after a test's timeout: nothing dies with it\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script, marker], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    serve: int | None = None
+    try:
+        assert wait_until(lambda: _serve_pid(marker) is not None, timeout=30)
+        serve = _serve_pid(marker)
+        trainer.send_signal(signal.SIGINT)  # at once: serve takes seconds to be ready
+        assert trainer.stdout is not None and trainer.stdout.readline() == "INTERRUPTED\n"  # while it waited
+        assert serve is not None and wait_until(lambda: not _group(serve), timeout=GONE_WITHIN_S), _group(serve)
+        assert trainer.poll() is None  # serve went with the interrupt, not with the trainer
+    finally:
+        trainer.kill()
+        trainer.communicate()
+        if serve is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(serve, signal.SIGKILL)
