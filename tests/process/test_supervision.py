@@ -27,25 +27,36 @@ USER = [{"role": "user", "content": "hello"}]
 GONE_WITHIN_S = 15.0
 
 
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...); None once it is gone."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _cmdline(pid: int) -> str | None:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+
+
 def _descendants(root: int) -> dict[int, str]:
     """pid -> command line of every live process below `root`."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
-    found, frontier = {}, [root]
+    parents = {pid: int(fields[1]) for pid in _pids() if (fields := _stat(pid)) is not None}
+    found: dict[int, str] = {}
+    frontier = [root]
     while frontier:
         pid = frontier.pop()
         for child, parent in parents.items():
-            if parent == pid and child not in found:
-                try:
-                    found[child] = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except OSError:
-                    continue
+            if parent == pid and child not in found and (cmd := _cmdline(child)) is not None:
+                found[child] = cmd
                 frontier.append(child)
     return found
 
@@ -55,11 +66,27 @@ def _broker_pid(serve_pid: int) -> int | None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        stat = (Path("/proc") / str(pid) / "stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    members = []
+    for pid in _pids():
+        fields = _stat(pid)
+        if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(pid)
+    return members
+
+
+def _serve_pid(marker: str) -> int | None:
+    """The `serve` whose command line carries `marker`."""
+    for pid in _pids():
+        cmd = _cmdline(pid) or ""
+        if "gateway_workers.cli serve" in cmd and marker in cmd:
+            return pid
+    return None
 
 
 def _turn(gw, key: str) -> openai.types.chat.ChatCompletion:
@@ -111,32 +138,6 @@ def test_a_process_group_sigterm_stops_serve_without_a_restart() -> None:
         log = "".join(gw.output)
     assert "restarting it" not in log, log  # the broker's clean exit is part of the stop, not a crash
 
-
-def _group(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(entry.name))
-    return members
-
-
-def _serve_pid(marker: str) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"gateway_workers.cli" in cmdline and marker.encode() in cmdline:
-                return int(entry.name)
-    return None
 
 
 def test_a_launch_interrupted_before_ready_leaves_nothing_running() -> None:
