@@ -27,16 +27,17 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from broker.protocol import session_tag
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
-from gateway_workers.adapters.base import Adapter
+from gateway_workers.adapters.base import Adapter, ParsedRequest
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable
 from gateway_workers.capture.commit_bases import CommitBases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
 from gateway_workers.formats import PLAIN_TEXT, ResponseParser, detect_parser
+from gateway_workers.http import access_log
 from gateway_workers.http.bodies import BodyDecoder, DecodedBody, decode_whole
 from gateway_workers.http.connection import AgentConnection, session_key
 from gateway_workers.http.errors import ApiError
@@ -89,12 +90,14 @@ _JSON_TYPE = (b"content-type", b"application/json")
 
 
 class TurnLabels:
-    """What a turn's metrics are labelled with, and when its request arrived."""
+    """What a turn's metrics and log line are labelled with, and when its request arrived."""
 
-    __slots__ = ("dialect", "stream", "t0")
+    __slots__ = ("dialect", "stream", "t0", "path", "sid")
 
-    def __init__(self, dialect: str, t0: float) -> None:
+    def __init__(self, dialect: str, t0: float, path: str) -> None:
         self.dialect, self.stream, self.t0 = dialect, "unknown", t0  # the stream flag is known once parsed
+        self.path = path
+        self.sid: str | None = None  # known once the key is read
 
 
 def _count_turn(metrics: WorkerMetrics, labels: TurnLabels, outcome: str) -> None:
@@ -108,6 +111,8 @@ def _record(metrics: WorkerMetrics, source: ReplySource, labels: TurnLabels, out
     metrics.observe("turn_duration_seconds", ("reply",), now - t_reply)
     metrics.observe("turn_duration_seconds", ("total",), now - labels.t0)
     turn = source if isinstance(source, CapturedTurn) else getattr(source, "turn", None)
+    if outcome not in ("failed", "refused"):  # an error mid-stream was logged with the error
+        access_log.served("POST", labels.path, 200, labels.t0, labels.sid, f"stream={labels.stream} {outcome}")
     if turn is None or outcome == "replayed":
         return
     metrics.count("tokens", ("prompt",), len(turn.prompt_ids))
@@ -145,7 +150,9 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
     except ApiError as e:
         # The adapter already sent the error event; end the stream so the agent is not left waiting.
         failed = e
-        metrics.count("http_errors", (labels.dialect, str(e.status)))
+        metrics.count("http_errors", (labels.dialect, str(e.status), e.code or e.kind))
+        access_log.refused("POST", labels.path, e, "stream error event", labels.t0, labels.sid,
+                           "after the reply had begun with 200")
         with contextlib.suppress(Exception):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
     except Exception:
@@ -168,16 +175,30 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
 
 
 def _error(adapter: Adapter[Any], error: ApiError, metrics: WorkerMetrics, labels: TurnLabels) -> Response:
-    # Not logged here: whoever raises a 5xx logs its cause once, with the turn and session tag it knows.
-    metrics.count("http_errors", (labels.dialect, str(error.status)))
+    """The error in the dialect's shape, counted and logged (one line: whoever raised a 5xx logged its cause too)."""
+    metrics.count("http_errors", (labels.dialect, str(error.status), error.code or error.kind))
     if labels.stream != "none":  # a turn route's (count_tokens is not a turn)
         _count_turn(metrics, labels, "failed" if error.status >= 500 else "refused")
+    body = adapter.error_body(error)
+    access_log.refused("POST", labels.path, error, body["error"]["type"], labels.t0, labels.sid)
     headers = dict(error.headers)
     # After a 413/431 the rest of the request is unread: closing the connection keeps uvicorn from buffering it.
     if error.status in (413, 431):
         headers["connection"] = "close"
-    return Response(orjson.dumps(adapter.error_body(error)), status_code=error.status, media_type="application/json",
-                    headers=headers)
+    return Response(orjson.dumps(body), status_code=error.status, media_type="application/json", headers=headers)
+
+
+def _note(request: ParsedRequest, labels: TurnLabels, config: WorkerConfig, metrics: WorkerMetrics) -> None:
+    """Count the fields the request carried that are ignored, and leave out its hosted tools (or refuse them)."""
+    for where, kind in request.hosted:
+        if config.hosted_tools == "reject":
+            raise ApiError(400, "invalid_request", f"{where}: {kind!r} is a tool the provider runs, which the model "
+                           "cannot call through this gateway (it runs with --hosted-tools reject)",
+                           code="unsupported_value", param=where.partition("[")[0])
+    for _, kind in request.hosted:
+        metrics.count("hosted_tools_dropped", (labels.dialect, kind))
+    for name in request.ignored:
+        metrics.count("request_fields_ignored", (labels.dialect, name))
 
 
 def _json(decode: Callable[[bytes, Callable[[DecodedBody], None]], DecodedBody], raw: bytes,
@@ -220,7 +241,7 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, dialect: str, a
     A plain ASGI handler: turns are nearly all of a worker's requests, and Starlette's
     middleware and routing cost more per request than the rest of this function.
     """
-    labels = TurnLabels(dialect, time.perf_counter())
+    labels = TurnLabels(dialect, time.perf_counter(), scope["path"])
     state: WorkerState = scope["state"]
     metrics = state["metrics"]
     pipeline = state["pipeline"]
@@ -228,13 +249,14 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, dialect: str, a
     try:
         check_headers(scope["headers"], limits)
         request_headers = Headers(scope=scope)
-        sid = _key(request_headers)
+        sid = labels.sid = _key(request_headers)
         body = await read_body(request_headers.get("content-length"), receive, limits)
         bodies = state["bodies"]
         decoded = _json(functools.partial(bodies.decode, sid, scope["path"], adapter.HISTORY_FIELD), body, limits)
         parsed = adapter.parse_request(decoded.value, limits, decoded.earlier)
         bodies.attach(sid, parsed)
         labels.stream = "true" if parsed.stream else "false"
+        _note(parsed, labels, state["config"], metrics)
         parsed = await adapter.load_history(parsed, sid, pipeline)
         _check_tools_parseable(pipeline.parser, parsed.turn.tools)
     except ApiError as e:
@@ -276,6 +298,9 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, dialect: str, a
     await send_reply(turn, _once(body), headers, send, connection, metrics, labels)
 
 
+# Starlette routes that log their answers themselves (with the session and the error's code), not by status.
+_SELF_LOGGING = frozenset({"/v1/messages/count_tokens", FINISH_PATH})
+
 # path -> (the dialect's name in metrics, its adapter)
 TURN_ROUTES: dict[str, tuple[str, Adapter[Any]]] = {
     "/v1/chat/completions": ("chat", openai_chat),
@@ -295,34 +320,64 @@ class TurnEndpoint:
 
 
 class GatewayApp:
-    """A worker's ASGI app: POSTs to the turn routes go straight to `serve_turn`, the rest to Starlette."""
+    """A worker's ASGI app: POSTs to the turn routes go straight to `serve_turn`, the rest to Starlette (each
+    logged by `access_log`: an error always, anything else with --access-log)."""
 
     def __init__(self, routes: Starlette) -> None:
         self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] != "http":
+            return await self.routes(scope, receive, send)
+        if scope["method"] == "POST":
             route = TURN_ROUTES.get(scope["path"])
             if route is not None:
                 return await serve_turn(scope, receive, send, *route)
-        await self.routes(scope, receive, send)
+        if scope["path"] in _SELF_LOGGING:  # they say more of their answers than a status
+            return await self.routes(scope, receive, send)
+        started, status = time.perf_counter(), 0
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.routes(scope, receive, sending)
+        finally:
+            access_log.answered(scope["method"], scope["path"], status or 500, started)
+
+
+async def unknown_route(request: Request, exc: Exception) -> Response:
+    """404 and 405 in the API's own shape (Anthropic's under /v1/messages, OpenAI's elsewhere): an agent's SDK
+    reads it, and the log line says which route it asked for."""
+    status = getattr(exc, "status_code", 404)
+    what = "Unknown request URL" if status == 404 else "Method not allowed for"
+    error = ApiError(status, "not_found" if status == 404 else "invalid_request",
+                     f"{what}: {request.method} {request.url.path}.", code="unknown_url" if status == 404 else None)
+    adapter = anthropic_messages if request.url.path.startswith("/v1/messages") else openai_chat
+    request.state.metrics.count("http_errors", ("other", str(status), error.code or error.kind))
+    return JSONResponse(adapter.error_body(error), status_code=status, headers=getattr(exc, "headers", None))
 
 
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token counting: the prompt rendered exactly as a turn would be; records nothing."""
     state = request.state
     limits = state.config.limits
+    labels = TurnLabels("count_tokens", time.perf_counter(), request.url.path)
+    labels.stream = "none"  # not a turn: counted among the HTTP errors only
     try:
         check_headers(request.scope["headers"], limits)
-        sid = _key(request.headers)
+        sid = labels.sid = _key(request.headers)
         body = await read_body(request.headers.get("content-length"), request.receive, limits)
         parsed = anthropic_messages.parse_request(_json(decode_whole, body, limits).value, limits, counting=True)
+        _note(parsed, labels, state.config, state.metrics)
         await state.pipeline.check_session(sid)
         count = await state.pipeline.count_tokens(parsed.turn)
     except ApiError as e:
-        labels = TurnLabels("count_tokens", 0.0)
-        labels.stream = "none"  # not a turn: counted among the HTTP errors only
         return _error(anthropic_messages, e, state.metrics, labels)
+    access_log.served("POST", labels.path, 200, labels.t0, sid)
     return JSONResponse({"input_tokens": count})
 
 
@@ -357,6 +412,7 @@ async def worker_metrics(request: Request) -> Response:
 def create_app(config: WorkerConfig) -> GatewayApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[WorkerState]:
+        access_log.enable(config.access_log, config.log_level)
         tokenizer = load_tokenizer(config.tokenizer, chat_template_path=config.chat_template)
         engine = create_engine(config.engine, tokenizer)
         bases = CommitBases(config.commit_base_sessions, config.commit_base_mib << 20)
@@ -402,6 +458,7 @@ def create_app(config: WorkerConfig) -> GatewayApp:
             Route("/metrics/worker", worker_metrics, methods=["GET"]),
             Route(FINISH_PATH, finish_session, methods=["POST"]),  # 404 unless --allow-agent-finish
         ],
+        exception_handlers={404: unknown_route, 405: unknown_route},
         lifespan=lifespan,
     ))
 

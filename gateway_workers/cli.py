@@ -89,6 +89,13 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="let agents finish their own session with a reward: POST /rollout/v1/sessions/finish "
                         "(session key as the API key; body {reward, metadata, rollout_id}); the episode goes to "
                         "the trainer's episodes() stream. Off: that route answers 404")
+    p.add_argument("--hosted-tools", choices=["drop", "reject"], default="drop",
+                   help="tools the provider runs or alone knows the schema of (web search, code execution, MCP, "
+                        "Anthropic's bash or Codex's local_shell), which the model cannot call through the gateway: "
+                        "drop (left out of the prompt, counted in /metrics; the default) or reject (a 400)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log one line per request: route, status, session tag, latency (a 4xx or 5xx is logged at "
+                        "warning with its error type, code, param and message either way)")
     p.add_argument("--curve-keys", default=None, metavar="DIR",
                    help="the key directory of `rollout-gateway keys`: the backplane uses CURVE (authenticated and "
                         f"encrypted); required for a non-loopback broker endpoint (env {curve.CURVE_KEYS_ENV})")
@@ -230,6 +237,8 @@ def _worker_config(
         commit_base_mib=args.commit_base_mib,
         limits=_limits(args),
         curve_keys=curve_keys,
+        hosted_tools=args.hosted_tools,
+        access_log=args.access_log,
     )
 
 

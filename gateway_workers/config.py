@@ -45,6 +45,9 @@ class WorkerConfig:
         limits: bounds on one agent request (`http.limits`).
         curve_keys: a key directory holding `broker.key` and `worker.key_secret` (`rollout-gateway keys`):
             the backplane uses CURVE. None: no CURVE, and the broker endpoint must be loopback (or ipc://).
+        hosted_tools: what a request's hosted tools (the provider's own: web search, code execution, ...) get:
+            "drop" (left out of the prompt, counted) or "reject" (a 400).
+        access_log: log one line per request (errors are logged either way).
     """
 
     broker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
@@ -63,6 +66,8 @@ class WorkerConfig:
     allow_agent_finish: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
     curve_keys: str | None = None
+    hosted_tools: str = "drop"
+    access_log: bool = False
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(dataclasses.asdict(self))}

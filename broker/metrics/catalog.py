@@ -52,7 +52,13 @@ WORKER_METRICS = _catalog(
         "record), total (request to reply sent)",
         ("stage",),
     ),
-    Metric("http_errors", "counter", "error responses (4xx, 5xx) by route and status", ("route", "status")),
+    Metric("http_errors", "counter", "error responses (4xx, 5xx) by route, status and error code (the OpenAI "
+           "API's code, e.g. unknown_parameter, invalid_type; the error's kind where the API has none)",
+           ("route", "status", "code")),
+    Metric("request_fields_ignored", "counter", "requests carrying a field the gateway accepts without effect on "
+           "what is sampled (docs/request-fields.md), by dialect and field", ("dialect", "field")),
+    Metric("hosted_tools_dropped", "counter", "tools the provider runs, left out of requests' prompts "
+           "(--hosted-tools drop), by dialect and tool type", ("dialect", "type")),
     Metric(
         "ill_formed_turns",
         "counter",

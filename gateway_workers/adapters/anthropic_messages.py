@@ -1,12 +1,11 @@
 """Anthropic Messages dialect: `POST /v1/messages` (and count_tokens) -> TurnRequest, turns -> Messages replies.
 
-Content blocks map onto canonical messages: `thinking` -> reasoning, `text` -> content,
-`tool_use` -> tool calls (ids are wire-only), each `tool_result` -> a tool message named
-after its call; `redacted_thinking` carries nothing we can render and is dropped. Replies
-are one message with thinking / text / tool_use blocks, streamed live with the event
-sequence the `anthropic` SDK consumes (message_start, ping, content_block_start / delta /
-stop, message_delta with stop_reason and usage, message_stop). Strict validation, as in
-the other dialects. No I/O here.
+Every field has one verdict (`request_fields.MESSAGES`); the conversation's blocks map onto canonical
+messages in `anthropic_blocks`. Tools without a `type` (or `custom`) are the agent's own; every typed tool is
+Anthropic's (server tools, and client tools whose schema only Anthropic has): hosted, left out and noted.
+Replies are one message with thinking / text / tool_use blocks, streamed live with the event sequence the
+`anthropic` SDK consumes (message_start, ping, content_block_start / delta / stop, message_delta with
+stop_reason and usage, message_stop). No I/O here.
 """
 
 from __future__ import annotations
@@ -17,50 +16,36 @@ from typing import Any
 
 import orjson
 
+from gateway_workers.adapters import request_fields
+from gateway_workers.adapters.anthropic_blocks import canonical_messages, clears, text_blocks
 from gateway_workers.adapters.base import no_history
 from gateway_workers.adapters.common import (
     BlockEvent,
-    OpenCalls,
     bad,
     block_events,
-    canonical_tools,
     check_known,
     check_object,
     check_types,
     earlier_elements,
     flag,
     integer,
+    invalid_type,
+    missing,
     number,
     sse,
+    unsupported,
 )
+from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet
 from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
-from gateway_workers.http.limits import (
-    DEFAULT_LIMITS,
-    RequestLimits,
-    check_count,
-    check_depth,
-    check_parts,
-    check_turn,
-)
+from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
 from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
-# Accepted and without effect on a token-in/token-out turn (thinking is the chat template's business).
 HISTORY_FIELD = "messages"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
-_IGNORED = {"model", "metadata", "service_tier", "thinking", "context_management", "output_config"}
-_HANDLED = {
-    "messages",
-    "system",
-    "tools",
-    "tool_choice",
-    "max_tokens",
-    "stop_sequences",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stream",
-}
+_KNOWN = request_fields.known_fields("messages")
+_TOOL_IGNORED = request_fields.ignored_fields("messages", "tools[custom]")
+_SYSTEM_IGNORED = request_fields.ignored_fields("messages", "system[text]")
 _TYPES = {"model": str, "metadata": dict, "service_tier": str, "context_management": dict, "output_config": dict}
 MAX_TOOL_NAME = 128  # the Messages API's own bound (OpenAI's is 64)
 MIN_THINKING_BUDGET = 1024  # the Messages API's own floor for thinking.budget_tokens
@@ -85,168 +70,82 @@ def error_body(error: ApiError) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class MessagesRequest:
     """A validated Messages body; `raw_system` and `raw_messages`, its system prompt and messages as sent, which
-    the next request's parse compares its own with (`Adapter.parse_request`'s `earlier`)."""
+    the next request's parse compares its own with (`Adapter.parse_request`'s `earlier`); `toolset`: its tools;
+    `ignored`: the ignored fields it carried (what it added to the previous request), by name."""
 
     turn: TurnRequest
     stream: bool
     raw_system: Any = None
     raw_messages: list[Any] | None = None
+    toolset: ToolSet = NO_TOOLS
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def hosted(self) -> tuple[tuple[str, str], ...]:
+        return self.toolset.hosted
 
 
-def _text_blocks(content: Any, where: str, joiner: str, limits: RequestLimits) -> str:
-    """A string, or a list of text blocks joined (other block types are refused)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"{where}: content must be a string or a list of text blocks", "messages")
-    check_parts(content, limits, "messages")
-    texts = []
-    for block in content:
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise bad(f"{where}: a block of type {kind!r} is not supported here (text only)", "messages")
-        texts.append(block["text"])
-    return joiner.join(texts)
-
-
-def _assistant(content: Any, where: str, pending: OpenCalls, limits: RequestLimits) -> dict[str, Any]:
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    if not isinstance(content, list):
-        raise bad(f"{where}: content must be a string or a list of blocks", "messages")
-    check_parts(content, limits, "messages")
-    text, reasoning, calls = [], [], []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            text.append(block["text"])
-        elif kind == "thinking" and isinstance(block.get("thinking"), str):
-            reasoning.append(block["thinking"])
-        elif kind == "redacted_thinking":
-            continue  # encrypted elsewhere; nothing of it can be rendered
-        elif kind == "tool_use":
-            name, arguments = block.get("name"), block.get("input")
-            if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-                raise bad(f"{where}.content[{j}]: tool_use needs a name and an object input", "messages")
-            call_id = block.get("id")
-            if not isinstance(call_id, str) or not call_id:
-                raise bad(f"{where}.content.{j}.tool_use.id: Field required (a string)", "messages",
-                          code="missing_required_parameter")
-            if call_id in pending:
-                raise bad(f"{where}.content.{j}: `tool_use` ids must be unique: {call_id!r}", "messages")
-            pending[call_id] = name
-            check_depth(arguments, limits, "messages")
-            calls.append({"name": name, "arguments": arguments})
-        else:
-            raise bad(f"{where}.content[{j}]: block type {kind!r} is not supported in assistant messages", "messages")
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-    if reasoning and "".join(reasoning):
-        message["reasoning"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    return message
-
-
-def _user(content: Any, where: str, pending: OpenCalls, limits: RequestLimits) -> list[dict[str, Any]]:
-    """A user turn: its tool results become tool messages and its text a user message, in order."""
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    if not isinstance(content, list):
-        raise bad(f"{where}: content must be a string or a list of blocks", "messages")
-    check_parts(content, limits, "messages")
-    out: list[dict[str, Any]] = []
-    texts: list[str] = []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-        elif kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
-                texts = []
-            result = block.get("content", "")
-            tool: dict[str, Any] = {
-                "role": "tool",
-                "content": _text_blocks(result, f"{where}.content[{j}].content", "\n", limits),
-            }
-            call_id = block.get("tool_use_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise bad(f"{where}.content.{j}.tool_result.tool_use_id: Field required (a string)", "messages",
-                          code="missing_required_parameter")
-            name = pending.pop(call_id, None)
-            if name is None:
-                raise bad(f"{where}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {call_id}. "
-                          "Each `tool_result` block must have a corresponding `tool_use` block in the previous "
-                          "message.", "messages")
-            tool["name"] = name
-            out.append(tool)
-        else:
-            raise bad(
-                f"{where}.content[{j}]: block type {kind!r} is not supported (text and tool_result only)", "messages"
-            )
-    if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
-    return out
-
-
-def _messages(body: dict[str, Any], limits: RequestLimits, earlier: MessagesRequest | None) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any], limits: RequestLimits, earlier: MessagesRequest | None,
+              ignored: set[str]) -> list[dict[str, Any]]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise bad("'messages' must be a non-empty list", "messages")
+        if raw is None:
+            raise missing("messages")
+        raise invalid_type("messages", "a non-empty array", raw)
     check_count(len(raw), limits.max_messages, "messages", "messages")
     system = body.get("system")
-    # A message converts to canonical messages of its own, whatever comes before it but open calls
-    messages: list[dict[str, Any]] = []
+    # A message converts to canonical messages of its own, whatever comes before it but open calls; a system
+    # message a later user message clears (`clear_at`) stops the reuse, as the new messages may hold one.
     start = 0
-    if earlier is not None and system is earlier.raw_system:
+    if earlier is not None and system is earlier.raw_system and earlier.raw_messages is not None:
         start = earlier_elements(earlier.raw_messages, raw)
-        messages = [*earlier.turn.messages] if start else []
+        if start and any(map(clears, earlier.raw_messages)):
+            start = 0
+    messages: list[dict[str, Any]] = [*earlier.turn.messages] if start and earlier is not None else []
     if not start and system is not None:
-        text = _text_blocks(system, "system", "\n", limits)
+        text = text_blocks(system, "system", "\n", limits, ignored, "system")
         if text:
             messages.append({"role": "system", "content": text})
-    pending: OpenCalls = {}
-    for i, message in enumerate(raw[start:], start):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise bad(f"{where} must be an object with role 'user' or 'assistant'", "messages")
-        # a tool_use's result must come in the very next message, which must then answer all of them
-        opened = dict(pending)
-        if message["role"] == "assistant":
-            _unanswered(opened, i)
-            messages.append(_assistant(message.get("content"), where, pending, limits))
-        else:
-            messages.extend(_user(message.get("content"), where, pending, limits))
-            _unanswered(pending, i - 1)
-            pending.clear()
-    _unanswered(pending, len(raw) - 1)
-    return messages
+    return messages + canonical_messages(raw, start, limits, ignored)
 
 
-def _unanswered(open_calls: dict[str, str], index: int) -> None:
-    if open_calls:
-        raise bad(f"messages.{index}: `tool_use` ids were found without `tool_result` blocks immediately after: "
-                  f"{', '.join(open_calls)}. Each `tool_use` block must have a corresponding `tool_result` block "
-                  "in the next message.", "messages")
-
-
-def _tool_fields(tool: dict[str, Any]) -> tuple[Any, Any, Any]:
-    schema = tool.get("input_schema")
-    if not isinstance(schema, dict):
-        raise bad(f"tools: tool {tool.get('name')!r} needs an 'input_schema' object", "tools",
-                  code="missing_required_parameter" if schema is None else "invalid_request")
-    if schema.get("type") != "object":
-        raise bad(f"tools: tool {tool.get('name')!r}: input_schema.type must be 'object'", "tools")
-    return tool.get("name"), tool.get("description"), schema
-
-
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    """Client tools only: server tools (web search, ...) have a `type` and are not ours to run."""
-    tools = canonical_tools(raw, "custom", _tool_fields, default_kind="custom", max_name=MAX_TOOL_NAME)
-    names = [tool["function"]["name"] for tool in tools or ()]
+def _tools(raw: Any, mcp_servers: Any) -> ToolSet:
+    """The agent's own tools (no `type`, or `custom`); every typed tool is Anthropic's: hosted."""
+    if (raw is None or raw == []) and not mcp_servers:
+        return NO_TOOLS
+    collector = ToolCollector(max_name=MAX_TOOL_NAME)
+    for i in range(len(mcp_servers) if isinstance(mcp_servers, list) else 0):
+        collector.hosted_tool(f"mcp_servers[{i}]", "mcp")
+    if raw is None:
+        return collector.result()
+    if not isinstance(raw, list):
+        raise invalid_type("tools", "an array", raw)
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise invalid_type(where, "an object", tool, "tools")
+        kind = tool.get("type", "custom")
+        if kind not in ("custom", None):
+            if not isinstance(kind, str):
+                raise invalid_type(f"{where}.type", "a string", kind, "tools")
+            if request_fields.verdict("messages", f"tools[{kind}]") != "hosted":
+                raise bad(f"{where}.type: unknown tool type {kind!r} (a tool of the agent's own has no type, or "
+                          "'custom')", "tools", "invalid_value")
+            collector.hosted_tool(where, kind)
+            continue
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise missing(f"{where}.input_schema", "tools") if schema is None else invalid_type(
+                f"{where}.input_schema", "an object", schema, "tools")
+        if schema.get("type") != "object":
+            raise bad(f"tools: tool {tool.get('name')!r}: input_schema.type must be 'object'", "tools", "invalid_value")
+        collector.notice(tool, _TOOL_IGNORED)
+        collector.function(tool.get("name"), tool.get("description"), schema, where)
+    toolset = collector.result()
+    names = [tool["function"]["name"] for tool in toolset.tools or ()]
     if len(set(names)) < len(names):
-        raise bad("tools: tool names must be unique", "tools")
-    return tools
+        raise bad("tools: tool names must be unique", "tools", "invalid_value")
+    return toolset
 
 
 def _check_thinking(thinking: Any, max_tokens: int | None) -> None:
@@ -255,13 +154,34 @@ def _check_thinking(thinking: Any, max_tokens: int | None) -> None:
         return
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
-        raise bad("thinking.type: must be 'enabled', 'disabled' or 'adaptive'", "thinking")
+        raise bad("thinking.type: must be 'enabled', 'disabled' or 'adaptive'", "thinking", "invalid_value")
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
-            raise bad(f"thinking.budget_tokens: must be an integer >= {MIN_THINKING_BUDGET}", "thinking")
+            raise bad(f"thinking.budget_tokens: must be an integer >= {MIN_THINKING_BUDGET}", "thinking",
+                      "invalid_value")
         if max_tokens is not None and budget >= max_tokens:
-            raise bad("max_tokens must be greater than thinking.budget_tokens", "max_tokens")
+            raise bad("max_tokens must be greater than thinking.budget_tokens", "max_tokens", "invalid_value")
+
+
+def _refuse_unserved(body: dict[str, Any]) -> None:
+    """The fields whose meaning this gateway cannot give (`request_fields`: refused), when they ask for it."""
+    for name, why in (("compaction", "server-side compaction is not served"),
+                      ("thread", "server-held threads are not served: send the whole conversation")):
+        if body.get(name) is not None:
+            raise unsupported(name, why, value=False)
+    output = body.get("output_config")
+    if output is not None and output.get("format") is not None:
+        raise unsupported("output_config.format", "structured outputs need constrained decoding, which is not "
+                          "served", param="output_config")
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind in ("any", "tool", "none"):
+            raise unsupported("tool_choice", f"{kind!r} is not served: without constrained decoding the model's "
+                              "choice cannot be forced (only 'auto')")
+        if kind != "auto":
+            raise bad("tool_choice.type: must be 'auto', 'any', 'tool' or 'none'", "tool_choice", "invalid_value")
 
 
 load_history = no_history  # a request carries its whole conversation
@@ -272,30 +192,32 @@ def parse_request(
 ) -> MessagesRequest:
     """Validate a Messages body (`counting`: a count_tokens body, without max_tokens)."""
     body = check_object(body)
-    check_known(body, _HANDLED, _IGNORED)
+    top_ignored = check_known(body, _KNOWN)
     check_types(body, _TYPES)
-    choice = body.get("tool_choice")
-    if choice is not None and (not isinstance(choice, dict) or choice.get("type") != "auto"):
-        raise bad("only tool_choice {'type': 'auto'} is supported", "tool_choice")
+    _refuse_unserved(body)
     stop = body.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
-        raise bad("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
+        raise invalid_type("stop_sequences", "an array of non-empty strings", stop)
     max_tokens = integer(body, "max_tokens", 1)
     if max_tokens is None and not counting:
-        raise bad("'max_tokens' is required", "max_tokens", code="missing_required_parameter")
+        raise missing("max_tokens")
     _check_thinking(body.get("thinking"), max_tokens)
-    messages, tools = _messages(body, limits, earlier), _tools(body.get("tools"))
-    check_turn(tools, limits)
+    ignored: set[str] = set()
+    messages = _messages(body, limits, earlier, ignored)
+    toolset = _tools(body.get("tools"), body.get("mcp_servers"))
+    check_turn(toolset.tools, limits)
     turn = TurnRequest(
         messages=messages,
-        tools=tools,
+        tools=toolset.tools,
         max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, 1.0),
         top_p=number(body, "top_p", 0.0, 1.0),
         top_k=integer(body, "top_k", 0),
         stop=tuple(stop or ()),
     )
-    return MessagesRequest(turn, flag(body, "stream"), body.get("system"), body["messages"])
+    if ignored or toolset.ignored:
+        top_ignored = (*top_ignored, *sorted(ignored | toolset.ignored))
+    return MessagesRequest(turn, flag(body, "stream"), body.get("system"), body["messages"], toolset, top_ignored)
 
 
 def _stop_reason(finish_reason: str) -> str:

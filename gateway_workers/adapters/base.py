@@ -27,6 +27,17 @@ class ParsedRequest(Protocol):
     @property
     def stream(self) -> bool: ...
 
+    @property
+    def ignored(self) -> tuple[str, ...]:
+        """The ignored fields it carried (at the top level, or in what it adds to the session's previous request),
+        by their place's name (`request_fields`)."""
+        ...
+
+    @property
+    def hosted(self) -> tuple[tuple[str, str], ...]:
+        """(param, type) of each hosted tool it declared, left out of the prompt."""
+        ...
+
 
 RequestT = TypeVar("RequestT", bound=ParsedRequest)
 

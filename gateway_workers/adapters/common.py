@@ -1,17 +1,15 @@
-"""What the three wire adapters share: validation errors, canonical tools and arguments, SSE framing, reply blocks.
+"""What the three wire adapters share: validation errors, canonical arguments, SSE framing, reply blocks.
 
-Canonical tools are `{"type": "function", "function": {"name", "description"?, "parameters"?}}`
-whatever dialect declared them, so one session can mix dialects and still render the same
-prompt. A reply is a sequence of blocks (reasoning, text, tool calls), built from the final
-parse for a whole reply or from live deltas for a stream (`block_events`). No I/O here; must
-not import the app.
+Errors carry the OpenAI API's own codes (`invalid_type`, `invalid_value`, `missing_required_parameter`,
+`unknown_parameter`, ...), which the OpenAI dialects send and every dialect logs and counts. A reply is a
+sequence of blocks (reasoning, text, tool calls), built from the final parse for a whole reply or from live
+deltas for a stream (`block_events`). No I/O here; must not import the app.
 """
 
 from __future__ import annotations
 
 import operator
-import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,14 +19,57 @@ from gateway_workers.formats.live_split import DeltaKind, LiveDelta
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import RequestLimits, check_depth
 
-# The tool names both APIs accept: OpenAI up to 64 characters, Anthropic up to 128 (`canonical_tools(max_name=)`).
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
-_TYPE_NAMES = {str: "a string", bool: "a boolean", dict: "an object", list: "a list"}
+_JSON_TYPES = {str: "a string", bool: "a boolean", dict: "an object", list: "an array", int: "an integer",
+               float: "a decimal", type(None): "null"}
 
 
-def bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
-    """A 400 for a request the agent must fix (the SDKs never retry a 400)."""
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """A 400 for a request the agent must fix (the SDKs never retry a 400). `code`: OpenAI's error code (None where
+    OpenAI's is null, as for a conversation whose tool calls and results do not pair up)."""
     return ApiError(400, "invalid_request", message, code=code, param=param)
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def invalid_type(name: str, expected: str, value: Any, param: str | None = None) -> ApiError:
+    return bad(f"Invalid type for '{name}': expected {expected}, but got {_json_type(value)} instead.",
+               param or name, "invalid_type")
+
+
+def wrong_value(name: str, value: Any, supported: tuple[str, ...], param: str | None = None) -> ApiError:
+    values = ", ".join(repr(v) for v in supported)
+    return bad(f"Invalid value for '{name}': {value!r}. Supported values are: {values}.", param or name,
+               "invalid_value")
+
+
+def missing(name: str, param: str | None = None) -> ApiError:
+    return bad(f"Missing required parameter: '{name}'.", param or name, "missing_required_parameter")
+
+
+def unsupported(name: str, why: str, value: bool = True, param: str | None = None) -> ApiError:
+    """A valid request this gateway cannot serve (`value`: the value is refused, not the parameter)."""
+    return bad(f"Unsupported {'value' if value else 'parameter'}: '{name}' {why}", param or name,
+               "unsupported_value" if value else "unsupported_parameter")
+
+
+def bad_part(part: Any, where: str, param: str, text_kinds: tuple[str, ...]) -> ApiError:
+    """What is wrong with a content part that is not a text part (the error path only)."""
+    if not isinstance(part, dict):
+        return invalid_type(f"{where}.content[]", "an object", part, param)
+    kind = part.get("type")
+    if kind is None:
+        return missing(f"{where}.content[].type", param)
+    if not isinstance(kind, str):
+        return invalid_type(f"{where}.content[].type", "a string", kind, param)
+    if kind in text_kinds or kind == "refusal":
+        field = "refusal" if kind == "refusal" else "text"
+        return invalid_type(f"{where}.content[].{field}", "a string", part.get(field), param)
+    if kind in ("image_url", "input_audio", "file", "input_image", "input_file"):
+        return unsupported(f"{where}.content", f"holds a part of type {kind!r}: images, audio and files are not "
+                           "served (text only)", param=param)
+    return wrong_value(f"{where}.content[].type", kind, text_kinds, param)
 
 
 def earlier_elements(earlier: list[Any] | None, elements: list[Any]) -> int:
@@ -43,7 +84,8 @@ def earlier_elements(earlier: list[Any] | None, elements: list[Any]) -> int:
 
 def check_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
+        raise bad(f"Invalid type for the body: expected an object, but got {_json_type(body)} instead.", None,
+                  "invalid_type")
     return body
 
 
@@ -52,22 +94,32 @@ def check_types(body: Mapping[str, Any], types: Mapping[str, type]) -> None:
     for name, kind in types.items():
         value = body.get(name)
         if value is not None and not isinstance(value, kind):
-            raise bad(f"'{name}' must be {_TYPE_NAMES[kind]}", name)
+            raise invalid_type(name, _JSON_TYPES[kind], value)
 
 
-def check_known(body: Mapping[str, Any], handled: set[str], ignored: set[str]) -> None:
-    """A parameter we cannot honour gets a 400 that names it, never silent ignoring."""
-    unknown = sorted(set(body) - handled - ignored)
-    if unknown:
-        raise bad(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
+def check_known(body: Mapping[str, Any], known: Mapping[str, str]) -> tuple[str, ...]:
+    """The body's ignored fields (`known`: each field with a rule of its own, and its verdict). A field without one
+    gets the real APIs' 400 naming it; a refused one is refused by the adapter, which knows what values it takes."""
+    ignored: list[str] = []
+    for name in body:
+        verdict = known.get(name)
+        if verdict is None:
+            raise bad(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
+        if verdict == "ignored":
+            ignored.append(name)
+    return tuple(ignored)
 
 
 def number(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise bad(f"'{name}' must be a number between {lo} and {hi}", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid_type(name, "a decimal", value)
+    if not lo <= value <= hi:
+        side, bound = ("below_min", f">= {lo}") if value < lo else ("above_max", f"<= {hi}")
+        raise bad(f"Invalid '{name}': decimal {side.replace('_', ' ')}imum value. Expected a value {bound}, but got "
+                  f"{value} instead.", name, f"decimal_{side}_value")
     return float(value)
 
 
@@ -75,8 +127,11 @@ def integer(body: Mapping[str, Any], name: str, lo: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise bad(f"'{name}' must be an integer >= {lo}", name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_type(name, "an integer", value)
+    if value < lo:
+        raise bad(f"Invalid '{name}': integer below minimum value. Expected a value >= {lo}, but got {value} "
+                  "instead.", name, "integer_below_min_value")
     return value
 
 
@@ -85,7 +140,7 @@ def flag(body: Mapping[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad(f"'{name}' must be a boolean", name)
+        raise invalid_type(name, "a boolean", value)
     return value
 
 
@@ -94,51 +149,6 @@ def flag(body: Mapping[str, Any], name: str) -> bool:
 # dialect decides when calls left open are an error (Chat Completions and Messages: at the next
 # message that is not a result). A plain dict: its `in`, `pop` and assignment run per call.
 OpenCalls = dict[str, str]
-
-
-def canonical_tool(
-    name: Any, description: Any, parameters: Any, where: str, param: str = "tools", max_name: int = 64
-) -> dict[str, Any]:
-    """One function tool in the canonical (Chat Completions) shape the chat template receives."""
-    if not isinstance(name, str) or not name:
-        raise bad(f"{where} needs a name", param)
-    if len(name) > max_name or not _TOOL_NAME.fullmatch(name):
-        raise bad(f"{where}: the name {name[:max_name]!r} must be 1 to {max_name} of a-z, A-Z, 0-9, '_' and '-'", param)
-    if description is not None and not isinstance(description, str):
-        raise bad(f"{where}: 'description' must be a string", param)
-    # the schema of a function's arguments: an object schema (as both APIs require)
-    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
-        raise bad(f"{where}: the parameters schema must be an object schema (type 'object')", param)
-    function: dict[str, Any] = {"name": name}
-    if description is not None:
-        function["description"] = description
-    if parameters is not None:
-        function["parameters"] = parameters
-    return {"type": "function", "function": function}
-
-
-def canonical_tools(
-    raw: Any,
-    kind: str,
-    fields: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
-    *,
-    default_kind: str | None = None,
-    max_name: int = 64,
-) -> list[dict[str, Any]] | None:
-    """A dialect's `tools` list -> canonical tools; `fields(tool)` gives (name, description, schema).
-
-    Only tools whose `type` is `kind` are supported (`default_kind` stands in for a missing type).
-    """
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list):
-        raise bad("'tools' must be a list", "tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type", default_kind) != kind:
-            raise bad(f"tools[{i}]: only {kind} tools are supported", "tools")
-        tools.append(canonical_tool(*fields(tool), f"tools[{i}]", max_name=max_name))
-    return tools
 
 
 def parse_arguments(raw: Any, limits: RequestLimits | None, param: str) -> Any:

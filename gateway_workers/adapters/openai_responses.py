@@ -1,11 +1,13 @@
 """OpenAI Responses dialect: `POST /v1/responses` -> TurnRequest, turns -> Response objects and event streams.
 
-Input items become canonical messages in `responses_items`; `instructions` is the system message.
-`previous_response_id` (`resp_<turn id>`) names a committed turn of the same session: `load_history`
-fetches its canonical prompt + response from the broker and `with_history` prepends them (new
-instructions replace the old system message). Tool-call ids derive from the turn, so a follow-up's
-outputs find their call names. Replies stream live with the event sequence the `openai` SDK consumes.
-No I/O here but the broker lookup in `load_history`.
+Every field has one verdict (`request_fields.RESPONSES`). Input items become canonical messages in
+`responses_items`; `instructions` is the system message. Function, custom and namespace tools go through
+`adapters.tools` (a namespace's tools under flattened names, their calls answered under the namespace);
+every other tool type is hosted, left out and noted. `previous_response_id` (`resp_<turn id>`) names a
+committed turn of the same session: `load_history` fetches its canonical prompt + response from the broker and
+`with_history` prepends them (new instructions replace the old system message). Tool-call ids derive from the
+turn, so a follow-up's outputs find their call names. Replies stream live with the event sequence the `openai`
+SDK consumes. No I/O here but the broker lookup in `load_history`.
 """
 
 from __future__ import annotations
@@ -20,23 +22,28 @@ from typing import Any
 import orjson
 
 from broker.protocol import TurnFound
+from gateway_workers.adapters import request_fields
 from gateway_workers.adapters.common import (
     BlockEvent,
     arguments_json,
     bad,
     block_events,
-    canonical_tools,
     check_known,
     check_object,
     check_types,
     earlier_elements,
     flag,
     integer,
+    invalid_type,
+    missing,
     number,
     sse,
+    unsupported,
+    wrong_value,
 )
 from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the Responses API shares its error shape
 from gateway_workers.adapters.responses_items import canonical_messages, ends_model_turns
+from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet, custom_input
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
@@ -45,42 +52,19 @@ from gateway_workers.turns.live import LiveTurn
 from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnRequest, tool_call_id
 
 HISTORY_FIELD = "input"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
-_IGNORED = {
-    "model",
-    "metadata",
-    "store",
-    "user",
-    "service_tier",
-    "prompt_cache_key",
-    "safety_identifier",
-    "prompt_cache_retention",
-    "include",
-    "reasoning",
-    "truncation",
-    "stream_options",
-    "parallel_tool_calls",
-}
-_HANDLED = {
-    "input",
-    "instructions",
-    "tools",
-    "tool_choice",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "stream",
-    "previous_response_id",
-    "text",
-    "background",
-}
+_KNOWN = request_fields.known_fields("responses")
+_TOOL_IGNORED = request_fields.ignored_fields("responses", "tools[function]")
 _RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})")
 _TYPES = {"model": str, "metadata": dict, "store": bool, "user": str, "service_tier": str, "prompt_cache_key": str,
           "safety_identifier": str, "prompt_cache_retention": str, "include": list, "reasoning": dict,
-          "truncation": str, "stream_options": dict, "parallel_tool_calls": bool, "text": dict}
+          "truncation": str, "stream_options": dict, "parallel_tool_calls": bool, "text": dict,
+          "client_metadata": dict}
+
 
 @dataclass(frozen=True, slots=True)
 class ResponsesRequest:
-    """A validated Responses body; `items` are kept for `with_history` to canonicalize again."""
+    """A validated Responses body; `items` are kept for `with_history` to canonicalize again; `toolset` maps
+    calls back to the wire; `ignored`: the ignored fields it carried, by name."""
 
     turn: TurnRequest
     stream: bool
@@ -89,57 +73,127 @@ class ResponsesRequest:
     wire_tools: list[Any]
     previous_response_id: str | None = None
     previous_turn_id: str | None = None
+    toolset: ToolSet = NO_TOOLS
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def hosted(self) -> tuple[tuple[str, str], ...]:
+        return self.toolset.hosted
 
 
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    return canonical_tools(raw, "function", lambda t: (t.get("name"), t.get("description"), t.get("parameters")))
+def _tool(collector: ToolCollector, tool: Any, where: str, namespace: str | None = None) -> None:
+    if not isinstance(tool, dict):
+        raise invalid_type(where, "an object", tool, "tools")
+    kind = tool.get("type")
+    if kind == "function":
+        collector.notice(tool, _TOOL_IGNORED)
+        collector.function(tool.get("name"), tool.get("description"), tool.get("parameters"), where, namespace)
+    elif kind == "custom":
+        collector.notice(tool, _TOOL_IGNORED)
+        collector.custom_tool(tool.get("name"), tool.get("description"), tool.get("format"), where, namespace)
+    elif kind == "namespace" and namespace is None:
+        name, tools = tool.get("name"), tool.get("tools")
+        if not isinstance(name, str) or not name:
+            raise missing(f"{where}.name", "tools")
+        if not isinstance(tools, list):
+            raise missing(f"{where}.tools", "tools") if tools is None else invalid_type(
+                f"{where}.tools", "an array", tools, "tools")
+        for j, inner in enumerate(tools):
+            _tool(collector, inner, f"{where}.tools[{j}]", name)
+    elif not isinstance(kind, str):
+        raise missing(f"{where}.type", "tools") if kind is None else invalid_type(f"{where}.type", "a string", kind,
+                                                                                 "tools")
+    elif namespace is not None:
+        raise wrong_value(f"{where}.type", kind, ("function", "custom"), "tools")
+    elif request_fields.verdict("responses", f"tools[{kind}]") == "hosted":
+        collector.hosted_tool(where, kind)
+    else:
+        raise bad(f"{where}.type: unknown tool type {kind!r}", "tools", "invalid_value")
+
+
+def _tools(raw: Any) -> ToolSet:
+    if raw is None or raw == []:
+        return NO_TOOLS
+    if not isinstance(raw, list):
+        raise invalid_type("tools", "an array", raw)
+    collector = ToolCollector()
+    for i, tool in enumerate(raw):
+        _tool(collector, tool, f"tools[{i}]")
+    return collector.result()
+
+
+def _refuse_unserved(body: dict[str, Any]) -> None:
+    """The fields whose meaning this gateway cannot give (`request_fields`: refused), when they ask for it."""
+    for name, why in (("conversation", "server-held conversations are not served: use previous_response_id or "
+                       "send the input"), ("prompt", "stored prompt templates are not served")):
+        if body.get(name) is not None:
+            raise unsupported(name, why, value=False)
+    if flag(body, "background"):
+        raise unsupported("background", "responses are not served in the background")
+    if integer(body, "top_logprobs", 0):
+        raise unsupported("top_logprobs", "is not served: the sampled logprobs are recorded, not returned")
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", None):
+        if choice in ("none", "required") or isinstance(choice, dict):
+            raise unsupported("tool_choice", "other than 'auto' is not served: without constrained decoding the "
+                              "model's choice cannot be forced")
+        if not isinstance(choice, str):
+            raise invalid_type("tool_choice", "a string or an object", choice)
+        raise wrong_value("tool_choice", choice, ("auto", "none", "required"))
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise invalid_type("text.format", "an object", fmt, "text")
+        kind = fmt.get("type")
+        if kind in ("json_object", "json_schema"):
+            raise unsupported("text.format", f"{kind!r} needs constrained decoding, which is not served",
+                              param="text")
+        if kind != "text":
+            raise wrong_value("text.format.type", kind, ("text", "json_object", "json_schema"), "text")
 
 
 def parse_request(
     body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: ResponsesRequest | None = None
 ) -> ResponsesRequest:
     body = check_object(body)
-    check_known(body, _HANDLED, _IGNORED)
+    top_ignored = check_known(body, _KNOWN)
     check_types(body, _TYPES)
-    if flag(body, "background"):
-        raise bad("background responses are not supported", "background")
-    if body.get("tool_choice", "auto") not in ("auto", None):
-        raise bad("only tool_choice='auto' is supported", "tool_choice")
-    text = body.get("text")
-    if text is not None:
-        fmt = text.get("format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise bad("only text output is supported (no structured output formats)", "text")
+    _refuse_unserved(body)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise bad("'instructions' must be a string", "instructions")
+        raise invalid_type("instructions", "a string", instructions)
     previous = body.get("previous_response_id")
     previous_turn = None
     if previous is not None:
         match = _RESPONSE_ID.fullmatch(previous) if isinstance(previous, str) else None
         if match is None:
-            raise bad(f"previous_response_id {previous!r} is not a response of this session", "previous_response_id")
+            raise bad(f"previous_response_id {previous!r} is not a response of this session", "previous_response_id",
+                      "invalid_value")
         previous_turn = match.group(1)
     items = body.get("input")
     if type(items) is list:
         check_count(len(items), limits.max_messages, "input items", "input")
+    ignored: set[str] = set()
     # With previous_response_id, call outputs may answer that response's calls: checked once it is loaded.
     start = _earlier_items(earlier, items, instructions) if earlier is not None and previous_turn is None else 0
     if earlier is not None and start:
-        messages = [*earlier.turn.messages, *canonical_messages(items, {}, limits, start)]
+        messages = [*earlier.turn.messages, *canonical_messages(items, {}, limits, start, ignored)]
     else:
-        messages = canonical_messages(items, None if previous_turn is not None else {}, limits)
+        messages = canonical_messages(items, None if previous_turn is not None else {}, limits, 0, ignored)
         if instructions:
             messages.insert(0, {"role": "system", "content": instructions})
-    tools = _tools(body.get("tools"))
-    check_turn(tools, limits)
+    toolset = _tools(body.get("tools"))
+    check_turn(toolset.tools, limits)
     turn = TurnRequest(
         messages=messages,
-        tools=tools,
+        tools=toolset.tools,
         max_tokens=integer(body, "max_output_tokens", 1),
         temperature=number(body, "temperature", 0.0, 2.0),
         top_p=number(body, "top_p", 0.0, 1.0),
     )
+    if ignored or toolset.ignored:
+        top_ignored = (*top_ignored, *sorted(ignored | toolset.ignored))
     return ResponsesRequest(
         turn,
         flag(body, "stream"),
@@ -148,6 +202,8 @@ def parse_request(
         body.get("tools") or [],
         previous,
         previous_turn,
+        toolset,
+        top_ignored,
     )
 
 
@@ -192,7 +248,7 @@ def with_history(request: ResponsesRequest, found: TurnFound) -> ResponsesReques
 # --- replies -------------------------------------------------------------------------------------
 
 
-def _item(event: BlockEvent, turn_id: str, text: str, done: bool) -> dict[str, Any]:
+def _item(event: BlockEvent, turn_id: str, text: str, done: bool, toolset: ToolSet = NO_TOOLS) -> dict[str, Any]:
     status = "completed" if done else "in_progress"
     if event.kind == "reasoning":
         content = [{"type": "reasoning_text", "text": text}] if done else []
@@ -213,14 +269,18 @@ def _item(event: BlockEvent, turn_id: str, text: str, done: bool) -> dict[str, A
             "content": content,
         }
     assert event.call is not None
-    return {
-        "id": f"fc_{turn_id}_{event.index}",
-        "type": "function_call",
-        "call_id": tool_call_id("call_", turn_id, event.call_index),
-        "name": event.call["name"],
-        "arguments": arguments_json(event.call["arguments"]) if done else "",
-        "status": status,
-    }
+    namespace, name = toolset.wire_name(event.call["name"])
+    item = {"id": f"fc_{turn_id}_{event.index}", "type": "function_call",
+            "call_id": tool_call_id("call_", turn_id, event.call_index), "name": name}
+    if event.call["name"] in toolset.custom:
+        item["type"] = "custom_tool_call"
+        item["input"] = custom_input(event.call["arguments"]) if done else ""
+    else:
+        item["arguments"] = arguments_json(event.call["arguments"]) if done else ""
+        item["status"] = status
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def _output_text(text: str) -> dict[str, Any]:
@@ -280,19 +340,20 @@ def _status(turn: CapturedTurn) -> str:
     return "incomplete" if turn.finish_reason == "length" else "completed"
 
 
-def _output(parsed: ParsedResponse, turn_id: str) -> list[dict[str, Any]]:
+def _output(parsed: ParsedResponse, turn_id: str, toolset: ToolSet) -> list[dict[str, Any]]:
     output, calls = [], 0
     for index, delta in enumerate(reply_deltas(parsed)):
         event = BlockEvent("close", index, delta.kind, call=delta.call, call_index=calls)
         calls += delta.kind == "tool_call"
-        output.append(_item(event, turn_id, delta.text, done=True))
+        output.append(_item(event, turn_id, delta.text, True, toolset))
     return output
 
 
 def response_body(turn: CapturedTurn, request: ResponsesRequest, model: str) -> bytes:
     return orjson.dumps(
         _response(
-            request, turn.turn_id, model, turn.created, _output(turn.parsed, turn.turn_id), _status(turn), _usage(turn)
+            request, turn.turn_id, model, turn.created, _output(turn.parsed, turn.turn_id, request.toolset),
+            _status(turn), _usage(turn)
         )
     )
 
@@ -306,7 +367,7 @@ async def stream_events(live: LiveTurn, request: ResponsesRequest, model: str) -
         seq += 1
         return sse({"type": kind, "sequence_number": seq - 1, **fields}, kind)
 
-    turn_id = live.turn_id
+    turn_id, toolset = live.turn_id, request.toolset
     started = _response(request, turn_id, model, live.created, [], "in_progress", None)
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
@@ -314,11 +375,12 @@ async def stream_events(live: LiveTurn, request: ResponsesRequest, model: str) -
     text = ""
     try:
         async for block in block_events(live.deltas()):
-            ids = {"item_id": _item(block, turn_id, "", False)["id"], "output_index": block.index}
+            ids = {"item_id": _item(block, turn_id, "", False, toolset)["id"], "output_index": block.index}
             if block.action == "open":
                 text = ""
                 yield event(
-                    "response.output_item.added", output_index=block.index, item=_item(block, turn_id, "", False)
+                    "response.output_item.added", output_index=block.index,
+                    item=_item(block, turn_id, "", False, toolset),
                 )
                 if block.kind == "reasoning":
                     yield event(
@@ -331,9 +393,15 @@ async def stream_events(live: LiveTurn, request: ResponsesRequest, model: str) -
                     yield event("response.content_part.added", **ids, content_index=0, part=_output_text(""))
                 else:
                     assert block.call is not None
-                    args = arguments_json(block.call["arguments"])
-                    yield event("response.function_call_arguments.delta", **ids, delta=args)
-                    yield event("response.function_call_arguments.done", **ids, arguments=args, name=block.call["name"])
+                    if block.call["name"] in toolset.custom:
+                        given = custom_input(block.call["arguments"])
+                        yield event("response.custom_tool_call_input.delta", **ids, delta=given)
+                        yield event("response.custom_tool_call_input.done", **ids, input=given)
+                    else:
+                        args = arguments_json(block.call["arguments"])
+                        name = toolset.wire_name(block.call["name"])[1]
+                        yield event("response.function_call_arguments.delta", **ids, delta=args)
+                        yield event("response.function_call_arguments.done", **ids, arguments=args, name=name)
             elif block.action == "delta":
                 text += block.text
                 kind = "response.reasoning_text.delta" if block.kind == "reasoning" else "response.output_text.delta"
@@ -351,7 +419,7 @@ async def stream_events(live: LiveTurn, request: ResponsesRequest, model: str) -
                 elif block.kind == "content":
                     yield event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
                     yield event("response.content_part.done", **ids, content_index=0, part=_output_text(text))
-                item = _item(block, turn_id, text, True)
+                item = _item(block, turn_id, text, True, toolset)
                 output.append(item)
                 yield event("response.output_item.done", output_index=block.index, item=item)
     except ApiError as e:

@@ -1,36 +1,69 @@
 """Responses input items -> canonical messages: the fold of a model turn's items into one assistant message.
 
-`message` items map by role (developer -> system); a model turn's `reasoning`, assistant `message` and
-`function_call` items fold into one assistant message (reasoning, content, tool calls);
-`function_call_output` items become tool messages named after their call. Used by
-`openai_responses` for a request's input and for the history `previous_response_id` names.
-Pure translation; errors are 400s naming `input`.
+`message` items map by role (developer -> system); a model turn's `reasoning`, assistant `message`,
+`function_call` and `custom_tool_call` items fold into one assistant message (reasoning, content, tool calls;
+a namespaced call under its flattened name, a custom call with its input as the one argument, as
+`adapters.tools` declares them); `function_call_output` and `custom_tool_call_output` items become tool
+messages named after their call. Items of hosted tools, stored items and compactions are refused
+(`request_fields.RESPONSES`). Used by `openai_responses` for a request's input and for the history
+`previous_response_id` names. Pure translation; errors are 400s naming `input`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway_workers.adapters.common import OpenCalls, bad, parse_arguments
+from gateway_workers.adapters import request_fields
+from gateway_workers.adapters.common import (
+    OpenCalls,
+    bad,
+    bad_part,
+    invalid_type,
+    missing,
+    parse_arguments,
+    unsupported,
+    wrong_value,
+)
+from gateway_workers.adapters.tools import NAMESPACE_SEPARATOR, custom_arguments
 from gateway_workers.http.limits import RequestLimits, check_parts
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
-_TEXT_PARTS = {"input_text", "output_text", "text"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_CALLS = ("function_call", "custom_tool_call")
+_OUTPUTS = ("function_call_output", "custom_tool_call_output")
+# Ignored fields of the items a request adds, counted by their place's name.
+_ITEM_IGNORED = request_fields.ignored_fields("responses", "input[function_call]") | \
+    request_fields.ignored_fields("responses", "input[message]") | \
+    request_fields.ignored_fields("responses", "input[reasoning]")
+_PART_IGNORED = request_fields.ignored_fields("responses", "input[message].content[output_text]")
 
 
-def _text(content: Any, where: str, limits: RequestLimits | None) -> str:
+def _notice(item: dict[str, Any], ignored: set[str] | None, known: frozenset[str], label: str) -> None:
+    if ignored is not None:
+        for key in item:
+            if key in known:
+                ignored.add(f"{label}.{key}")
+
+
+def _text(content: Any, where: str, limits: RequestLimits | None, ignored: set[str] | None = None) -> str:
     if isinstance(content, str):
         return content
+    if content is None:
+        raise missing(f"{where}.content", "input")
     if not isinstance(content, list):
-        raise bad(f"{where}: content must be a string or a list of parts", "input")
+        raise invalid_type(f"{where}.content", "a string or an array of parts", content, "input")
     if limits is not None:
         check_parts(content, limits, "input")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
         if type(kind) is not str or kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad(f"{where}: content part of type {kind!r} is not supported (text only)", "input")
+            raise bad_part(part, where, "input", _TEXT_PARTS)
+        if len(part) > 2:
+            _notice(part, ignored, _PART_IGNORED, "input.content")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -38,12 +71,12 @@ def _text(content: Any, where: str, limits: RequestLimits | None) -> str:
 def _reasoning_text(item: dict[str, Any], where: str, limits: RequestLimits | None) -> str:
     parts = item.get("content") or item.get("summary") or []
     if not isinstance(parts, list):
-        raise bad(f"{where}: reasoning content must be a list", "input")
+        raise invalid_type(f"{where}.content", "an array", parts, "input")
     if limits is not None:
         check_parts(parts, limits, "input")
     texts = [p.get("text") if isinstance(p, dict) else None for p in parts]
     if not all(isinstance(t, str) for t in texts):
-        raise bad(f"{where}: reasoning parts need a string 'text'", "input")
+        raise bad(f"{where}: reasoning parts need a string 'text'", "input", "invalid_type")
     return "".join(t for t in texts if t)
 
 
@@ -51,11 +84,39 @@ def ends_model_turns(item: Any) -> bool:
     """Whether no model turn is left open after `item` (a call output or a message not from the assistant), so
     the items that follow it convert as they would on their own (`canonical_messages`' `start`)."""
     kind = item.get("type", "message") if type(item) is dict else None
-    return kind == "function_call_output" or (kind == "message" and item.get("role") != "assistant")
+    return kind in _OUTPUTS or (kind == "message" and item.get("role") != "assistant")
+
+
+def _call(item: dict[str, Any], kind: str, where: str, limits: RequestLimits | None) -> tuple[str, str, Any]:
+    """(call id, canonical name, canonical arguments) of an echoed call item."""
+    name, call_id, namespace = item.get("name"), item.get("call_id"), item.get("namespace")
+    if not isinstance(name, str) or not name or not isinstance(call_id, str) or not call_id:
+        raise bad(f"{where}: a {kind} needs a name and a call_id", "input", "missing_required_parameter")
+    if namespace is not None:
+        if not isinstance(namespace, str) or not namespace:
+            raise invalid_type(f"{where}.namespace", "a non-empty string", namespace, "input")
+        name = f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+    if kind == "custom_tool_call":
+        return call_id, name, custom_arguments(item.get("input"), where, "input")
+    arguments = item.get("arguments")
+    if not isinstance(arguments, str):
+        raise missing(f"{where}.arguments", "input") if arguments is None else invalid_type(
+            f"{where}.arguments", "a string (of JSON)", arguments, "input")
+    return call_id, name, parse_arguments(arguments, limits, "input")
+
+
+def _refused_item(kind: Any, where: str) -> Exception:
+    if not isinstance(kind, str):
+        return invalid_type(f"{where}.type", "a string", kind, "input")
+    rule = request_fields.rule_for("responses", f"input[{kind}]") if isinstance(kind, str) else None
+    if rule is not None and rule.verdict == "refused":
+        return unsupported(where, f"is an item of type {kind!r}, which is not served: {rule.note}", param="input")
+    return bad(f"{where}: unknown item type {kind!r}", "input", "invalid_value")
 
 
 def canonical_messages(
-    items: Any, earlier_calls: dict[str, str] | None, limits: RequestLimits | None, start: int = 0
+    items: Any, earlier_calls: dict[str, str] | None, limits: RequestLimits | None, start: int = 0,
+    ignored: set[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Input items -> canonical messages, each call output answering a call by its id.
 
@@ -64,12 +125,18 @@ def canonical_messages(
     call that knows it: `openai_responses.with_history`). `limits` bounds parts and argument nesting
     (None: the items were checked when the request was first parsed). `start`: only the items from there
     on, those before having converted already and left no call open and no model turn (`ends_model_turns`).
+    `ignored` collects the ignored fields the items carry, by name (None: not counted).
     """
     pending: OpenCalls = dict(earlier_calls or {})
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise bad("'input' must be a string or a non-empty list of items", "input")
+        if items is None:
+            raise missing("input")
+        if isinstance(items, list):
+            raise bad("Invalid 'input': empty array. Expected an array with minimum length 1, but got an empty "
+                      "array instead.", "input", "empty_array")
+        raise invalid_type("input", "a string or an array of items", items)
     out: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the model turn being folded together
 
@@ -83,11 +150,17 @@ def canonical_messages(
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
-            role = item.get("role")
-            role = _ROLES.get(role) if type(role) is str else None
+            given = item.get("role")
+            role = _ROLES.get(given) if type(given) is str else None
             if role is None:
-                raise bad(f"{where}: unknown role {item.get('role')!r}", "input")
-            text = _text(item.get("content"), where, limits)
+                if given is None:
+                    raise missing(f"{where}.role", "input")
+                if not isinstance(given, str):
+                    raise invalid_type(f"{where}.role", "a string", given, "input")
+                raise wrong_value(f"{where}.role", given, tuple(_ROLES), "input")
+            text = _text(item.get("content"), where, limits, ignored)
+            if len(item) > 3:
+                _notice(item, ignored, _ITEM_IGNORED, "input")
             if role != "assistant":
                 flush()
                 out.append({"role": role, "content": text})
@@ -98,45 +171,37 @@ def canonical_messages(
             turn["content"] += text
         elif kind == "reasoning":
             text = _reasoning_text(item, where, limits)
+            _notice(item, ignored, _ITEM_IGNORED, "input")
             if turn is not None and (turn["content"] or turn.get("tool_calls")):
                 flush()  # reasoning opens a new model turn
             turn = turn or {"role": "assistant", "content": ""}
             if text:
                 turn["reasoning"] = turn.get("reasoning", "") + text
-        elif kind == "function_call":
-            name, call_id = item.get("name"), item.get("call_id")
-            if not isinstance(name, str) or not name or not isinstance(call_id, str) or not call_id:
-                raise bad(f"{where}: a function_call needs a name and a call_id", "input",
-                          code="missing_required_parameter")
+        elif kind in _CALLS:
+            call_id, name, arguments = _call(item, kind, where, limits)
             if call_id in pending:
-                raise bad(f"{where}: duplicate function_call call_id {call_id!r}", "input")
+                raise bad(f"{where}: duplicate {kind} call_id {call_id!r}", "input")
             pending[call_id] = name
-            arguments = item.get("arguments")
-            if not isinstance(arguments, str):
-                raise bad(f"{where}: a function_call's arguments must be a string (of JSON)", "input",
-                          code="missing_required_parameter" if arguments is None else "invalid_request")
+            _notice(item, ignored, _ITEM_IGNORED, "input")
             turn = turn or {"role": "assistant", "content": ""}
-            call = {"name": name, "arguments": parse_arguments(arguments, limits, "input")}
-            turn.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+            turn.setdefault("tool_calls", []).append({"name": name, "arguments": arguments})
+        elif kind in _OUTPUTS:
             flush()
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
-                raise bad(f"{where}: a function_call_output needs a call_id", "input",
-                          code="missing_required_parameter")
-            message = {"role": "tool", "content": _text(item.get("output", ""), where, limits)}
+                raise missing(f"{where}.call_id", "input")
+            message = {"role": "tool", "content": _text(item.get("output", ""), f"{where}.output", limits, ignored)}
             answered = pending.pop(call_id, None)
             if answered is not None:
                 message["name"] = answered
             elif earlier_calls is not None:
-                raise bad(f"{where}: no tool call found for function call output with call_id {call_id}", "input")
+                raise bad(f"{where}: no tool call found for {kind} with call_id {call_id}", "input")
+            _notice(item, ignored, _ITEM_IGNORED, "input")
             out.append(message)
+        elif not isinstance(item, dict):
+            raise invalid_type(where, "an object", item, "input")
         else:
-            raise bad(
-                f"{where}: item type {kind!r} is not supported (message, reasoning, function_call, "
-                "function_call_output)",
-                "input",
-            )
+            raise _refused_item(kind, where)
     flush()
     if earlier_calls is not None and pending:
         raise bad(f"no tool output found for function call {', '.join(pending)}", "input")

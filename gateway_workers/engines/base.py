@@ -69,6 +69,9 @@ class SamplingParams:
     top_k: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 Matched against sgl-project/sglang (v0.4-v0.5) `managers/io_struct.py` (GenerateReqInput,
 AbortReq), `sampling/sampling_params.py`, `managers/tokenizer_manager.py` (meta_info) and
 `entrypoints/http_server.py`, plus docs.sglang.io. Request: {input_ids, sampling_params
-{max_new_tokens, temperature, top_p, top_k, stop, sampling_seed}, return_logprob: true,
+{max_new_tokens, temperature, top_p, top_k, stop, sampling_seed, frequency_penalty, presence_penalty,
+logit_bias (token id strings -> bias)}, return_logprob: true,
 logprob_start_len: -1, rid, stream: false}. Response: {output_ids (recent), meta_info
 {finish_reason {type: stop|length|abort}, output_token_logprobs [[logprob, id, text]]}}.
 Streaming (`stream: true`): SSE `data: {output_ids, meta_info}` per step, then `data: [DONE]`;
@@ -149,6 +150,12 @@ def sampling_body(params: SamplingParams) -> dict[str, Any]:
         body["top_k"] = params.top_k
     if params.seed is not None:
         body["sampling_seed"] = params.seed
+    if params.frequency_penalty is not None:
+        body["frequency_penalty"] = params.frequency_penalty
+    if params.presence_penalty is not None:
+        body["presence_penalty"] = params.presence_penalty
+    if params.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
     if params.stop:
         body["stop"] = list(params.stop)
     return body

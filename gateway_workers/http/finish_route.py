@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import orjson
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from broker.protocol import session_tag
 from gateway_workers.adapters import openai_chat
 from gateway_workers.capture.backplane import BrokerUnavailable, TurnRefused
+from gateway_workers.http import access_log
 from gateway_workers.http.connection import session_key
 from gateway_workers.http.errors import ApiError, broker_unavailable
 from gateway_workers.http.limits import read_body
@@ -46,12 +48,13 @@ _REFUSALS = {
 }
 
 
-def _error(error: ApiError, metrics: WorkerMetrics) -> Response:
-    metrics.count("http_errors", ("finish", str(error.status)))
+def _error(error: ApiError, metrics: WorkerMetrics, started: float, sid: str | None = None) -> Response:
+    metrics.count("http_errors", ("finish", str(error.status), error.code or error.kind))
     if error.status >= 500:
         logger.error("agent finish failed with %d: %s", error.status, error.message)
-    body = orjson.dumps(openai_chat.error_body(error))
-    return Response(body, status_code=error.status, media_type="application/json", headers=error.headers)
+    body = openai_chat.error_body(error)
+    access_log.refused("POST", FINISH_PATH, error, body["error"]["type"], started, sid)
+    return Response(orjson.dumps(body), status_code=error.status, media_type="application/json", headers=error.headers)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -91,6 +94,7 @@ async def finish_session(request: Request) -> Response:
     """Finish the caller's session with its reward; the episode goes to the trainer's episode stream."""
     state = request.state
     metrics: WorkerMetrics = state.metrics
+    started = time.perf_counter()
     if not state.config.allow_agent_finish:
         return _error(
             ApiError(
@@ -100,15 +104,17 @@ async def finish_session(request: Request) -> Response:
                 "start it with --allow-agent-finish to enable it",
             ),
             metrics,
+            started,
         )
     sid = session_key(request.headers)
     if sid is None:
-        return _error(ApiError(401, "authentication", "missing API key (the session key)", "invalid_api_key"), metrics)
+        return _error(ApiError(401, "authentication", "missing API key (the session key)", "invalid_api_key"), metrics,
+                      started)
     try:
         body = await read_body(request.headers.get("content-length"), request.receive, state.config.limits)
         reward, rollout_id, metadata = parse_finish_body(body)
     except ApiError as e:
-        return _error(e, metrics)
+        return _error(e, metrics, started, sid)
     try:
         await state.pipeline.backplane.request_finish(sid, reward, rollout_id, metadata, AGENT_FINISH_WAIT_S)
     except TurnRefused as e:
@@ -117,9 +123,10 @@ async def finish_session(request: Request) -> Response:
         if status == 410:
             message = f"{e.message}; a session finishes once, and its episode went to that finish"
         headers = {"retry-after": str(BUSY_RETRY_AFTER_S)} if status == 503 else None
-        return _error(ApiError(status, kind, message, code, headers=headers), metrics)
+        return _error(ApiError(status, kind, message, code, headers=headers), metrics, started, sid)
     except BrokerUnavailable as e:
         logger.error("agent finish of session %s: %s", session_tag(sid), e)
-        return _error(broker_unavailable(), metrics)
+        return _error(broker_unavailable(), metrics, started, sid)
     metrics.count("agent_finishes")
+    access_log.served("POST", FINISH_PATH, 200, started, sid)
     return JSONResponse({"object": "rollout.session.finish", "status": "accepted"})

@@ -9,7 +9,8 @@ each piece's ids come from a bounded per-process LRU cache (`pieces`); new piece
 by a tiktoken twin of the tokenizer where one exists (`twins.bpe`). Known templates render
 through their plain-Python twin (`twins.native_templates`). Both are `twins.checks.Twin`s,
 checked against the original (Jinja, the `tokenizers` encode) on a sample of live renders.
-Messages are checked and shaped for the template by `messages`. `Renderer.render` is safe to
+Messages are checked and shaped for the template by `messages`; system messages it cannot render where they
+stand are folded (`system_messages`). `Renderer.render` is safe to
 call from any thread; the app runs long renders on the renderer's own thread (`Renderer.thread`),
 which keeps a tiktoken encoding of its own. Under a context budget, a prompt proven longer stops being
 tokenized at the proof (`budget`). Must not import the app, adapters, engines or the backplane.
@@ -31,6 +32,7 @@ from gateway_workers.rendering.budget import PromptOverBudget, token_bound
 from gateway_workers.rendering.messages import RenderError, check_tools, template_messages
 from gateway_workers.rendering.pieces import DEFAULT_CACHE_BYTES, Pieces, SegmentCache, nested, special_splitter
 from gateway_workers.rendering.session_renders import LastRender, SessionRenders, shared_prefix
+from gateway_workers.rendering.system_messages import NATIVE, SystemPlacement, fold, probe
 from gateway_workers.rendering.twins.bpe import BpeTwin, TableDecoder, token_decoder
 from gateway_workers.rendering.twins.bpe import bpe_twin as _bpe_twin
 from gateway_workers.rendering.twins.checks import Twin, checked_use
@@ -123,6 +125,15 @@ class Renderer:
             )
         except jinja2.TemplateSyntaxError as e:
             raise TemplateConfigError(f"chat template syntax error: {e}") from e
+        def render_chat(chat: list[dict[str, Any]]) -> str:
+            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                                 **self._template_kwargs)
+            return text if isinstance(text, str) else ""
+
+        self.system_placement: SystemPlacement = probe(render_chat)
+        if self.system_placement != NATIVE:
+            logger.info("the chat template cannot render every system message where it stands (%s): such "
+                        "messages are folded (`rendering.system_messages`)", self.system_placement)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -212,6 +223,8 @@ class Renderer:
         measures where a message's rendering ends.
         """
         chat = template_messages(messages)
+        if self.system_placement is not NATIVE:
+            chat = fold(chat, self.system_placement)
         tool_list = check_tools(tools)
         kwargs = {**self._template_kwargs, **(template_kwargs or {})}
         twin = self.template_twin

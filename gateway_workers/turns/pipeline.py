@@ -98,6 +98,9 @@ class TurnRequest:
     top_k: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias, in the served model's vocabulary
 
 
 @dataclass(slots=True)
@@ -464,5 +467,8 @@ class TurnPipeline:
             top_k=pick("top_k", request.top_k),
             stop=tuple(stop),
             seed=pick("seed", request.seed),
+            frequency_penalty=pick("frequency_penalty", request.frequency_penalty),
+            presence_penalty=pick("presence_penalty", request.presence_penalty),
+            logit_bias=request.logit_bias,
         )
         return params, over_budget

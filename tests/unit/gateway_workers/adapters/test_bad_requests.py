@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
-from bad_requests import CORPUS, GOOD, LIMITS, BadRequest, mismatch
+from bad_requests import ACCEPTED, CORPUS, GOOD, LIMITS, BadRequest, mismatch
 
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
 from gateway_workers.http import limits
@@ -56,6 +56,17 @@ def test_the_good_bodies_the_entries_start_from_are_accepted(dialect):
     for body in GOOD[dialect]:
         request = ADAPTERS[dialect].parse_request(body, LIMITS)
         assert request.turn.messages and template_messages(request.turn.messages)
+
+
+@pytest.mark.parametrize("dialect", list(ACCEPTED))
+def test_what_the_real_apis_accept_is_accepted(dialect):
+    """Bodies this corpus once refused: parsed, rendered, and anything hosted noted rather than refused."""
+    for body in ACCEPTED[dialect]:
+        request = ADAPTERS[dialect].parse_request(body, LIMITS)
+        assert request.turn.messages and template_messages(request.turn.messages)
+        hosted = [tool for tool in body.get("tools", []) if tool.get("type", "custom") not in ("function", "custom",
+                                                                                               "namespace")]
+        assert len(request.hosted) == len(hosted) + ("web_search_options" in body), body
 
 
 @pytest.mark.parametrize("entry", CORPUS, ids=lambda entry: entry.name)

@@ -41,7 +41,8 @@ def _outcome(dialect: str, body: Any, earlier: Any = None) -> tuple[Any, ...]:
         request = ADAPTERS[dialect].parse_request(body, LIMITS, earlier)
     except ApiError as e:
         return ("refused", e.status, e.kind, e.message, e.param, e.code)
-    kept = {k: v for k, v in _fields(request).items() if k != "turn"}
+    # `ignored` names what the request adds to its predecessor (what is counted), so it differs by design
+    kept = {k: v for k, v in _fields(request).items() if k not in ("turn", "ignored")}
     return ("parsed", request.turn, kept)
 
 

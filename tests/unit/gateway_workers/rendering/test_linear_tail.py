@@ -547,14 +547,16 @@ def test_harmony_final_answers_stopped_and_cut():
 
 
 def test_refusals():
-    qwen3, glm, deepseek = make_kit("qwen3"), make_kit("glm4moe"), make_kit("deepseek_r1_distill")
+    qwen3, glm, muse = make_kit("qwen3"), make_kit("glm4moe"), make_kit("muse_glimmer")
     user = HI
     reply = {"role": "assistant", "content": "Hello."}
     assert tail(qwen3, reply, "Hello.<|im_end|>", []).reason == "no_new_messages"
     assert tail(qwen3, {"role": "user", "content": "x"}, "x", user).reason == "not_a_reply"
     assert tail(qwen3, reply, "Hello.<|im_end|>", [{"role": "robot", "content": "x"}]).reason == "render_refused"
-    # DeepSeek's template moves every system message to the top: a new one cannot be a tail
-    got = tail(deepseek, reply, "Hi\n</think>\n\nHello.<｜end▁of▁sentence｜>", [{"role": "system", "content": "New."}])
+    # Muse Glimmer's template writes a default system header only while no system message exists: a new one
+    # rewrites the head, so it cannot be a tail
+    got = tail(muse, reply, " to=user<|message|>Hello.<|eot|>", [{"role": "system", "content": "New."}],
+               with_tools=False)
     assert got.reason == "head_rerendered"
     # a stop token the template never writes after a reply
     got = tail(qwen3, {**reply, "reasoning": "r"}, "<think>\nr\n</think>\n\nHello.<|endoftext|>", user)
