@@ -8,10 +8,17 @@ tests sharing the process do not collide, and to a number of requests) and `GET 
 with the fault that struck it or None, aborts, disconnects, finished streams). `stream: true` streams one token per
 step as SSE: vLLM's new-ids chunks + usage + [DONE], SGLang's cumulative events + [DONE].
 Policy: tools declared and fewer than `tool_rounds` tool responses since the last user turn ->
-`<think>..</think>` + one or two Qwen3 `<tool_call>`s with arguments from the prompt; else a final
-answer; always `<|im_end|>`. `--format NAME` swaps in another family's writer from
+`<think>..</think>` + one or two Qwen3 `<tool_call>`s; else a final answer; always `<|im_end|>`.
+A call's arguments are valid for its tool's JSON schema (`_arguments`): the `required` properties only,
+strings "<first 3 words of the query> #n" (enum/const/format/length honoured), numbers n+len(query) within
+their bounds, booleans false, arrays of one item, objects recursed into; $ref/anyOf/oneOf/allOf resolved.
+`POST /_fake/config {"policy": {...}}` steers the Qwen3 policy (see `Policy`, scoped and counted like a
+`Fault` but separately from it): `prefer_tools` (call the first of these the prompt declares, one call per
+reply), `arguments` (tool name -> values merged over the generated ones), `think` (false: no `<think>` block;
+`--no-think` makes that the process default). `--format NAME` swaps in another family's writer from
 tests/fake_formats.py (GLM, harmony, Llama, Qwen3.5 XML, ...): same policy, that family's syntax
-and stop token. Ids and logprobs (k/1024: exact in float32) depend only on the prompt.
+and stop token (it ignores `Policy` and `--no-think`, and fills every property as before).
+Ids and logprobs (k/1024: exact in float32) depend only on the prompt (and the `Policy` in force).
 Depends on starlette, uvicorn and `tokenizers` only, never on the code under test.
 """
 
@@ -29,9 +36,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
+from fake_arguments import arguments as _arguments  # a sibling module: stdlib only
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -96,6 +104,35 @@ class Fault:
         return self.answer
 
 
+@dataclass
+class Policy:
+    """Test controls of the Qwen3 policy (`reply`); `key` and `times` work as in `Fault`, in their own list.
+
+    `times` counts down on every reply the policy generates for the key (not on requests a status, hang or
+    `text` fault answers). `--format` writers ignore it.
+    """
+
+    key: str | None = None
+    times: int | None = None
+    # Tool-call replies call the first tool of this list that the prompt declares (one call per reply, not the
+    # digest's one or two); when it declares none of them, the digest picks as usual.
+    prefer_tools: list[str] | None = None
+    # tool name -> argument values merged over the generated ones (top-level keys replace), e.g.
+    # {"Bash": {"command": "echo alpha"}}: the harness runs a known command whose output a test can look for.
+    arguments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    think: bool | None = None  # False: no `<think>..</think>` block (calls and answers); None: the process default
+
+    def __post_init__(self) -> None:
+        if self.prefer_tools is not None and not (
+            isinstance(self.prefer_tools, list) and all(isinstance(t, str) for t in self.prefer_tools)
+        ):
+            raise ValueError(f"prefer_tools must be a list of tool names, got {self.prefer_tools!r}")
+        if not isinstance(self.arguments, dict) or not all(isinstance(a, dict) for a in self.arguments.values()):
+            raise ValueError(f"arguments must map tool names to objects, got {self.arguments!r}")
+        if self.think is not None and not isinstance(self.think, bool):
+            raise ValueError(f"think must be a boolean, got {self.think!r}")
+
+
 class InjectedDrop(Exception):
     """Raised inside a response so uvicorn drops the connection (its log of it is filtered out)."""
 
@@ -119,6 +156,8 @@ class State:
     format: str | None = None  # a tests/fake_formats.py writer; None: the Qwen3 policy below
     weight_version: str = "default"  # what SGLang reports in meta_info (its --weight-version; set by /_fake/config)
     healthy: bool = True  # GET /health answers 200, else 503 (set by /_fake/config)
+    policies: list[Policy] = field(default_factory=list)
+    think: bool = True  # the Qwen3 policy's replies open with a <think> block (`--no-think`: False)
 
 
 def _routing_key(request: Request) -> str | None:
@@ -128,16 +167,29 @@ def _routing_key(request: Request) -> str | None:
     return None
 
 
+_Entry = TypeVar("_Entry", Fault, Policy)
+
+
+def _entry_for(entries: list[_Entry], key: str | None) -> _Entry | None:
+    """The entry scoped to `key` (else the unscoped one), counted down; None once its `times` ran out."""
+    scoped = [e for e in entries if e.key is not None and e.key == key]
+    for entry in scoped or [e for e in entries if e.key is None]:
+        if entry.times is None:
+            return entry
+        if entry.times > 0:
+            entry.times -= 1
+            return entry
+    return None
+
+
 def _fault_for(state: State, key: str | None) -> Fault:
     """The entry for this request (counted down), or a plain Fault() once its `times` ran out."""
-    scoped = [f for f in state.faults if f.key is not None and f.key == key]
-    for fault in scoped or [f for f in state.faults if f.key is None]:
-        if fault.times is None:
-            return fault
-        if fault.times > 0:
-            fault.times -= 1
-            return fault
-    return Fault()
+    return _entry_for(state.faults, key) or Fault()
+
+
+def _policy_for(state: State, key: str | None) -> Policy:
+    """The Policy for a reply to this routing key (counted down), or a plain Policy()."""
+    return _entry_for(state.policies, key) or Policy()
 
 
 # --- the policy -------------------------------------------------------------------------------
@@ -148,8 +200,11 @@ def _cut(ids: list[int], max_tokens: int) -> tuple[list[int], str]:
     return (ids[:max_tokens], "length") if len(ids) > max_tokens else (ids, "stop")
 
 
-def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float], str]:
-    """(output ids, logprobs, finish 'stop'|'length') for a prompt; deterministic."""
+def reply(
+    state: State, prompt_ids: list[int], max_tokens: int, policy: Policy | None = None
+) -> tuple[list[int], list[float], str]:
+    """(output ids, logprobs, finish 'stop'|'length') for a prompt (under `policy`'s controls); deterministic."""
+    policy = policy or Policy()
     digest = hashlib.sha256(json.dumps(prompt_ids).encode()).digest()
     rng = random.Random(digest)
     text = state.tokenizer.decode(prompt_ids, skip_special_tokens=False)
@@ -160,12 +215,18 @@ def reply(state: State, prompt_ids: list[int], max_tokens: int) -> tuple[list[in
     tail = text[last_user:] if last_user >= 0 else text
     answered = tail.count("<tool_response>")
     thought = f"<think>\nStep {answered + 1}: I look at the {rng.choice(_WORDS)} case.\n</think>\n\n"
+    if not (state.think if policy.think is None else policy.think):
+        thought = ""  # after the rng draw above, so the rest of the reply stays the same
     if tools and answered < state.tool_rounds:
         query = _first_words(tail)
         calls = []
-        for n in range(1 + digest[0] % 2):  # one or two parallel calls
-            tool = tools[(digest[1] + n) % len(tools)]
-            calls.append({"name": tool["name"], "arguments": _arguments(tool, query, n)})
+        picked = [tools[(digest[1] + n) % len(tools)] for n in range(1 + digest[0] % 2)]  # one or two in parallel
+        preferred = _preferred(tools, policy.prefer_tools or [])
+        if preferred is not None:
+            picked = [preferred]
+        for n, tool in enumerate(picked):
+            arguments = {**_arguments(tool, query, n), **policy.arguments.get(tool["name"], {})}
+            calls.append({"name": tool["name"], "arguments": arguments})
         body = "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
         out = thought + body
     else:
@@ -183,8 +244,12 @@ def text_reply(state: State, text: str, max_tokens: int) -> tuple[list[int], lis
     return ids, [-1.0 - (token % 64) / 64 for token in ids], finish
 
 
-def _sampled(state: State, prompt: list[int], max_tokens: int, fault: Fault) -> tuple[list[int], list[float], str]:
-    return reply(state, prompt, max_tokens) if fault.text is None else text_reply(state, fault.text, max_tokens)
+def _sampled(
+    state: State, prompt: list[int], max_tokens: int, fault: Fault, key: str | None
+) -> tuple[list[int], list[float], str]:
+    if fault.text is not None:
+        return text_reply(state, fault.text, max_tokens)
+    return reply(state, prompt, max_tokens, None if state.format is not None else _policy_for(state, key))
 
 
 def _format_reply(state: State, text: str, rng: random.Random, digest: bytes,
@@ -202,6 +267,7 @@ def _format_reply(state: State, text: str, rng: random.Random, digest: bytes,
 
 
 def _tools(text: str) -> list[dict[str, Any]]:
+    """The declared tools, in order: {"name", "parameters": its whole JSON schema ({} if it has none)}."""
     match = _TOOLS_BLOCK.search(text)
     if match is None:
         return []
@@ -212,9 +278,15 @@ def _tools(text: str) -> list[dict[str, Any]]:
         except ValueError:
             continue
         fn = spec.get("function", spec)
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        tools.append({"name": fn["name"], "properties": props})
+        params = fn.get("parameters")
+        tools.append({"name": fn["name"], "parameters": params if isinstance(params, dict) else {}})
     return tools
+
+
+def _preferred(tools: list[dict[str, Any]], names: list[str]) -> dict[str, Any] | None:
+    """The declared tool named first in `names`, if the prompt declares any of them."""
+    declared = {tool["name"]: tool for tool in reversed(tools)}  # a name declared twice: its first declaration
+    return next((declared[name] for name in names if name in declared), None)
 
 
 def _last_user_turn(text: str) -> int:
@@ -229,14 +301,6 @@ def _last_user_turn(text: str) -> int:
 def _first_words(tail: str) -> str:
     body = tail[len(_USER_TURN) :].split("<|im_end|>", 1)[0]
     return " ".join(body.split()[:3]) or "empty"
-
-
-def _arguments(tool: dict[str, Any], query: str, n: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, schema in tool["properties"].items():
-        kind = schema.get("type") if isinstance(schema, dict) else None
-        out[name] = n + len(query) if kind in ("integer", "number") else f"{query} #{n}"
-    return out or {"query": f"{query} #{n}"}
 
 
 # --- HTTP ----------------------------------------------------------------------------------------
@@ -285,7 +349,7 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     if fault.answer == "garbage" and (not body.get("stream") or fault.answer_after == 0):
         return Response(GARBAGE, media_type="text/html")
     if (body.get("stream") or fault.answer == "sse") and fault.answer != "json":
-        ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault)
+        ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault, key)
         return SseReply(state, api, rid, key, body, prompt, (ids, logprobs, finish), fault)
     state.running[rid] = asyncio.Event()
     try:
@@ -295,7 +359,7 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     if outcome == "disconnect":
         state.disconnects.append({"api": api, "rid": rid, "key": key})
         return Response(status_code=499)
-    ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault)
+    ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault, key)
     if outcome == "abort":
         ids, logprobs, finish = [], [], "abort"
     elif fault.answer == "aborted":
@@ -521,6 +585,7 @@ def build_app(state: State) -> Starlette:
             state.aborts.clear()
             state.disconnects.clear()
             state.streamed.clear()
+            state.policies.clear()
         if "tool_rounds" in body:
             state.tool_rounds = int(body["tool_rounds"])
         if "weight_version" in body:
@@ -530,6 +595,9 @@ def build_app(state: State) -> Starlette:
         if "fault" in body:
             fault = Fault(**body["fault"])
             state.faults[:] = [f for f in state.faults if f.key != fault.key] + [fault]
+        if "policy" in body:
+            policy = Policy(**body["policy"])
+            state.policies[:] = [p for p in state.policies if p.key != policy.key] + [policy]
         return JSONResponse({"ok": True})
 
     async def log(request: Request) -> Response:
@@ -568,7 +636,9 @@ async def _serve(args: argparse.Namespace) -> None:
     eos_id = tokenizer.token_to_id(eos)
     if eos_id is None:
         sys.exit(f"fake engine: the tokenizer has no {eos} token")
-    state = State(tokenizer=tokenizer, eos_id=eos_id, tool_rounds=args.tool_rounds, format=args.format)
+    state = State(
+        tokenizer=tokenizer, eos_id=eos_id, tool_rounds=args.tool_rounds, format=args.format, think=not args.no_think
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
@@ -593,6 +663,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
     parser.add_argument("--tool-rounds", type=int, default=2, help="tool-call replies before a final answer")
     parser.add_argument("--format", default=None, help="reply in this tests/fake_formats.py writer's family syntax")
+    parser.add_argument("--no-think", action="store_true", help="Qwen3 policy: no <think> block unless a Policy asks")
     asyncio.run(_serve(parser.parse_args()))
 
 

@@ -36,6 +36,7 @@ ENGINE_TIMEOUT_S = 1.5
 SDK_TIMEOUT_S = 30.0  # the agents' own bound, far above the gateway's
 LOAD_AGENTS = 2
 LOAD_JOIN_S = 60.0
+ACCESS_LOGGER = "rollout_gateway.access"  # the one line per failed request, beside the cause
 LOG_WAIT_S = 10.0
 MID = 6  # mid-stream faults strike after this many tokens: the agent has had deltas by then
 TOKEN_DELAY_S = 0.02  # mid-stream: the engine is still generating when the fault strikes
@@ -207,7 +208,8 @@ def _assert_healthy(gateway: Any) -> None:
 
 @contextmanager
 def _logged_once_per_fault(gateway: Any, fake_engine: FakeEngine, sid: str, faults: int) -> Iterator[None]:
-    """The block's engine faults logged once each: one line naming the engine and the session by its tag.
+    """The block's engine faults logged once each: one line naming the engine and the session by its tag (the
+    cause), and the failed request's one access line, which names the session by its tag too.
 
     Around the whole test: any line naming the engine that the block added is counted, so a second line for
     the same failure (written right after the first, well before the block's last checks) is caught too.
@@ -215,13 +217,18 @@ def _logged_once_per_fault(gateway: Any, fake_engine: FakeEngine, sid: str, faul
     tag = session_tag(sid)
 
     def engine_lines() -> list[str]:
-        return [line for line in list(gateway.output) if fake_engine.url in line]
+        return [line for line in list(gateway.output) if fake_engine.url in line and ACCESS_LOGGER not in line]
 
-    earlier = len(engine_lines())  # a few per test: far below the output's bound of kept lines
+    def access_lines() -> list[str]:
+        return [line for line in list(gateway.output) if ACCESS_LOGGER in line and tag in line]
+
+    earlier, earlier_access = len(engine_lines()), len(access_lines())  # far below the output's bound of kept lines
     yield
     assert wait_until(lambda: len(engine_lines()) - earlier >= faults, LOG_WAIT_S), engine_lines()[earlier:]
     added = engine_lines()[earlier:]
     assert len(added) == faults and all(tag in line for line in added), added
+    assert wait_until(lambda: len(access_lines()) - earlier_access >= faults, LOG_WAIT_S)
+    assert len(access_lines()) - earlier_access == faults, access_lines()[earlier_access:]
     assert not [line for line in list(gateway.output) if sid in line]  # the key itself is never logged
 
 

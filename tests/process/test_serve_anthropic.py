@@ -93,14 +93,14 @@ GOOD = {"model": "qwen3", "max_tokens": 64, "messages": [{"role": "user", "conte
         b"{not json",
         {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
         {**GOOD, "messages": []},
-        {**GOOD, "messages": [{"role": "system", "content": "x"}]},
+        {**GOOD, "messages": [{"role": "tool", "content": "x"}]},
         {**GOOD, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
         {**GOOD, "tool_choice": {"type": "any"}},
-        {**GOOD, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]},  # an OpenAI-shaped tool
         {**GOOD, "temperature": 1.5},
         {**GOOD, "output_format": {"type": "json_schema"}},
     ],
-    ids=["json", "max_tokens", "empty", "role", "image", "tool_choice", "server_tool", "temperature", "unknown"],
+    ids=["json", "max_tokens", "empty", "role", "image", "tool_choice", "tool_type", "temperature", "unknown"],
 )
 def test_bad_input_is_a_400_in_anthropic_shape_and_records_nothing(dialect_gateway, body):
     sid = dialect_gateway.client.open_session()

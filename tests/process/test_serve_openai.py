@@ -252,7 +252,7 @@ GOOD = {"model": "qwen3", "messages": [{"role": "user", "content": "hello"}]}
     ({"model": "qwen3", "messages": "hello"}, "messages"),
     ({**GOOD, "temperature": "hot"}, "temperature"),
     ({**GOOD, "n": 2}, "n"),
-    ({**GOOD, "logit_bias": {"1": 5}}, "logit_bias"),
+    ({**GOOD, "logit_bias": {"one": 5}}, "logit_bias"),
     ({**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
     ({**GOOD, "max_tokens": 0}, "max_tokens"),

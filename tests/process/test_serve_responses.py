@@ -115,7 +115,7 @@ GOOD = {"model": "qwen3", "input": "hello"}
         ({**GOOD, "input": [{"type": "item_reference", "id": "x"}]}, "input"),
         ({**GOOD, "input": [{"role": "wizard", "content": "x"}]}, "input"),
         ({**GOOD, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text"),
-        ({**GOOD, "tools": [{"type": "web_search"}]}, "tools"),
+        ({**GOOD, "tools": [{"type": "browser"}]}, "tools"),
         ({**GOOD, "tool_choice": "required"}, "tool_choice"),
         ({**GOOD, "max_output_tokens": 0}, "max_output_tokens"),
         ({**GOOD, "conversation": "conv_1"}, "conversation"),
