@@ -151,8 +151,9 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
         # The adapter already sent the error event; end the stream so the agent is not left waiting.
         failed = e
         metrics.count("http_errors", (labels.dialect, str(e.status), e.code or e.kind))
-        access_log.refused("POST", labels.path, e, "stream error event", labels.t0, labels.sid,
-                           "after the reply had begun with 200")
+        error_type = TURN_ROUTES[labels.path][1].error_body(e)["error"]["type"]
+        access_log.refused("POST", labels.path, e, error_type, labels.t0, labels.sid,
+                           "an error event after the reply had begun with 200")
         with contextlib.suppress(Exception):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
     except Exception:

@@ -45,7 +45,7 @@ HISTORY_FIELD = "messages"  # the conversation, which grows at its end (`Adapter
 _KNOWN = request_fields.known_fields("chat")
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _TYPES = {"model": str, "user": str, "metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
-          "safety_identifier": str, "stream_options": dict}
+          "safety_identifier": str, "stream_options": dict, "chat_template_kwargs": dict}
 _TEXT_PARTS = ("text", "input_text", "output_text")
 # Ignored fields of what a request adds (messages, their parts, tools), counted by their place's name.
 _MESSAGE_IGNORED = request_fields.ignored_fields("chat", "messages[assistant]")
@@ -386,6 +386,8 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: Ch
         seed=seed,
         frequency_penalty=number(body, "frequency_penalty", -2.0, 2.0),
         presence_penalty=number(body, "presence_penalty", -2.0, 2.0),
+        repetition_penalty=number(body, "repetition_penalty", 0.0, 2.0),
+        min_p=number(body, "min_p", 0.0, 1.0),
         logit_bias=_logit_bias(body.get("logit_bias")),
     )
     if ignored or toolset.ignored:

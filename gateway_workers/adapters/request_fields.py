@@ -144,6 +144,10 @@ CHAT: tuple[Rule, ...] = (
     _r("temperature", H),
     _r("top_p", H),
     _r("top_k", H, "vLLM's and SGLang's sampling extension", extension=True),
+    _r("min_p", H, "vLLM's and SGLang's sampling extension", extension=True),
+    _r("repetition_penalty", H, "vLLM's and SGLang's sampling extension", extension=True),
+    _r("chat_template_kwargs", I, "vLLM's and SGLang's extension (Qwen Code sends `enable_thinking: false` with its "
+       "side requests): " + _REASONING, extension=True),
     _r("tool_choice", H, "`auto` (and null); `none`, `required`, a named tool and `allowed_tools` are refused: "
        "without constrained decoding the model's choice cannot be forced"),
     _r("tool_choice[*]", R, "a named tool or `allowed_tools`: without constrained decoding the model's choice "

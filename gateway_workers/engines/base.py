@@ -71,6 +71,8 @@ class SamplingParams:
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias
 
 

@@ -4,7 +4,7 @@ Matched against sgl-project/sglang (v0.4-v0.5) `managers/io_struct.py` (Generate
 AbortReq), `sampling/sampling_params.py`, `managers/tokenizer_manager.py` (meta_info) and
 `entrypoints/http_server.py`, plus docs.sglang.io. Request: {input_ids, sampling_params
 {max_new_tokens, temperature, top_p, top_k, stop, sampling_seed, frequency_penalty, presence_penalty,
-logit_bias (token id strings -> bias)}, return_logprob: true,
+repetition_penalty, min_p, logit_bias (token id strings -> bias)}, return_logprob: true,
 logprob_start_len: -1, rid, stream: false}. Response: {output_ids (recent), meta_info
 {finish_reason {type: stop|length|abort}, output_token_logprobs [[logprob, id, text]]}}.
 Streaming (`stream: true`): SSE `data: {output_ids, meta_info}` per step, then `data: [DONE]`;
@@ -154,6 +154,10 @@ def sampling_body(params: SamplingParams) -> dict[str, Any]:
         body["frequency_penalty"] = params.frequency_penalty
     if params.presence_penalty is not None:
         body["presence_penalty"] = params.presence_penalty
+    if params.repetition_penalty is not None:
+        body["repetition_penalty"] = params.repetition_penalty
+    if params.min_p is not None:
+        body["min_p"] = params.min_p
     if params.logit_bias:
         body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
     if params.stop:

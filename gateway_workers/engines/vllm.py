@@ -3,8 +3,8 @@
 Matched against vllm-project/vllm `entrypoints/openai/serving_tokens.py` (v0.11.2), later
 `entrypoints/serve/disagg/{protocol,serving,api_router}.py`, and the docs.vllm.ai API pages.
 Request: {request_id, token_ids, sampling_params {max_tokens, temperature, top_p, top_k, seed,
-frequency_penalty, presence_penalty, logit_bias (token id strings -> bias), stop, logprobs: 0 (= the
-sampled token's own), detokenize}, stream: false, model?}. Response:
+frequency_penalty, presence_penalty, repetition_penalty, min_p, logit_bias (token id strings -> bias), stop,
+logprobs: 0 (= the sampled token's own), detokenize}, stream: false, model?}. Response:
 {choices: [{token_ids, finish_reason, logprobs: {content: [{token: "token_id:N", logprob}]}}]}.
 Streaming (`serve_tokens_stream_generator`): `stream: true` + `stream_options.include_usage`
 gives SSE `data: {choices: [{index, token_ids (new ids only), logprobs, finish_reason}]}` per
@@ -125,6 +125,10 @@ def sampling_body(params: SamplingParams) -> dict[str, Any]:
         body["frequency_penalty"] = params.frequency_penalty
     if params.presence_penalty is not None:
         body["presence_penalty"] = params.presence_penalty
+    if params.repetition_penalty is not None:
+        body["repetition_penalty"] = params.repetition_penalty
+    if params.min_p is not None:
+        body["min_p"] = params.min_p
     if params.logit_bias:
         body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
     if params.stop:

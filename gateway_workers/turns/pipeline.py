@@ -100,6 +100,8 @@ class TurnRequest:
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias, in the served model's vocabulary
 
 
@@ -469,6 +471,8 @@ class TurnPipeline:
             seed=pick("seed", request.seed),
             frequency_penalty=pick("frequency_penalty", request.frequency_penalty),
             presence_penalty=pick("presence_penalty", request.presence_penalty),
+            repetition_penalty=pick("repetition_penalty", request.repetition_penalty),
+            min_p=pick("min_p", request.min_p),
             logit_bias=request.logit_bias,
         )
         return params, over_budget

@@ -113,6 +113,17 @@ def test_chat_custom_tools_there_and_back():
     assert openai_chat.parse_request(echo).turn.messages[1]["tool_calls"] == turn.parsed.tool_calls
 
 
+def test_chat_sampling_extensions_are_honoured_and_template_variables_ignored():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0.5,
+            "presence_penalty": -1, "repetition_penalty": 1.05, "min_p": 0.1, "logit_bias": {"42": -100},
+            "chat_template_kwargs": {"enable_thinking": False}}
+    request = openai_chat.parse_request(body)
+    turn = request.turn
+    assert (turn.frequency_penalty, turn.presence_penalty, turn.repetition_penalty, turn.min_p) == (0.5, -1, 1.05, 0.1)
+    assert turn.logit_bias == {42: -100.0}
+    assert set(request.ignored) == {"model", "chat_template_kwargs"}
+
+
 def test_anthropic_typed_tools_are_hosted_and_the_agents_own_tools_kept():
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"name": "Bash", "input_schema": SCHEMA, "defer_loading": True, "cache_control": {}},
