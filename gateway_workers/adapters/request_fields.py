@@ -212,8 +212,11 @@ MESSAGES: tuple[Rule, ...] = (
     _r("messages[*].content[*].tool_use_id", H, "must answer a tool_use of the message before"),
     _r("messages[*].content[*].content", H, "a string or text blocks (other blocks are refused)"),
     _r("messages[*].content[*].content[text]", H),
-    _r("messages[*].content[*].content[text].text", H),
-    _r("messages[*].content[*].content[text].type", H),
+    _r("messages[*].content[*].content[tool_reference]", H, "a tool a tool search found (Claude Code's ToolSearch): "
+       "rendered as the tool's name, since every tool is declared up front"),
+    _r("messages[*].content[*].content[*].text", H),
+    _r("messages[*].content[*].content[*].type", H),
+    _r("messages[*].content[*].content[*].tool_name", H),
     _r("messages[*].content[*].content[*].cache_control", I, _CACHE),
     _r("messages[*].content[*].content[*].citations", I, "citations are not served"),
     _r("messages[*].content[*].content[*]", R, _NO_IMAGES + "; text blocks only"),
@@ -325,7 +328,8 @@ RESPONSES: tuple[Rule, ...] = (
     _r("input[function_call_output]", H, "rendered as the result of the call it answers"),
     _r("input[custom_tool_call_output]", H, "as function_call_output"),
     _r("input[*].type", H),
-    _r("input[*].call_id", H, "pairs each output with its call; not rendered"),
+    _r("input[*].call_id", H, "pairs each output with its call; not rendered (an output without one names its tool "
+       "instead, and is rendered as that tool's result: Codex sends its goal so)"),
     _r("input[*].name", H),
     _r("input[*].arguments", H),
     _r("input[*].input", H),

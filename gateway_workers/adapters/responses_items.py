@@ -4,9 +4,10 @@
 `function_call` and `custom_tool_call` items fold into one assistant message (reasoning, content, tool calls;
 a namespaced call under its flattened name, a custom call with its input as the one argument, as
 `adapters.tools` declares them); `function_call_output` and `custom_tool_call_output` items become tool
-messages named after their call. Items of hosted tools, stored items and compactions are refused
-(`request_fields.RESPONSES`). Used by `openai_responses` for a request's input and for the history
-`previous_response_id` names. Pure translation; errors are 400s naming `input`.
+messages named after their call (or, when one answers no call, after the tool it names). Items of hosted
+tools, stored items and compactions are refused (`request_fields.RESPONSES`). Used by `openai_responses` for
+a request's input and for the history `previous_response_id` names. Pure translation; errors are 400s
+naming `input`.
 """
 
 from __future__ import annotations
@@ -87,15 +88,25 @@ def ends_model_turns(item: Any) -> bool:
     return kind in _OUTPUTS or (kind == "message" and item.get("role") != "assistant")
 
 
+def _tool_name(item: dict[str, Any], where: str) -> str:
+    """The canonical name of the tool an item names: `namespace__name` for a namespace's (as `adapters.tools`
+    declares it)."""
+    name, namespace = item.get("name"), item.get("namespace")
+    if not isinstance(name, str) or not name:
+        raise invalid_type(f"{where}.name", "a non-empty string", name, "input")
+    if namespace is None:
+        return name
+    if not isinstance(namespace, str) or not namespace:
+        raise invalid_type(f"{where}.namespace", "a non-empty string", namespace, "input")
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
 def _call(item: dict[str, Any], kind: str, where: str, limits: RequestLimits | None) -> tuple[str, str, Any]:
     """(call id, canonical name, canonical arguments) of an echoed call item."""
-    name, call_id, namespace = item.get("name"), item.get("call_id"), item.get("namespace")
+    name, call_id = item.get("name"), item.get("call_id")
     if not isinstance(name, str) or not name or not isinstance(call_id, str) or not call_id:
         raise bad(f"{where}: a {kind} needs a name and a call_id", "input", "missing_required_parameter")
-    if namespace is not None:
-        if not isinstance(namespace, str) or not namespace:
-            raise invalid_type(f"{where}.namespace", "a non-empty string", namespace, "input")
-        name = f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+    name = _tool_name(item, where)
     if kind == "custom_tool_call":
         return call_id, name, custom_arguments(item.get("input"), where, "input")
     arguments = item.get("arguments")
@@ -188,11 +199,13 @@ def canonical_messages(
         elif kind in _OUTPUTS:
             flush()
             call_id = item.get("call_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise missing(f"{where}.call_id", "input")
             message = {"role": "tool", "content": _text(item.get("output", ""), f"{where}.output", limits, ignored)}
-            answered = pending.pop(call_id, None)
-            if answered is not None:
+            if call_id is None and item.get("name") is not None:
+                # an output that answers no call names its tool instead (Codex sends its goal so)
+                message["name"] = _tool_name(item, where)
+            elif not isinstance(call_id, str) or not call_id:
+                raise missing(f"{where}.call_id", "input")
+            elif (answered := pending.pop(call_id, None)) is not None:
                 message["name"] = answered
             elif earlier_calls is not None:
                 raise bad(f"{where}: no tool call found for {kind} with call_id {call_id}", "input")

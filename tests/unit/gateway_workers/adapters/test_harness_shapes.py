@@ -15,11 +15,14 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
 from gateway_workers.adapters.common import from_list
 from gateway_workers.engines.base import EngineResult
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import LiveDelta
+from gateway_workers.http.errors import ApiError
 from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
@@ -83,6 +86,13 @@ def test_responses_namespace_and_custom_tools_are_declared_flat_and_answered_in_
     assert [m.get("name") for m in again.turn.messages[2:]] == ["multi_agent__spawn", "apply_patch"]
 
 
+def test_an_output_that_answers_no_call_is_its_named_tools_result():
+    """Codex puts its goal in the conversation as an output of a namespaced tool, without a call id."""
+    goal = {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "Ship it."}
+    request = openai_responses.parse_request({"input": [{"role": "user", "content": "hi"}, goal]})
+    assert request.turn.messages[1] == {"role": "tool", "content": "Ship it.", "name": "agent__goal_objective"}
+
+
 def test_a_custom_call_the_model_wrote_without_its_input_comes_back_as_its_arguments_text():
     request = openai_responses.parse_request({"input": "hi", "tools": [CUSTOM]})
     turn = _captured([{"name": "apply_patch", "arguments": {"patch": PATCH}}])
@@ -135,6 +145,24 @@ def test_anthropic_typed_tools_are_hosted_and_the_agents_own_tools_kept():
     assert request.hosted == (("mcp_servers[0]", "mcp"), ("tools[1]", "bash_20250124"),
                               ("tools[2]", "web_fetch_20250910"))
     assert set(request.ignored) == {"model", "tools.defer_loading", "tools.cache_control"}
+
+
+def test_a_tool_search_result_names_the_tools_it_found():
+    """Claude Code's ToolSearch answers with `tool_reference` blocks; every tool is declared up front here, so
+    each stands for its tool's name (refusing them made Claude Code retry, then rewrite its history)."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "web"}}
+    found = {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "tool_reference", "tool_name": "WebSearch"},
+                         {"type": "tool_reference", "tool_name": "WebFetch", "cache_control": {"type": "ephemeral"}}]}
+    body = {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "find a tool"}, {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [found, {"type": "text", "text": "Tool loaded."}]}]}
+    messages = anthropic_messages.parse_request(body).turn.messages
+    assert messages[2] == {"role": "tool", "content": "WebSearch\nWebFetch", "name": "ToolSearch"}
+    # only in a tool result: a user turn of its own cannot hold one
+    body["messages"][2]["content"] = [{"type": "tool_reference", "tool_name": "WebSearch"}]
+    with pytest.raises(ApiError):
+        anthropic_messages.parse_request(body)
 
 
 def test_anthropic_system_messages_stay_where_they_stand_until_cleared():
