@@ -31,11 +31,12 @@ from gateway_workers.adapters.common import (
     integer,
     invalid_type,
     missing,
+    non_empty_list,
     number,
     sse,
     unsupported,
 )
-from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet
+from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet, tool_list
 from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
@@ -87,11 +88,7 @@ class MessagesRequest:
 
 def _messages(body: dict[str, Any], limits: RequestLimits, earlier: MessagesRequest | None,
               ignored: set[str]) -> list[dict[str, Any]]:
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        if raw is None:
-            raise missing("messages")
-        raise invalid_type("messages", "a non-empty array", raw)
+    raw = non_empty_list(body.get("messages"), "messages", "an array")
     check_count(len(raw), limits.max_messages, "messages", "messages")
     system = body.get("system")
     # A message converts to canonical messages of its own, whatever comes before it but open calls; a system
@@ -116,11 +113,7 @@ def _tools(raw: Any, mcp_servers: Any) -> ToolSet:
     collector = ToolCollector(max_name=MAX_TOOL_NAME)
     for i in range(len(mcp_servers) if isinstance(mcp_servers, list) else 0):
         collector.hosted_tool(f"mcp_servers[{i}]", "mcp")
-    if raw is None:
-        return collector.result()
-    if not isinstance(raw, list):
-        raise invalid_type("tools", "an array", raw)
-    for i, tool in enumerate(raw):
+    for i, tool in enumerate(tool_list(raw)):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise invalid_type(where, "an object", tool, "tools")

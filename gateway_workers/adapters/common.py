@@ -82,6 +82,31 @@ def earlier_elements(earlier: list[Any] | None, elements: list[Any]) -> int:
     return len(earlier)
 
 
+def non_empty_list(value: Any, name: str, expected: str) -> list[Any]:
+    """A required array of at least one element (`expected`: what else the field may be, for the message)."""
+    if not isinstance(value, list) or not value:
+        if value is None:
+            raise missing(name)
+        if isinstance(value, list):
+            raise bad(f"Invalid '{name}': empty array. Expected an array with minimum length 1, but got an empty "
+                      "array instead.", name, "empty_array")
+        raise invalid_type(name, expected, value)
+    return value
+
+
+def check_tool_choice(body: Mapping[str, Any]) -> None:
+    """The OpenAI dialects' tool_choice: `auto` (or null); any other choice needs constrained decoding."""
+    choice = body.get("tool_choice", "auto")
+    if choice in ("auto", None):
+        return
+    if choice in ("none", "required") or isinstance(choice, dict):
+        raise unsupported("tool_choice", "other than 'auto' is not served: without constrained decoding the model's "
+                          "choice cannot be forced")
+    if not isinstance(choice, str):
+        raise invalid_type("tool_choice", "a string or an object", choice)
+    raise wrong_value("tool_choice", choice, ("auto", "none", "required"))
+
+
 def check_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad(f"Invalid type for the body: expected an object, but got {_json_type(body)} instead.", None,

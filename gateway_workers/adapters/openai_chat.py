@@ -24,18 +24,27 @@ from gateway_workers.adapters.common import (
     bad_part,
     check_known,
     check_object,
+    check_tool_choice,
     check_types,
     earlier_elements,
     flag,
     integer,
     invalid_type,
     missing,
+    non_empty_list,
     number,
     parse_arguments,
     unsupported,
     wrong_value,
 )
-from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet, custom_arguments, custom_input
+from gateway_workers.adapters.tools import (
+    NO_TOOLS,
+    ToolCollector,
+    ToolSet,
+    custom_arguments,
+    custom_input,
+    tool_list,
+)
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_parts, check_turn
 from gateway_workers.turns.live import LiveTurn
@@ -225,11 +234,7 @@ def _tools(raw: Any, web_search: Any) -> ToolSet:
     collector = ToolCollector()
     if web_search is not None:
         collector.hosted_tool("web_search_options", "web_search")
-    if raw is None:
-        return collector.result()
-    if not isinstance(raw, list):
-        raise invalid_type("tools", "an array", raw)
-    for i, tool in enumerate(raw):
+    for i, tool in enumerate(tool_list(raw)):
         where = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind is None and isinstance(tool, dict):
@@ -321,28 +326,14 @@ load_history = no_history  # a request carries its whole conversation
 def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: ChatRequest | None = None) -> ChatRequest:
     body = check_object(body)
     top_ignored = check_known(body, _KNOWN)
-    raw_messages = body.get("messages")
-    if not isinstance(raw_messages, list) or not raw_messages:
-        if raw_messages is None:
-            raise missing("messages")
-        if isinstance(raw_messages, list):
-            raise bad("Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty "
-                      "array instead.", "messages", "empty_array")
-        raise invalid_type("messages", "an array", raw_messages)
+    raw_messages = non_empty_list(body.get("messages"), "messages", "an array")
     check_count(len(raw_messages), limits.max_messages, "messages", "messages")
     check_types(body, _TYPES)
     if integer(body, "n", 1) not in (1, None):
         raise unsupported("n", "above 1 is not served: one choice per request")
     _refuse_unserved(body)
     flag(body, "parallel_tool_calls")  # a boolean, whichever: a reply's calls are all kept
-    tool_choice = body.get("tool_choice", "auto")
-    if tool_choice not in ("auto", None):
-        if tool_choice in ("none", "required") or isinstance(tool_choice, dict):
-            raise unsupported("tool_choice", "other than 'auto' is not served: without constrained decoding the "
-                              "model's choice cannot be forced")
-        if not isinstance(tool_choice, str):
-            raise invalid_type("tool_choice", "a string or an object", tool_choice)
-        raise wrong_value("tool_choice", tool_choice, ("auto", "none", "required"))
+    check_tool_choice(body)
     pending: OpenCalls = {}
     ignored: set[str] = set()
     # A message converts to one canonical message, whatever comes before it but open calls

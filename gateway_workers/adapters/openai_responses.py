@@ -30,6 +30,7 @@ from gateway_workers.adapters.common import (
     block_events,
     check_known,
     check_object,
+    check_tool_choice,
     check_types,
     earlier_elements,
     flag,
@@ -43,7 +44,7 @@ from gateway_workers.adapters.common import (
 )
 from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the Responses API shares its error shape
 from gateway_workers.adapters.responses_items import canonical_messages, ends_model_turns
-from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet, custom_input
+from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet, custom_input, tool_list
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
@@ -114,10 +115,8 @@ def _tool(collector: ToolCollector, tool: Any, where: str, namespace: str | None
 def _tools(raw: Any) -> ToolSet:
     if raw is None or raw == []:
         return NO_TOOLS
-    if not isinstance(raw, list):
-        raise invalid_type("tools", "an array", raw)
     collector = ToolCollector()
-    for i, tool in enumerate(raw):
+    for i, tool in enumerate(tool_list(raw)):
         _tool(collector, tool, f"tools[{i}]")
     return collector.result()
 
@@ -132,14 +131,7 @@ def _refuse_unserved(body: dict[str, Any]) -> None:
         raise unsupported("background", "responses are not served in the background")
     if integer(body, "top_logprobs", 0):
         raise unsupported("top_logprobs", "is not served: the sampled logprobs are recorded, not returned")
-    choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", None):
-        if choice in ("none", "required") or isinstance(choice, dict):
-            raise unsupported("tool_choice", "other than 'auto' is not served: without constrained decoding the "
-                              "model's choice cannot be forced")
-        if not isinstance(choice, str):
-            raise invalid_type("tool_choice", "a string or an object", choice)
-        raise wrong_value("tool_choice", choice, ("auto", "none", "required"))
+    check_tool_choice(body)
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
     if fmt is not None:

@@ -50,6 +50,10 @@ def _r(pattern: str, verdict: Verdict, note: str = "", extension: bool = False) 
     return Rule(pattern, verdict, note, extension)
 
 
+def _ignored(note: str, *patterns: str) -> tuple[Rule, ...]:
+    return tuple(Rule(pattern, "ignored", note) for pattern in patterns)
+
+
 _NOT_SAMPLED = "no effect on what the engine samples"
 _CACHE = "prompt caching is the engine's (prefix caching): nothing to mark"
 _REASONING = ("whether and how much the policy reasons is the trainer's choice (the chat template and the "
@@ -117,24 +121,19 @@ CHAT: tuple[Rule, ...] = (
     _r("top_logprobs", R, "above 0 is refused (as `logprobs`)"),
     _r("max_completion_tokens", H),
     _r("max_tokens", H),
-    _r("metadata", I, _NOT_SAMPLED),
     _r("moderation", I, "no moderation runs here"),
     _r("n", H, "1; more choices are refused"),
     _r("parallel_tool_calls", H, _PARALLEL),
     _r("prediction", I, "predicted outputs only speed up decoding, they never change what is sampled"),
-    _r("prompt_cache_key", I, _CACHE),
-    _r("prompt_cache_options", I, _CACHE),
-    _r("prompt_cache_retention", I, _CACHE),
+    *_ignored(_CACHE, "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention"),
     _r("reasoning_effort", I, _REASONING),
     _r("verbosity", I, "a hint to OpenAI's own models; nothing renders it"),
     _r("response_format", H, "`{\"type\": \"text\"}`"),
     _r("response_format[text]", H),
     _r("response_format[text].type", H),
     _r("response_format[*]", R, "JSON modes need constrained decoding"),
-    _r("safety_identifier", I, _NOT_SAMPLED),
-    _r("service_tier", I, _NOT_SAMPLED),
+    *_ignored(_NOT_SAMPLED, "metadata", "safety_identifier", "service_tier", "user"),
     _r("store", I, "nothing is stored for OpenAI's distillation (every turn is recorded for training anyway)"),
-    _r("user", I, _NOT_SAMPLED),
     _r("seed", H, "passed to the engine's sampling"),
     _r("stop", H),
     _r("stream", H),
@@ -276,17 +275,10 @@ MESSAGES: tuple[Rule, ...] = (
     _r("thread", R, "server-held threads are not served: send the whole conversation"),
     _r("container", I, "containers belong to the hosted code execution tool"),
     _r("cache_control", I, _CACHE),
-    _r("metadata", I, _NOT_SAMPLED),
-    _r("service_tier", I, _NOT_SAMPLED),
-    _r("speed", I, _NOT_SAMPLED),
-    _r("inference_geo", I, _NOT_SAMPLED),
-    _r("diagnostics", I, _NOT_SAMPLED),
-    _r("billing_policy", I, _NOT_SAMPLED),
+    *_ignored(_NOT_SAMPLED, "metadata", "service_tier", "speed", "inference_geo", "diagnostics", "billing_policy"),
     _r("fallbacks", I, "no model fallback: one model is served"),
-    _r("fallback_credit_token", I, _NOT_SAMPLED),
     _r("betas", I, "beta features are accepted as headers (`anthropic-beta`); none changes what is sampled"),
-    _r("user_profile_id", I, _NOT_SAMPLED),
-    _r("workspace_id", I, _NOT_SAMPLED),
+    *_ignored(_NOT_SAMPLED, "fallback_credit_token", "user_profile_id", "workspace_id"),
 )
 
 RESPONSES: tuple[Rule, ...] = (
@@ -416,16 +408,10 @@ RESPONSES: tuple[Rule, ...] = (
     _r("conversation", R, "server-held conversations are not served: use previous_response_id or send the input"),
     _r("prompt", R, "stored prompt templates are not served"),
     _r("context_management", I, "no server-side compaction: the model sees the input as sent"),
-    _r("metadata", I, _NOT_SAMPLED),
     _r("store", I, "responses are kept for previous_response_id within their session whatever it says"),
-    _r("user", I, _NOT_SAMPLED),
-    _r("service_tier", I, _NOT_SAMPLED),
-    _r("safety_identifier", I, _NOT_SAMPLED),
-    _r("prompt_cache_key", I, _CACHE),
-    _r("prompt_cache_options", I, _CACHE),
-    _r("prompt_cache_retention", I, _CACHE),
+    *_ignored(_NOT_SAMPLED, "metadata", "user", "service_tier", "safety_identifier", "access_programs"),
+    *_ignored(_CACHE, "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention"),
     _r("moderation", I, "no moderation runs here"),
-    _r("access_programs", I, _NOT_SAMPLED),
     _r("image", I, "options of the hosted image generation tool"),
     _r("client_metadata", I, "Codex CLI's request metadata", extension=True),
 )

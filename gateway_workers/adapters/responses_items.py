@@ -21,6 +21,7 @@ from gateway_workers.adapters.common import (
     bad_part,
     invalid_type,
     missing,
+    non_empty_list,
     parse_arguments,
     unsupported,
     wrong_value,
@@ -141,13 +142,7 @@ def canonical_messages(
     pending: OpenCalls = dict(earlier_calls or {})
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        if items is None:
-            raise missing("input")
-        if isinstance(items, list):
-            raise bad("Invalid 'input': empty array. Expected an array with minimum length 1, but got an empty "
-                      "array instead.", "input", "empty_array")
-        raise invalid_type("input", "a string or an array of items", items)
+    non_empty_list(items, "input", "a string or an array of items")
     out: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the model turn being folded together
 

@@ -52,6 +52,15 @@ class ToolSet:
 NO_TOOLS = ToolSet()
 
 
+def tool_list(raw: Any) -> list[Any]:
+    """A request's `tools`: an array, or none."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise invalid_type("tools", "an array", raw)
+    return raw
+
+
 def custom_input(arguments: Any) -> str:
     """A custom tool's input from a call's canonical arguments: `{"input": text}` as the tool is declared; any other
     arguments the model wrote, as their JSON text."""

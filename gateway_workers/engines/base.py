@@ -76,6 +76,19 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias
 
 
+def shared_sampling(params: SamplingParams) -> dict[str, Any]:
+    """The sampling parameters vLLM's and SGLang's `SamplingParams` name alike, those that are set (logit_bias
+    keys are token ids as JSON strings)."""
+    body: dict[str, Any] = {}
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+        value = getattr(params, name)
+        if value is not None:
+            body[name] = value
+    if params.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
+    return body
+
+
 @dataclass(frozen=True, slots=True)
 class EngineResult:
     """One generation: the sampled ids, one logprob per id, and why it ended; `weight_version`: the weights the

@@ -34,6 +34,7 @@ from gateway_workers.engines.base import (
     as_floats,
     bad_answer,
     incomplete,
+    shared_sampling,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,16 +122,7 @@ def sampling_body(params: SamplingParams) -> dict[str, Any]:
         body["top_k"] = params.top_k
     if params.seed is not None:
         body["seed"] = params.seed
-    if params.frequency_penalty is not None:
-        body["frequency_penalty"] = params.frequency_penalty
-    if params.presence_penalty is not None:
-        body["presence_penalty"] = params.presence_penalty
-    if params.repetition_penalty is not None:
-        body["repetition_penalty"] = params.repetition_penalty
-    if params.min_p is not None:
-        body["min_p"] = params.min_p
-    if params.logit_bias:
-        body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
+    body.update(shared_sampling(params))
     if params.stop:
         body["stop"] = list(params.stop)
     else:
