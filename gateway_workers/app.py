@@ -25,14 +25,14 @@ import orjson
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from broker.protocol import session_tag
 from gateway_workers.adapters import anthropic_messages, openai_chat, openai_responses
 from gateway_workers.adapters.base import Adapter, ParsedRequest
-from gateway_workers.capture.backplane import Backplane, BrokerUnavailable
+from gateway_workers.capture.backplane import Backplane
 from gateway_workers.capture.commit_bases import CommitBases
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
@@ -42,6 +42,7 @@ from gateway_workers.http.bodies import BodyDecoder, DecodedBody, decode_whole
 from gateway_workers.http.connection import AgentConnection, session_key
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.finish_route import FINISH_PATH, finish_session
+from gateway_workers.http.info_routes import healthz, metrics, models, unknown_route, worker_metrics
 from gateway_workers.http.limits import RequestLimits, check_headers, check_strings, read_body
 from gateway_workers.lifetime import tie_to_parent
 from gateway_workers.metrics import WorkerMetrics
@@ -56,8 +57,6 @@ logger = logging.getLogger(__name__)
 ENGINE_CLOSE_TIMEOUT_S = 5.0
 
 
-METRICS_TIMEOUT_S = 2.0  # a scrape waits this long for the broker, which aggregates every worker's metrics
-PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class WorkerState(TypedDict):
@@ -350,18 +349,6 @@ class GatewayApp:
             access_log.answered(scope["method"], scope["path"], status or 500, started)
 
 
-async def unknown_route(request: Request, exc: Exception) -> Response:
-    """404 and 405 in the API's own shape (Anthropic's under /v1/messages, OpenAI's elsewhere): an agent's SDK
-    reads it, and the log line says which route it asked for."""
-    status = getattr(exc, "status_code", 404)
-    what = "Unknown request URL" if status == 404 else "Method not allowed for"
-    error = ApiError(status, "not_found" if status == 404 else "invalid_request",
-                     f"{what}: {request.method} {request.url.path}.", code="unknown_url" if status == 404 else None)
-    adapter = anthropic_messages if request.url.path.startswith("/v1/messages") else openai_chat
-    request.state.metrics.count("http_errors", ("other", str(status), error.code or error.kind))
-    return JSONResponse(adapter.error_body(error), status_code=status, headers=getattr(exc, "headers", None))
-
-
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token counting: the prompt rendered exactly as a turn would be; records nothing."""
     state = request.state
@@ -380,34 +367,6 @@ async def count_tokens(request: Request) -> Response:
         return _error(anthropic_messages, e, state.metrics, labels)
     access_log.served("POST", labels.path, 200, labels.t0, sid)
     return JSONResponse({"input_tokens": count})
-
-
-async def models(request: Request) -> Response:
-    name = request.state.config.model_name
-    return JSONResponse({"object": "list",
-                         "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rollout-gateway"}]})
-
-
-async def healthz(request: Request) -> Response:
-    return JSONResponse({"status": "ok", "pid": os.getpid()})
-
-
-async def metrics(request: Request) -> Response:
-    """The whole gateway's metrics (Prometheus text), from the broker, which sums every worker's; this
-    worker's counts are sent along, so they are current, the others' are as of their last heartbeat."""
-    pipeline: TurnPipeline = request.state.pipeline
-    snapshot = request.state.snapshot()
-    try:
-        text = await pipeline.backplane.metrics_text(snapshot, METRICS_TIMEOUT_S)
-    except BrokerUnavailable:
-        return PlainTextResponse("the broker, which aggregates the gateway's metrics, did not answer; this "
-                                 "worker's own counts: GET /metrics/worker\n", status_code=503)
-    return Response(text, media_type=PROMETHEUS_TEXT)
-
-
-async def worker_metrics(request: Request) -> Response:
-    """This worker's own snapshot (what its heartbeats carry), as JSON: for looking at one process."""
-    return JSONResponse(request.state.snapshot())
 
 
 def create_app(config: WorkerConfig) -> GatewayApp:

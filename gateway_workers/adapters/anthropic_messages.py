@@ -36,7 +36,8 @@ from gateway_workers.adapters.common import (
     sse,
     unsupported,
 )
-from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet, tool_list
+from gateway_workers.adapters.tool_readers import messages_tools
+from gateway_workers.adapters.tools import NO_TOOLS, ToolSet
 from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
@@ -45,10 +46,8 @@ from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_
 
 HISTORY_FIELD = "messages"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _KNOWN = request_fields.known_fields("messages")
-_TOOL_IGNORED = request_fields.ignored_fields("messages", "tools[custom]")
 _SYSTEM_IGNORED = request_fields.ignored_fields("messages", "system[text]")
 _TYPES = {"model": str, "metadata": dict, "service_tier": str, "context_management": dict, "output_config": dict}
-MAX_TOOL_NAME = 128  # the Messages API's own bound (OpenAI's is 64)
 MIN_THINKING_BUDGET = 1024  # the Messages API's own floor for thinking.budget_tokens
 SIGNATURE = "rollout-gateway"  # thinking blocks carry a signature; ours only says where they came from
 
@@ -104,41 +103,6 @@ def _messages(body: dict[str, Any], limits: RequestLimits, earlier: MessagesRequ
         if text:
             messages.append({"role": "system", "content": text})
     return messages + canonical_messages(raw, start, limits, ignored)
-
-
-def _tools(raw: Any, mcp_servers: Any) -> ToolSet:
-    """The agent's own tools (no `type`, or `custom`); every typed tool is Anthropic's: hosted."""
-    if (raw is None or raw == []) and not mcp_servers:
-        return NO_TOOLS
-    collector = ToolCollector(max_name=MAX_TOOL_NAME)
-    for i in range(len(mcp_servers) if isinstance(mcp_servers, list) else 0):
-        collector.hosted_tool(f"mcp_servers[{i}]", "mcp")
-    for i, tool in enumerate(tool_list(raw)):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise invalid_type(where, "an object", tool, "tools")
-        kind = tool.get("type", "custom")
-        if kind not in ("custom", None):
-            if not isinstance(kind, str):
-                raise invalid_type(f"{where}.type", "a string", kind, "tools")
-            if request_fields.verdict("messages", f"tools[{kind}]") != "hosted":
-                raise bad(f"{where}.type: unknown tool type {kind!r} (a tool of the agent's own has no type, or "
-                          "'custom')", "tools", "invalid_value")
-            collector.hosted_tool(where, kind)
-            continue
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise missing(f"{where}.input_schema", "tools") if schema is None else invalid_type(
-                f"{where}.input_schema", "an object", schema, "tools")
-        if schema.get("type") != "object":
-            raise bad(f"tools: tool {tool.get('name')!r}: input_schema.type must be 'object'", "tools", "invalid_value")
-        collector.notice(tool, _TOOL_IGNORED)
-        collector.function(tool.get("name"), tool.get("description"), schema, where)
-    toolset = collector.result()
-    names = [tool["function"]["name"] for tool in toolset.tools or ()]
-    if len(set(names)) < len(names):
-        raise bad("tools: tool names must be unique", "tools", "invalid_value")
-    return toolset
 
 
 def _check_thinking(thinking: Any, max_tokens: int | None) -> None:
@@ -197,7 +161,7 @@ def parse_request(
     _check_thinking(body.get("thinking"), max_tokens)
     ignored: set[str] = set()
     messages = _messages(body, limits, earlier, ignored)
-    toolset = _tools(body.get("tools"), body.get("mcp_servers"))
+    toolset = messages_tools(body.get("tools"), body.get("mcp_servers"))
     check_turn(toolset.tools, limits)
     turn = TurnRequest(
         messages=messages,

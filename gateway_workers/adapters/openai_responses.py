@@ -36,7 +36,6 @@ from gateway_workers.adapters.common import (
     flag,
     integer,
     invalid_type,
-    missing,
     number,
     sse,
     unsupported,
@@ -44,7 +43,8 @@ from gateway_workers.adapters.common import (
 )
 from gateway_workers.adapters.openai_chat import error_body  # noqa: F401 -- the Responses API shares its error shape
 from gateway_workers.adapters.responses_items import canonical_messages, ends_model_turns
-from gateway_workers.adapters.tools import NO_TOOLS, ToolCollector, ToolSet, custom_input, tool_list
+from gateway_workers.adapters.tool_readers import responses_tools
+from gateway_workers.adapters.tools import NO_TOOLS, ToolSet, custom_input
 from gateway_workers.formats import ParsedResponse
 from gateway_workers.formats.live_split import reply_deltas
 from gateway_workers.http.errors import ApiError
@@ -54,7 +54,6 @@ from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnReque
 
 HISTORY_FIELD = "input"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _KNOWN = request_fields.known_fields("responses")
-_TOOL_IGNORED = request_fields.ignored_fields("responses", "tools[function]")
 _RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})")
 _TYPES = {"model": str, "metadata": dict, "store": bool, "user": str, "service_tier": str, "prompt_cache_key": str,
           "safety_identifier": str, "prompt_cache_retention": str, "include": list, "reasoning": dict,
@@ -80,45 +79,6 @@ class ResponsesRequest:
     @property
     def hosted(self) -> tuple[tuple[str, str], ...]:
         return self.toolset.hosted
-
-
-def _tool(collector: ToolCollector, tool: Any, where: str, namespace: str | None = None) -> None:
-    if not isinstance(tool, dict):
-        raise invalid_type(where, "an object", tool, "tools")
-    kind = tool.get("type")
-    if kind == "function":
-        collector.notice(tool, _TOOL_IGNORED)
-        collector.function(tool.get("name"), tool.get("description"), tool.get("parameters"), where, namespace)
-    elif kind == "custom":
-        collector.notice(tool, _TOOL_IGNORED)
-        collector.custom_tool(tool.get("name"), tool.get("description"), tool.get("format"), where, namespace)
-    elif kind == "namespace" and namespace is None:
-        name, tools = tool.get("name"), tool.get("tools")
-        if not isinstance(name, str) or not name:
-            raise missing(f"{where}.name", "tools")
-        if not isinstance(tools, list):
-            raise missing(f"{where}.tools", "tools") if tools is None else invalid_type(
-                f"{where}.tools", "an array", tools, "tools")
-        for j, inner in enumerate(tools):
-            _tool(collector, inner, f"{where}.tools[{j}]", name)
-    elif not isinstance(kind, str):
-        raise missing(f"{where}.type", "tools") if kind is None else invalid_type(f"{where}.type", "a string", kind,
-                                                                                 "tools")
-    elif namespace is not None:
-        raise wrong_value(f"{where}.type", kind, ("function", "custom"), "tools")
-    elif request_fields.verdict("responses", f"tools[{kind}]") == "hosted":
-        collector.hosted_tool(where, kind)
-    else:
-        raise bad(f"{where}.type: unknown tool type {kind!r}", "tools", "invalid_value")
-
-
-def _tools(raw: Any) -> ToolSet:
-    if raw is None or raw == []:
-        return NO_TOOLS
-    collector = ToolCollector()
-    for i, tool in enumerate(tool_list(raw)):
-        _tool(collector, tool, f"tools[{i}]")
-    return collector.result()
 
 
 def _refuse_unserved(body: dict[str, Any]) -> None:
@@ -175,7 +135,7 @@ def parse_request(
         messages = canonical_messages(items, None if previous_turn is not None else {}, limits, 0, ignored)
         if instructions:
             messages.insert(0, {"role": "system", "content": instructions})
-    toolset = _tools(body.get("tools"))
+    toolset = responses_tools(body.get("tools"))
     check_turn(toolset.tools, limits)
     turn = TurnRequest(
         messages=messages,
