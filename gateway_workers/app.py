@@ -111,7 +111,7 @@ def _record(metrics: WorkerMetrics, source: ReplySource, labels: TurnLabels, out
     metrics.observe("turn_duration_seconds", ("total",), now - labels.t0)
     turn = source if isinstance(source, CapturedTurn) else getattr(source, "turn", None)
     if outcome not in ("failed", "refused"):  # an error mid-stream was logged with the error
-        access_log.served("POST", labels.path, 200, labels.t0, labels.sid, f"stream={labels.stream} {outcome}")
+        access_log.served("POST", labels.path, 200, labels.t0, labels.sid, labels.stream, outcome)
     if turn is None or outcome == "replayed":
         return
     metrics.count("tokens", ("prompt",), len(turn.prompt_ids))
@@ -190,15 +190,15 @@ def _error(adapter: Adapter[Any], error: ApiError, metrics: WorkerMetrics, label
 
 def _note(request: ParsedRequest, labels: TurnLabels, config: WorkerConfig, metrics: WorkerMetrics) -> None:
     """Count the fields the request carried that are ignored, and leave out its hosted tools (or refuse them)."""
-    for where, kind in request.hosted:
+    hosted = request.hosted
+    if hosted:
         if config.hosted_tools == "reject":
+            where, kind = hosted[0]
             raise ApiError(400, "invalid_request", f"{where}: {kind!r} is a tool the provider runs, which the model "
                            "cannot call through this gateway (it runs with --hosted-tools reject)",
                            code="unsupported_value", param=where.partition("[")[0])
-    for _, kind in request.hosted:
-        metrics.count("hosted_tools_dropped", (labels.dialect, kind))
-    for name in request.ignored:
-        metrics.count("request_fields_ignored", (labels.dialect, name))
+        metrics.count_each("hosted_tools_dropped", labels.dialect, [kind for _, kind in hosted])
+    metrics.count_each("request_fields_ignored", labels.dialect, request.ignored)
 
 
 def _json(decode: Callable[[bytes, Callable[[DecodedBody], None]], DecodedBody], raw: bytes,

@@ -16,7 +16,7 @@ import itertools
 import os
 import threading
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from broker.protocol import SECONDS_BUCKETS
@@ -41,6 +41,13 @@ class WorkerMetrics:
     def count(self, name: str, labels: Labels = (), by: float = 1) -> None:
         key = (name, labels)
         self.counts[key] = self.counts.get(key, 0) + by
+
+    def count_each(self, name: str, label: str, values: Iterable[str]) -> None:
+        """`count(name, (label, value))` for each of `values`, in one call (a request's ignored fields)."""
+        counts = self.counts
+        for value in values:
+            key = (name, (label, value))
+            counts[key] = counts.get(key, 0) + 1
 
     def observe(self, name: str, labels: Labels, seconds: float) -> None:
         key = (name, labels)

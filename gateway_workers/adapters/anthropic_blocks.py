@@ -24,9 +24,8 @@ _CLEARED = "next_user_message"  # a system message's `clear_at` that hides it on
 
 
 def _notice(block: dict[str, Any], ignored: set[str], label: str = "messages.content") -> None:
-    for key in block:
-        if key in _BLOCK_IGNORED:
-            ignored.add(f"{label}.{key}")
+    if not _BLOCK_IGNORED.isdisjoint(block):
+        ignored.update(f"{label}.{key}" for key in block if key in _BLOCK_IGNORED)
 
 
 def _refused_block(kind: Any, where: str) -> Exception:

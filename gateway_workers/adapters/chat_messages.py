@@ -48,7 +48,7 @@ def _text(content: Any, where: str, limits: RequestLimits, ignored: set[str]) ->
                 continue
             if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                 raise bad_part(part, where, "messages", _TEXT_PARTS)
-            if len(part) > 2:
+            if len(part) > 2 and not _PART_IGNORED.isdisjoint(part):
                 ignored.update(f"messages.content.{key}" for key in part if key in _PART_IGNORED)
             texts.append(part["text"])
         return "\n".join(texts)
@@ -82,7 +82,7 @@ def canonical_message(
     content = raw.get("content")
     if content is None and role != "assistant":  # only an assistant message may leave it out (or null)
         raise missing(f"messages[{index}].content", f"messages.[{index}].content")
-    if len(raw) > 2:
+    if len(raw) > 2 and not _MESSAGE_IGNORED.isdisjoint(raw):
         ignored.update(f"messages.{key}" for key in raw if key in _MESSAGE_IGNORED)
     message: dict[str, Any] = {
         "role": "system" if role == "developer" else role,

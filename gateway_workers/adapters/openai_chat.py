@@ -40,6 +40,7 @@ from gateway_workers.adapters.tools import (
     ToolSet,
     custom_input,
 )
+from gateway_workers.engines.base import SHARED_SAMPLING
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
 from gateway_workers.turns.live import LiveTurn
@@ -47,6 +48,9 @@ from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_
 
 HISTORY_FIELD = "messages"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _KNOWN = request_fields.known_fields("chat")
+# Fields few requests carry: refused unless harmless (`_refuse_unserved`), or more of the sampling.
+_RARE = SHARED_SAMPLING | {"n", "audio", "functions", "function_call", "logprobs", "top_logprobs",
+                           "response_format", "modalities"}
 _TYPES = {"model": str, "user": str, "metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
           "safety_identifier": str, "stream_options": dict, "chat_template_kwargs": dict}
 
@@ -78,6 +82,8 @@ def error_body(error: ApiError) -> dict[str, Any]:
 
 def _refuse_unserved(body: dict[str, Any]) -> None:
     """The fields whose meaning this gateway cannot give (`request_fields`: refused), when they ask for it."""
+    if integer(body, "n", 1) not in (1, None):
+        raise unsupported("n", "above 1 is not served: one choice per request")
     for name in ("audio", "functions", "function_call"):
         if body.get(name) is not None:
             raise unsupported(name, "is not served (audio output; the deprecated functions API: use tools)", False)
@@ -100,21 +106,26 @@ def _refuse_unserved(body: dict[str, Any]) -> None:
             raise unsupported("modalities", "only text output is served")
 
 
-def _logit_bias(raw: Any) -> dict[int, float] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
+def _more_sampling(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Penalties, min_p and logit_bias, as the engines take them (`engines.base.SHARED_SAMPLING`)."""
+    more: dict[str, Any] = {}
+    for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0),
+                         ("repetition_penalty", 0.0, 2.0), ("min_p", 0.0, 1.0)):
+        value = number(body, name, lo, hi)
+        if value is not None:
+            more[name] = value
+    raw = body.get("logit_bias")
+    if raw is not None and not isinstance(raw, dict):
         raise invalid_type("logit_bias", "an object", raw)
-    bias = {}
-    for token, value in raw.items():
+    for token, value in (raw or {}).items():
         if not token.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("Invalid 'logit_bias': keys must be token ids and values numbers between -100 and 100.",
                       "logit_bias", "invalid_value")
         if not -100 <= value <= 100:
             raise bad(f"Invalid 'logit_bias': the bias of token {token} must be between -100 and 100.", "logit_bias",
                       "invalid_value")
-        bias[int(token)] = float(value)
-    return bias or None
+        more.setdefault("logit_bias", {})[str(int(token))] = float(value)
+    return more or None
 
 
 class ChatRequest:
@@ -146,9 +157,10 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: Ch
     raw_messages = non_empty_list(body.get("messages"), "messages", "an array")
     check_count(len(raw_messages), limits.max_messages, "messages", "messages")
     check_types(body, _TYPES)
-    if integer(body, "n", 1) not in (1, None):
-        raise unsupported("n", "above 1 is not served: one choice per request")
-    _refuse_unserved(body)
+    more = None
+    if not _RARE.isdisjoint(body):  # a few requests carry any of them: the rest skip their checks
+        _refuse_unserved(body)
+        more = _more_sampling(body)
     flag(body, "parallel_tool_calls")  # a boolean, whichever: a reply's calls are all kept
     check_tool_choice(body)
     pending: OpenCalls = {}
@@ -192,11 +204,7 @@ def parse_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS, earlier: Ch
         top_k=integer(body, "top_k", -1),
         stop=tuple(stop or ()),
         seed=seed,
-        frequency_penalty=number(body, "frequency_penalty", -2.0, 2.0),
-        presence_penalty=number(body, "presence_penalty", -2.0, 2.0),
-        repetition_penalty=number(body, "repetition_penalty", 0.0, 2.0),
-        min_p=number(body, "min_p", 0.0, 1.0),
-        logit_bias=_logit_bias(body.get("logit_bias")),
+        sampling=more,
     )
     if ignored or toolset.ignored:
         top_ignored = (*top_ignored, *sorted(ignored | toolset.ignored))

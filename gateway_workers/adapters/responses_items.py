@@ -41,10 +41,8 @@ _PART_IGNORED = request_fields.ignored_fields("responses", "input[message].conte
 
 
 def _notice(item: dict[str, Any], ignored: set[str] | None, known: frozenset[str], label: str) -> None:
-    if ignored is not None:
-        for key in item:
-            if key in known:
-                ignored.add(f"{label}.{key}")
+    if ignored is not None and not known.isdisjoint(item):
+        ignored.update(f"{label}.{key}" for key in item if key in known)
 
 
 def _text(content: Any, where: str, limits: RequestLimits | None, ignored: set[str] | None = None) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -28,25 +28,37 @@ CUSTOM_INPUT = "input"  # the one parameter a custom tool is declared with
 # The tool names both APIs accept: OpenAI up to 64 characters, Anthropic up to 128 (`max_name`).
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
 MAX_FLAT_NAME = 128  # a namespace's tool, flattened: the two names and the separator
+_NO_NAMESPACES: Mapping[str, tuple[str, str]] = MappingProxyType({})
+_NO_NAMES: frozenset[str] = frozenset()
 
 
-@dataclass(frozen=True, slots=True)
 class ToolSet:
     """A request's tools: `tools` for the template (None: none), and what maps calls back to the wire.
 
     `custom`: canonical names of custom tools; `namespaced`: canonical name -> (namespace, name); `hosted`:
     (param, type) of each hosted tool left out; `ignored`: ignored fields seen on the definitions, by name.
+    Built on every request: a plain slotted class, cheaper to make than a frozen dataclass.
     """
 
-    tools: list[dict[str, Any]] | None = None
-    custom: frozenset[str] = frozenset()
-    namespaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-    hosted: tuple[tuple[str, str], ...] = ()
-    ignored: frozenset[str] = frozenset()
+    __slots__ = ("tools", "custom", "namespaced", "hosted", "ignored")
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None, custom: frozenset[str] = frozenset(),
+                 namespaced: Mapping[str, tuple[str, str]] = _NO_NAMESPACES, hosted: tuple[tuple[str, str], ...] = (),
+                 ignored: frozenset[str] = frozenset()) -> None:
+        self.tools, self.custom, self.namespaced, self.hosted, self.ignored = tools, custom, namespaced, hosted, ignored
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ToolSet) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    def __hash__(self) -> int:  # equal sets declare the same hosted tools (a parsed request is a dataclass field)
+        return hash(self.hosted)
+
+    def __repr__(self) -> str:
+        return f"ToolSet(tools={self.tools!r}, custom={self.custom!r}, hosted={self.hosted!r})"
 
     def wire_name(self, name: str) -> tuple[str | None, str]:
         """(namespace or None, name) of a call to the canonical tool `name`."""
-        return self.namespaced.get(name, (None, name))
+        return self.namespaced.get(name, (None, name)) if self.namespaced else (None, name)
 
 
 NO_TOOLS = ToolSet()
@@ -95,17 +107,20 @@ def _custom_schema(fmt: Any, where: str, param: str) -> dict[str, Any]:
 
 
 class ToolCollector:
-    """Builds a request's `ToolSet` one declared tool at a time (each dialect reads its own shapes)."""
+    """Builds a request's `ToolSet` one declared tool at a time (each dialect reads its own shapes). What only
+    some requests have (custom, namespaced or hosted tools, ignored fields) is made when first needed."""
+
+    __slots__ = ("param", "max_name", "tools", "custom", "namespaced", "hosted", "ignored", "_names", "_mapped")
 
     def __init__(self, param: str = "tools", max_name: int = 64) -> None:
         self.param, self.max_name = param, max_name
         self.tools: list[dict[str, Any]] = []
-        self.custom: set[str] = set()
-        self.namespaced: dict[str, tuple[str, str]] = {}
-        self.hosted: list[tuple[str, str]] = []
-        self.ignored: set[str] = set()
-        self._names: set[str] = set()
-        self._mapped: set[str] = set()  # names a call must map back from: unique among all the tools
+        self.custom: set[str] | None = None
+        self.namespaced: dict[str, tuple[str, str]] | None = None
+        self.hosted: list[tuple[str, str]] | None = None
+        self.ignored: set[str] | None = None
+        self._names: set[str] | None = None  # every name, once a name must map back (unique among all)
+        self._mapped: set[str] | None = None  # names a call must map back from
 
     def function(self, name: Any, description: Any, parameters: Any, where: str,
                  namespace: str | None = None) -> None:
@@ -122,19 +137,23 @@ class ToolCollector:
         self._add(name, description, _custom_schema(fmt, where, self.param), where, namespace, custom=True)
 
     def hosted_tool(self, where: str, kind: str) -> None:
+        if self.hosted is None:
+            self.hosted = []
         self.hosted.append((where, kind))
 
     def notice(self, tool: Mapping[str, Any], ignored: frozenset[str], label: str = "tools") -> None:
         """Note the ignored fields a definition carries (counted by name in `/metrics`)."""
-        for key in tool:
-            if key in ignored:
-                self.ignored.add(f"{label}.{key}")
+        if not ignored.isdisjoint(tool):
+            if self.ignored is None:
+                self.ignored = set()
+            self.ignored.update(f"{label}.{key}" for key in tool if key in ignored)
 
     def result(self) -> ToolSet:
-        if not (self.tools or self.hosted or self.ignored):
+        if not self.tools and self.hosted is None and self.ignored is None:
             return NO_TOOLS
-        return ToolSet(self.tools or None, frozenset(self.custom), self.namespaced, tuple(self.hosted),
-                       frozenset(self.ignored))
+        return ToolSet(self.tools or None, frozenset(self.custom) if self.custom else _NO_NAMES,
+                       self.namespaced or _NO_NAMESPACES, tuple(self.hosted) if self.hosted else (),
+                       frozenset(self.ignored) if self.ignored else _NO_NAMES)
 
     def _add(self, name: Any, description: Any, parameters: Any, where: str, namespace: str | None,
              custom: bool = False) -> None:
@@ -149,19 +168,14 @@ class ToolCollector:
         if description is not None and not isinstance(description, str):
             raise invalid_type(f"{where}.description", "a string", description, self.param)
         canonical = name if namespace is None else f"{namespace}{NAMESPACE_SEPARATOR}{name}"
-        if len(canonical) > MAX_FLAT_NAME:
-            raise bad(f"{where}: the namespace and tool name together are over {MAX_FLAT_NAME} characters",
-                      self.param, "invalid_value")
         mapped = custom or namespace is not None
-        if canonical in self._mapped or (mapped and canonical in self._names):
-            raise bad(f"{where}: the tool name {canonical!r} is declared twice (a namespace's tools are named "
-                      f"'namespace{NAMESPACE_SEPARATOR}name')", self.param, "invalid_value")
-        self._names.add(canonical)
-        if mapped:
-            self._mapped.add(canonical)
+        if mapped or self._mapped is not None:
+            self._unique(canonical, mapped, where)
         if custom:
+            self.custom = self.custom or set()
             self.custom.add(canonical)
         if namespace is not None:
+            self.namespaced = self.namespaced or {}
             self.namespaced[canonical] = (namespace, name)
         function: dict[str, Any] = {"name": canonical}
         if description is not None:
@@ -169,3 +183,18 @@ class ToolCollector:
         if parameters is not None:
             function["parameters"] = parameters
         self.tools.append({"type": "function", "function": function})
+
+    def _unique(self, canonical: str, mapped: bool, where: str) -> None:
+        """A name a call maps back from (a custom tool's, a namespace's) is the only tool of that name."""
+        if len(canonical) > MAX_FLAT_NAME:
+            raise bad(f"{where}: the namespace and tool name together are over {MAX_FLAT_NAME} characters",
+                      self.param, "invalid_value")
+        if self._names is None or self._mapped is None:
+            self._names = {tool["function"]["name"] for tool in self.tools}
+            self._mapped = set()
+        if canonical in self._mapped or (mapped and canonical in self._names):
+            raise bad(f"{where}: the tool name {canonical!r} is declared twice (a namespace's tools are named "
+                      f"'namespace{NAMESPACE_SEPARATOR}name')", self.param, "invalid_value")
+        self._names.add(canonical)
+        if mapped:
+            self._mapped.add(canonical)

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -69,24 +69,17 @@ class SamplingParams:
     top_k: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    logit_bias: dict[int, float] | None = None  # token id -> bias
+    more: Mapping[str, Any] | None = None  # of `SHARED_SAMPLING`, as the engines take them (`shared_sampling`)
 
 
-def shared_sampling(params: SamplingParams) -> dict[str, Any]:
-    """The sampling parameters vLLM's and SGLang's `SamplingParams` name alike, those that are set (logit_bias
-    keys are token ids as JSON strings)."""
-    body: dict[str, Any] = {}
-    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
-        value = getattr(params, name)
-        if value is not None:
-            body[name] = value
-    if params.logit_bias:
-        body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
-    return body
+# Sampling parameters vLLM's and SGLang's `SamplingParams` name and read alike (logit_bias: token ids as JSON
+# strings -> bias): few requests set them, so they travel together, as `SamplingParams.more`.
+SHARED_SAMPLING = frozenset({"frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias"})
+
+
+def shared_sampling(params: SamplingParams) -> Mapping[str, Any]:
+    """What of `SHARED_SAMPLING` is set, for either engine's sampling body."""
+    return params.more or {}
 
 
 @dataclass(frozen=True, slots=True)

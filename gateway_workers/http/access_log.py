@@ -30,11 +30,14 @@ def _tag(sid: str | None) -> str:
     return session_tag(sid) if sid else "-"
 
 
-def served(method: str, path: str, status: int, started: float, sid: str | None = None, detail: str = "") -> None:
-    """A request answered without an error (logged with --access-log only)."""
+def served(method: str, path: str, status: int, started: float, sid: str | None = None, stream: str = "",
+           outcome: str = "") -> None:
+    """A request answered without an error (logged with --access-log only); a turn's says whether it streamed
+    and what became of it (committed, replayed, aborted)."""
     if logger.isEnabledFor(logging.INFO):
+        detail = f" stream={stream} {outcome}" if outcome else ""
         logger.info("%s %s %d session=%s %.1f ms%s", method, path, status, _tag(sid),
-                    (time.perf_counter() - started) * 1000, f" {detail}" if detail else "")
+                    (time.perf_counter() - started) * 1000, detail)
 
 
 def refused(method: str, path: str, error: ApiError, error_type: str, started: float, sid: str | None = None,

@@ -11,6 +11,7 @@ own error shape. `TurnPipeline.prepare` (OPEN + render) is shared with the live 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -26,6 +27,7 @@ from broker.message_keys import EchoDigest
 from broker.protocol import session_tag
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import (
+    SHARED_SAMPLING,
     Engine,
     EngineError,
     EngineResult,
@@ -98,11 +100,7 @@ class TurnRequest:
     top_k: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    logit_bias: dict[int, float] | None = None  # token id -> bias, in the served model's vocabulary
+    sampling: dict[str, Any] | None = None  # more of it (`engines.base.SHARED_SAMPLING`), as the engines take them
 
 
 @dataclass(slots=True)
@@ -469,10 +467,9 @@ class TurnPipeline:
             top_k=pick("top_k", request.top_k),
             stop=tuple(stop),
             seed=pick("seed", request.seed),
-            frequency_penalty=pick("frequency_penalty", request.frequency_penalty),
-            presence_penalty=pick("presence_penalty", request.presence_penalty),
-            repetition_penalty=pick("repetition_penalty", request.repetition_penalty),
-            min_p=pick("min_p", request.min_p),
-            logit_bias=request.logit_bias,
+            more=request.sampling,
         )
+        if defaults and not SHARED_SAMPLING.isdisjoint(defaults):  # the session's own, under the request's
+            more = {name: defaults[name] for name in SHARED_SAMPLING if name in defaults}
+            params = dataclasses.replace(params, more={**more, **(request.sampling or {})})
         return params, over_budget

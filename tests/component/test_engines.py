@@ -134,10 +134,9 @@ def test_stop_strings_are_sent_and_keep_detokenizing():
 
 def test_penalties_min_p_and_logit_bias_go_under_the_engines_own_names():
     """vLLM's `SamplingParams` and SGLang's take the same names; logit_bias keys are token ids as JSON strings."""
-    params = SamplingParams(max_tokens=8, frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1,
-                            min_p=0.05, logit_bias={42: -100.0, 7: 2.5})
     wanted = {"frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1, "min_p": 0.05,
               "logit_bias": {"42": -100.0, "7": 2.5}}
+    params = SamplingParams(max_tokens=8, more=wanted)
     assert vllm_backend.sampling_body(params) == {"max_tokens": 8, "logprobs": 0, "detokenize": False, **wanted}
     assert sglang_backend.sampling_body(params) == {"max_new_tokens": 8, "skip_special_tokens": False, **wanted}
 

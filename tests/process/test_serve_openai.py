@@ -289,6 +289,21 @@ def test_keys_finished_sessions_and_turn_caps_are_final_4xx(gateway: Any, fake_e
     assert len(fake_engine.log(routing_key(capped))["requests"]) == before
 
 
+def test_penalties_min_p_and_logit_bias_reach_the_engine_the_sessions_under_the_requests(
+    gateway: Any, fake_engine: FakeEngine
+) -> None:
+    """The official SDK's frequency_penalty and logit_bias, and vLLM's min_p (through extra_body), go into the
+    engine's sampling params; the session's own defaults fill what the request leaves out."""
+    sid = gateway.client.open_session(sampling_defaults={"repetition_penalty": 1.1, "frequency_penalty": 0.1})
+    client = openai.OpenAI(base_url=gateway.base_url, api_key=sid)
+    client.chat.completions.create(**GOOD, frequency_penalty=0.5, logit_bias={"42": -100}, extra_body={"min_p": 0.05})
+    [request] = fake_engine.log(routing_key(sid))["requests"]
+    params = request["body"]["sampling_params"]
+    assert (params["frequency_penalty"], params["repetition_penalty"], params["min_p"]) == (0.5, 1.1, 0.05)
+    assert params["logit_bias"] == {"42": -100.0} and "presence_penalty" not in params
+    gateway.client.drop_session(sid)
+
+
 def test_prompt_over_budget_is_an_empty_length_turn(gateway: Any, fake_engine: FakeEngine) -> None:
     sid = gateway.client.open_session(max_context_tokens=8)
     reply = openai.OpenAI(base_url=gateway.base_url, api_key=sid).chat.completions.create(**GOOD)

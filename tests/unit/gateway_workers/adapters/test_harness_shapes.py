@@ -128,9 +128,9 @@ def test_chat_sampling_extensions_are_honoured_and_template_variables_ignored():
             "presence_penalty": -1, "repetition_penalty": 1.05, "min_p": 0.1, "logit_bias": {"42": -100},
             "chat_template_kwargs": {"enable_thinking": False}}
     request = openai_chat.parse_request(body)
-    turn = request.turn
-    assert (turn.frequency_penalty, turn.presence_penalty, turn.repetition_penalty, turn.min_p) == (0.5, -1, 1.05, 0.1)
-    assert turn.logit_bias == {42: -100.0}
+    assert request.turn.sampling == {"frequency_penalty": 0.5, "presence_penalty": -1.0, "repetition_penalty": 1.05,
+                                     "min_p": 0.1, "logit_bias": {"42": -100.0}}
+    assert openai_chat.parse_request({"model": "m", "messages": body["messages"]}).turn.sampling is None
     assert set(request.ignored) == {"model", "chat_template_kwargs"}
 
 
