@@ -28,7 +28,7 @@ from gateway_workers.http.limits import RequestLimits, check_parts
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _TEXT_PARTS = ("text", "input_text", "output_text")
 # Ignored fields of the messages a request adds and their parts, counted by their place's name.
-_MESSAGE_IGNORED = request_fields.ignored_fields("chat", "messages[assistant]")
+_MESSAGE_IGNORED = {role: request_fields.ignored_fields("chat", f"messages[{role}]") for role in _ROLES}
 _PART_IGNORED = request_fields.ignored_fields("chat", "messages[user].content[text]")
 
 
@@ -82,8 +82,8 @@ def canonical_message(
     content = raw.get("content")
     if content is None and role != "assistant":  # only an assistant message may leave it out (or null)
         raise missing(f"messages[{index}].content", f"messages.[{index}].content")
-    if len(raw) > 2 and not _MESSAGE_IGNORED.isdisjoint(raw):
-        ignored.update(f"messages.{key}" for key in raw if key in _MESSAGE_IGNORED)
+    if len(raw) > 2 and not (role_ignored := _MESSAGE_IGNORED[role]).isdisjoint(raw):
+        ignored.update(f"messages.{key}" for key in raw if key in role_ignored)
     message: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
         # plain text (nearly every message) skips the call; `where` is formatted only for an error

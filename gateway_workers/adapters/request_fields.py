@@ -77,6 +77,8 @@ CHAT: tuple[Rule, ...] = (
     _r("messages[tool]", H, "rendered as the result of the call it answers (named after that call)"),
     _r("messages[function]", R, "the deprecated functions API is not served: declare `tools`"),
     _r("messages[*].role", H),
+    _r("messages[tool].name", H, "the name of the tool that answered (the call's name when left out)",
+       extension=True),
     _r("messages[*].name", I, "the chat templates have no place for a participant's name"),
     _r("messages[*].content", H, "a string, or text parts joined with newlines"),
     _r("messages[*].content[text]", H),
@@ -370,6 +372,8 @@ RESPONSES: tuple[Rule, ...] = (
     _r("tools[custom]", H, _CUSTOM_TOOL),
     _r("tools[namespace]", H, "its tools are declared as functions named `namespace__name`, and their calls come "
        "back under the namespace"),
+    _r("tools[namespace].description", I, "the templates have no place for a group's description: each of its tools "
+       "keeps its own"),
     _r("tools[*].type", H),
     _r("tools[*].name", H),
     _r("tools[*].description", H),
