@@ -14,8 +14,8 @@ from gateway_workers.adapters import request_fields
 from gateway_workers.adapters.common import (
     OpenCalls,
     bad,
-    bad_part,
     invalid_type,
+    join_text_parts,
     missing,
     parse_arguments,
     unsupported,
@@ -40,18 +40,7 @@ def _text(content: Any, where: str, limits: RequestLimits, ignored: set[str]) ->
         return content
     if isinstance(content, list):
         check_parts(content, limits, "messages")
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "refusal" and isinstance(part.get("refusal"), str):
-                texts.append(part["refusal"])
-                continue
-            if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-                raise bad_part(part, where, "messages", _TEXT_PARTS)
-            if len(part) > 2 and not _PART_IGNORED.isdisjoint(part):
-                ignored.update(f"messages.content.{key}" for key in part if key in _PART_IGNORED)
-            texts.append(part["text"])
-        return "\n".join(texts)
+        return join_text_parts(content, where, "messages", _TEXT_PARTS, _PART_IGNORED, ignored, "messages.content")
     raise invalid_type(f"{where}.content", "a string or an array of parts", content, "messages")
 
 

@@ -72,6 +72,24 @@ def bad_part(part: Any, where: str, param: str, text_kinds: tuple[str, ...]) -> 
     return wrong_value(f"{where}.content[].type", kind, text_kinds, param)
 
 
+def join_text_parts(parts: list[Any], where: str, param: str, text_kinds: tuple[str, ...],
+                    ignored_keys: frozenset[str], ignored: set[str] | None, label: str) -> str:
+    """An OpenAI message's content parts, text (or a refusal's text) only, joined with newlines (as vLLM does);
+    the parts' ignored fields go into `ignored` as `label.key` (None: not counted)."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
+        if type(kind) is not str or kind not in text_kinds or not isinstance(part.get("text"), str):
+            raise bad_part(part, where, param, text_kinds)
+        if ignored is not None and len(part) > 2 and not ignored_keys.isdisjoint(part):
+            ignored.update(f"{label}.{key}" for key in part if key in ignored_keys)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def earlier_elements(earlier: list[Any] | None, elements: list[Any]) -> int:
     """How many leading `elements` a parse of the session's previous request converted already: all of that
     request's (`earlier`, its conversation's elements), when `elements` begins with those very objects

@@ -18,8 +18,8 @@ from gateway_workers.adapters import request_fields
 from gateway_workers.adapters.common import (
     OpenCalls,
     bad,
-    bad_part,
     invalid_type,
+    join_text_parts,
     missing,
     non_empty_list,
     parse_arguments,
@@ -54,18 +54,7 @@ def _text(content: Any, where: str, limits: RequestLimits | None, ignored: set[s
         raise invalid_type(f"{where}.content", "a string or an array of parts", content, "input")
     if limits is not None:
         check_parts(content, limits, "input")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-            continue
-        if type(kind) is not str or kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_part(part, where, "input", _TEXT_PARTS)
-        if len(part) > 2:
-            _notice(part, ignored, _PART_IGNORED, "input.content")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return join_text_parts(content, where, "input", _TEXT_PARTS, _PART_IGNORED, ignored, "input.content")
 
 
 def _reasoning_text(item: dict[str, Any], where: str, limits: RequestLimits | None) -> str:
