@@ -1,36 +1,26 @@
 """`TrainerClient`: the synchronous trainer-side API over blocking ZeroMQ DEALERs.
 
-Owns the public calls, their request ids, which of them may be resent through a broker
-restart, socket reset after a timeout, and a socket pool so many trainer threads can
-call at once (a pyzmq socket is not thread-safe, so each call borrows one for its whole
-send..reply). One socket's request and reply, and its connection watch, are
-`control_socket.ControlSocket`'s. `episodes()` hands out an `EpisodeStream`
-(subscriber.py) that keeps its own socket. With CURVE keys every socket authenticates and
-encrypts. Imports plain `zmq`, `broker.protocol` and `broker.curve` only: never
-zmq.asyncio, asyncio, uvloop, starlette, transformers or `gateway_workers`.
+Owns the public calls and which of them may be resent through a broker restart. Request ids,
+encoding, the socket pool that lets many trainer threads call at once, socket reset after a
+timeout and the reply's check are `control_socket.ControlChannel`'s; one socket's request and
+reply, and its connection watch, `control_socket.ControlSocket`'s. `episodes()` hands out an
+`EpisodeStream` (subscriber.py) over the same channel, which keeps a socket of its own. With
+CURVE keys every socket authenticates and encrypts. Imports plain `zmq`, `broker.protocol` and
+`broker.curve` only: never zmq.asyncio, asyncio, uvloop, starlette, transformers or `gateway_workers`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import os
 import secrets
-import threading
-from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
-
-import zmq
+from typing import Any
 
 from broker import curve, protocol
-from trainer_client.control_socket import ControlSocket
+from trainer_client.control_socket import ControlChannel
 from trainer_client.errors import (
-    GatewayError,
     InvalidRequest,
-    ProtocolMismatch,
-    error_for_refusal,
 )
 from trainer_client.records import TraceRecord
 from trainer_client.subscriber import DEFAULT_LEASE_S, DEFAULT_MAX_PENDING, EpisodeStream
@@ -40,14 +30,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_WAIT_TIMEOUT_S = 5.0
 _MAX_ID_LEN = 256
-# Request ids start at a random point: the broker recognises a resent FinishSession by its session and
-# request id, which must not meet another client's (or an earlier run's) request by chance.
-_FIRST_ID_RANGE = 1 << 48
-# Each pooled socket takes three of its context's sockets (the DEALER, its monitor and the monitor's peer):
-# room for as many calls at once as a default context (1023 sockets) had before the monitors.
-_MAX_SOCKETS = 3 * 1024
-
-_Reply = TypeVar("_Reply", bound=protocol.Message)
 
 
 class TrainerClient:
@@ -83,17 +65,11 @@ class TrainerClient:
             raise ValueError(f"client_id must be a non-empty string of at most {_MAX_ID_LEN - 16} characters")
         keys_dir = curve.keys_from_env(curve_keys)
         curve.require_keys_off_loopback(endpoint, keys_dir, "the control endpoint")
-        self._keys = curve.load_client_keys(keys_dir, "trainer") if keys_dir is not None else None
+        keys = curve.load_client_keys(keys_dir, "trainer") if keys_dir is not None else None
         self.endpoint = endpoint
         self.timeout = float(timeout)
         self.client_id = client_id or f"tc-{secrets.token_hex(8)}"
-        self._lock = threading.Lock()
-        self._idle: list[ControlSocket] = []
-        self._sockets: set[ControlSocket] = set()
-        self._ids = itertools.count(1 + secrets.randbelow(_FIRST_ID_RANGE))
-        self._closed = False
-        self._pid = os.getpid()
-        self._ctx = _context()
+        self._channel = ControlChannel(endpoint, keys)
 
     # --- public API ------------------------------------------------------------------
 
@@ -120,7 +96,7 @@ class TrainerClient:
         restart (the key open already then means the first attempt opened it: the key is returned);
         without one it raises `BrokerDisconnected` instead, since a repeat would open a second session.
         """
-        reply = self._call(
+        reply = self._channel.call(
             lambda rid: protocol.OpenSession(
                 rid,
                 session_id,
@@ -158,7 +134,7 @@ class TrainerClient:
         A broker without a state directory lost the session: `UnknownSession` (rerun the episode).
         """
         args = _finish_args(sid, reward, rollout_id, metadata, wait_timeout)
-        reply = self._call(
+        reply = self._channel.call(
             lambda rid: protocol.FinishSession(rid, *args),
             protocol.SessionFinished,
             self.timeout + wait_timeout,
@@ -192,7 +168,7 @@ class TrainerClient:
         lost the session: `UnknownSession`.
         """
         args = _finish_args(sid, reward, rollout_id, metadata, wait_timeout)
-        self._call(
+        self._channel.call(
             lambda rid: protocol.RequestFinish(rid, *args),
             protocol.FinishAccepted,
             self.timeout,
@@ -214,7 +190,9 @@ class TrainerClient:
         one of them and stays leased to it until acknowledged. See `EpisodeStream` for the arguments.
         """
         return EpisodeStream(
-            self,
+            self._channel,
+            self.client_id,
+            self.timeout,
             timeout=timeout,
             max_pending=max_pending,
             client_id=self.client_id if only_mine else None,
@@ -229,7 +207,7 @@ class TrainerClient:
         Resent through a broker restart (dropping twice frees it once): then False may also mean that the
         first attempt dropped it.
         """
-        reply = self._call(
+        reply = self._channel.call(
             lambda rid: protocol.DropSession(rid, sid), protocol.SessionDropped, self.timeout, resend=True
         )
         return reply.existed
@@ -237,7 +215,7 @@ class TrainerClient:
     def stats(self) -> dict[str, Any]:
         """The broker's counters and gauges (sessions, turns in flight, commits, refusals, ...); resent through a
         broker restart."""
-        return self._call(lambda rid: protocol.GetStats(rid), protocol.Stats, self.timeout, resend=True).stats
+        return self._channel.call(lambda rid: protocol.GetStats(rid), protocol.Stats, self.timeout, resend=True).stats
 
     def set_engines(self, urls: list[str]) -> list[str]:
         """Route sessions over these engine replicas from now on (base URLs), e.g. after a weight sync restarted
@@ -247,7 +225,7 @@ class TrainerClient:
         Not kept across a broker restart (it starts from its --engine-url list again). Resent through a restart."""
         if isinstance(urls, str) or not all(isinstance(u, str) for u in urls):
             raise ValueError("urls must be a list of base URLs")
-        reply = self._call(
+        reply = self._channel.call(
             lambda rid: protocol.SetEngines(rid, list(urls)), protocol.EnginesSet, self.timeout, resend=True
         )
         return reply.urls
@@ -259,26 +237,20 @@ class TrainerClient:
         keeps the version it opened with. Durable with the broker's `--state-dir`; resent through a restart."""
         if type(version) is not int or not 0 <= version < 2**31:
             raise ValueError(f"version must be an int in [0, 2**31), got {version!r}")
-        reply = self._call(
+        reply = self._channel.call(
             lambda rid: protocol.SetWeightVersion(rid, version), protocol.WeightVersionSet, self.timeout, resend=True
         )
         return reply.previous
 
     def metrics(self) -> str:
         """The whole gateway's metrics in the Prometheus text format (what any worker's `/metrics` answers)."""
-        return self._call(lambda rid: protocol.GetMetrics(rid), protocol.MetricsText, self.timeout, resend=True).text
+        metrics = self._channel.call(lambda rid: protocol.GetMetrics(rid), protocol.MetricsText, self.timeout,
+                                     resend=True)
+        return metrics.text
 
     def close(self) -> None:
         """Close every socket and the context. Call it once no other thread is inside a call."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            sockets, self._sockets, self._idle = self._sockets, set(), []
-        for sock in sockets:
-            sock.close()
-        if self._pid == os.getpid():
-            self._ctx.term()
+        self._channel.close()
 
     def __enter__(self) -> TrainerClient:
         return self
@@ -287,91 +259,6 @@ class TrainerClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-    # --- socket pool -------------------------------------------------------------------
-
-    def _borrow(self) -> ControlSocket:
-        with self._lock:
-            if self._idle and self._pid == os.getpid() and not self._closed:
-                return self._idle.pop()
-        return self._new_socket()
-
-    def _new_socket(self) -> ControlSocket:
-        """A fresh socket to the broker, closed by `close()` (a pooled one, or an episode stream's)."""
-        with self._lock:
-            if self._closed:
-                raise GatewayError("the TrainerClient is closed")
-            if self._pid != os.getpid():
-                # A forked child must not touch the parent's context or sockets: start afresh.
-                self._pid, self._ctx, self._idle, self._sockets = os.getpid(), _context(), [], set()
-            sock = ControlSocket(self._ctx, self.endpoint, self._keys)
-            self._sockets.add(sock)
-        return sock
-
-    def _give_back(self, sock: ControlSocket) -> None:
-        with self._lock:
-            if not self._closed and sock in self._sockets:
-                self._idle.append(sock)
-                return
-        sock.close()
-
-    def _discard(self, sock: ControlSocket) -> None:
-        """Close a socket in an unknown state (timed out, garbage received): no late reply may reach a later call."""
-        with self._lock:
-            self._sockets.discard(sock)
-        sock.close()
-
-    # --- one request / reply -------------------------------------------------------------
-
-    def _call(
-        self, build: Callable[[int], protocol.Message], expect: type[_Reply], timeout: float, *, resend: bool = False
-    ) -> _Reply:
-        """One request and its reply. `resend`: the broker recognises a repeat of this request (by its request id,
-        or by what it asks), so it is sent again if its connection ends before the reply (`ControlSocket`)."""
-        msg = build(self._next_id())
-        frame = self._encode(msg)
-        sock = self._borrow()
-        try:
-            reply, resent = sock.roundtrip(frame, msg, timeout, resend=resend)
-        except BaseException:
-            self._discard(sock)
-            raise
-        self._give_back(sock)
-        if resent:
-            reply = _first_attempt_reply(msg, reply)
-        return self._expect(msg, reply, expect)
-
-    def _next_id(self) -> int:
-        return next(self._ids)
-
-    def _encode(self, msg: protocol.Message) -> bytes:
-        try:
-            return protocol.encode(msg)
-        except Exception as e:  # msgpack rejects e.g. objects in metadata: the caller's argument
-            raise InvalidRequest(f"cannot encode {msg.TAG}: {e}") from e
-
-    def _expect(self, msg: protocol.Message, reply: protocol.Message, expect: type[_Reply]) -> _Reply:
-        """The reply as `expect`, or the named error for a refusal or a reply of the wrong kind."""
-        if isinstance(reply, protocol.Refused):
-            raise error_for_refusal(reply.code, reply.message)
-        if not isinstance(reply, expect):
-            raise ProtocolMismatch(f"broker answered {msg.TAG} with {reply.TAG}")
-        return reply
-
-
-def _context() -> zmq.Context:
-    ctx = zmq.Context()
-    ctx.set(zmq.MAX_SOCKETS, _MAX_SOCKETS)
-    return ctx
-
-
-def _first_attempt_reply(msg: protocol.Message, reply: protocol.Message) -> protocol.Message:
-    """What a resent request's first attempt got, where the resend is refused for what that attempt did: an
-    OpenSession of a chosen key that is open now was opened by it (a key is a secret: nobody else chose it)."""
-    if isinstance(msg, protocol.OpenSession) and isinstance(reply, protocol.Refused):
-        if reply.code == "duplicate_session" and msg.session_id is not None:
-            return protocol.SessionOpened(msg.request_id, msg.session_id)
-    return reply
 
 
 def _finish_args(

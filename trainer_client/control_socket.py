@@ -1,4 +1,10 @@
-"""`ControlSocket`: one DEALER to the broker's control endpoint, one request and its reply at a time.
+"""The broker's control endpoint from a trainer: `ControlChannel` (every call) over `ControlSocket`s (one each).
+
+`ControlChannel` is the seam `TrainerClient`'s calls and its episode streams share: request ids, encoding,
+a pool of sockets (a pyzmq socket is not thread-safe, so each call borrows one for its whole send..reply),
+and the check that a reply is the one expected (a refusal raises its named error).
+
+`ControlSocket` is one DEALER, one request and its reply at a time.
 
 Owns what a call does on the wire: the send and the wait for the reply with the same request id
 (stale replies are dropped), both behind a deadline, and the connection under them, watched by a
@@ -7,16 +13,22 @@ monitor (`curve.HandshakeWatch`) polled with the reply. With CURVE keys a refuse
 come (the broker's ROUTER drops a reply to a connection that is gone): a call that the broker
 recognises when repeated (the caller says so: `resend`) is sent again, the same frame with the same
 request id, once a connection is back; any other raises `BrokerDisconnected` at once, instead of
-waiting for its timeout. The DEALER reconnects by itself. The socket pool and the public calls are
-`client.py`'s. Plain blocking pyzmq; imports zmq, `broker.protocol`, `broker.curve` and
+waiting for its timeout. The DEALER reconnects by itself. The public calls are `client.py`'s, the episode
+stream's steps `subscriber.py`'s. Plain blocking pyzmq; imports zmq, `broker.protocol`, `broker.curve` and
 `trainer_client.errors` only.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import os
+import secrets
+import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import zmq
 
@@ -26,7 +38,9 @@ from trainer_client.errors import (
     BrokerDisconnected,
     BrokerTimeout,
     GatewayError,
+    InvalidRequest,
     ProtocolMismatch,
+    error_for_refusal,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,6 +49,14 @@ logger = logging.getLogger(__name__)
 # restarted broker is found again without any action from the caller.
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1_000
+# Request ids start at a random point: the broker recognises a resent FinishSession by its session and
+# request id, which must not meet another client's (or an earlier run's) request by chance.
+_FIRST_ID_RANGE = 1 << 48
+# Each pooled socket takes three of its context's sockets (the DEALER, its monitor and the monitor's peer):
+# room for as many calls at once as a default context (1023 sockets) had before the monitors.
+_MAX_SOCKETS = 3 * 1024
+
+Reply = TypeVar("Reply", bound=protocol.Message)
 
 
 class _ConnectionLost(Exception):
@@ -171,6 +193,122 @@ class ControlSocket:
 
     def _timeout(self, msg: protocol.Message, timeout: float) -> BrokerTimeout:
         return BrokerTimeout(f"no reply to {msg.TAG} from the broker at {self.endpoint} within {timeout:.1f}s")
+
+
+class ControlChannel:
+    """Every call to one broker's control endpoint: request ids, encoding, a pool of `ControlSocket`s, the reply's
+    check. Safe to use from many threads; close it once no other thread is inside a call.
+
+    Args:
+        endpoint: the broker's control endpoint.
+        keys: CURVE keys to authenticate with, or None.
+    """
+
+    def __init__(self, endpoint: str, keys: curve.ClientKeys | None) -> None:
+        self.endpoint = endpoint
+        self._keys = keys
+        self._lock = threading.Lock()
+        self._idle: list[ControlSocket] = []
+        self._sockets: set[ControlSocket] = set()
+        self._ids = itertools.count(1 + secrets.randbelow(_FIRST_ID_RANGE))
+        self._closed = False
+        self._pid = os.getpid()
+        self._ctx = _context()
+
+    def call(self, build: Callable[[int], protocol.Message], expect: type[Reply], timeout: float, *,
+             resend: bool = False) -> Reply:
+        """One request (`build(request id)`) and its reply, on a pooled socket. `resend`: the broker recognises a
+        repeat of this request (by its request id, or by what it asks), so it is sent again if its connection
+        ends before the reply (`ControlSocket.roundtrip`)."""
+        msg = build(self.next_id())
+        frame = self.encode(msg)
+        sock = self._borrow()
+        try:
+            reply, resent = sock.roundtrip(frame, msg, timeout, resend=resend)
+        except BaseException:
+            self.discard(sock)
+            raise
+        self._give_back(sock)
+        if resent:
+            reply = _first_attempt_reply(msg, reply)
+        return self.expect(msg, reply, expect)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def encode(self, msg: protocol.Message) -> bytes:
+        try:
+            return protocol.encode(msg)
+        except Exception as e:  # msgpack rejects e.g. objects in metadata: the caller's argument
+            raise InvalidRequest(f"cannot encode {msg.TAG}: {e}") from e
+
+    @staticmethod
+    def expect(msg: protocol.Message, reply: protocol.Message, expect: type[Reply]) -> Reply:
+        """The reply as `expect`, or the named error for a refusal or a reply of the wrong kind."""
+        if isinstance(reply, protocol.Refused):
+            raise error_for_refusal(reply.code, reply.message)
+        if not isinstance(reply, expect):
+            raise ProtocolMismatch(f"broker answered {msg.TAG} with {reply.TAG}")
+        return reply
+
+    def new_socket(self) -> ControlSocket:
+        """A fresh socket to the broker, closed by `close()`: a pooled one, or one a caller keeps (an episode
+        stream's), which it hands to `discard` when it is done with it."""
+        with self._lock:
+            if self._closed:
+                raise GatewayError("the TrainerClient is closed")
+            if self._pid != os.getpid():
+                # A forked child must not touch the parent's context or sockets: start afresh.
+                self._pid, self._ctx, self._idle, self._sockets = os.getpid(), _context(), [], set()
+            sock = ControlSocket(self._ctx, self.endpoint, self._keys)
+            self._sockets.add(sock)
+        return sock
+
+    def discard(self, sock: ControlSocket) -> None:
+        """Close a socket in an unknown state (timed out, garbage received): no late reply may reach a later call."""
+        with self._lock:
+            self._sockets.discard(sock)
+        sock.close()
+
+    def close(self) -> None:
+        """Close every socket and the context."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sockets, self._sockets, self._idle = self._sockets, set(), []
+        for sock in sockets:
+            sock.close()
+        if self._pid == os.getpid():
+            self._ctx.term()
+
+    def _borrow(self) -> ControlSocket:
+        with self._lock:
+            if self._idle and self._pid == os.getpid() and not self._closed:
+                return self._idle.pop()
+        return self.new_socket()
+
+    def _give_back(self, sock: ControlSocket) -> None:
+        with self._lock:
+            if not self._closed and sock in self._sockets:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+
+def _context() -> zmq.Context:
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, _MAX_SOCKETS)
+    return ctx
+
+
+def _first_attempt_reply(msg: protocol.Message, reply: protocol.Message) -> protocol.Message:
+    """What a resent request's first attempt got, where the resend is refused for what that attempt did: an
+    OpenSession of a chosen key that is open now was opened by it (a key is a secret: nobody else chose it)."""
+    if isinstance(msg, protocol.OpenSession) and isinstance(reply, protocol.Refused):
+        if reply.code == "duplicate_session" and msg.session_id is not None:
+            return protocol.SessionOpened(msg.request_id, msg.session_id)
+    return reply
 
 
 def _remaining_ms(deadline: float) -> int:

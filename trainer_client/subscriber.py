@@ -1,7 +1,7 @@
 """`EpisodeStream`: a blocking iterator over finished episodes, with credit, leases and acknowledgements.
 
-The subscriber side of the broker's episode outbox (broker/outbox.py): one DEALER socket of
-its own, one `FetchEpisodes` request per step that acknowledges what was consumed, renews the
+The subscriber side of the broker's episode outbox (broker/outbox.py): one socket of its own
+from its client's `ControlChannel`, one `FetchEpisodes` request per step that acknowledges what was consumed, renews the
 lease, reports what it holds and asks for as many episodes as its credit allows (a long poll
 when nothing is buffered). Delivery is at least once: an episode stays leased to this stream
 until acknowledged, and goes to another subscriber (marked redelivered) if this one stops
@@ -23,15 +23,11 @@ import threading
 import time
 from collections import deque
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from broker import protocol
+from trainer_client.control_socket import ControlChannel, ControlSocket
 from trainer_client.errors import EpisodeTimeout, GatewayError, InvalidRequest
 from trainer_client.records import Episode
-
-if TYPE_CHECKING:
-    from trainer_client.client import TrainerClient
-    from trainer_client.control_socket import ControlSocket
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +55,9 @@ class EpisodeStream:
     come from any thread, and waits for a long poll in progress (at most POLL_WAIT_S) to return.
 
     Args:
-        client: the `TrainerClient` whose context, endpoint and call timeout it uses.
+        channel: its client's `ControlChannel` (the broker's control endpoint).
+        owner_id: its client's id, which this stream's subscriber id starts with.
+        call_timeout: seconds the broker has to answer one step beyond its long poll (its client's timeout).
         timeout: seconds one `next()` waits for an episode before raising `EpisodeTimeout`;
             None waits for ever. A broker that does not answer raises `BrokerTimeout` after the
             client's timeout; the stream stays usable (it reconnects on the next call).
@@ -72,7 +70,9 @@ class EpisodeStream:
 
     def __init__(
         self,
-        client: TrainerClient,
+        channel: ControlChannel,
+        owner_id: str,
+        call_timeout: float,
         *,
         timeout: float | None,
         max_pending: int,
@@ -87,8 +87,9 @@ class EpisodeStream:
             raise ValueError(f"max_pending must be an int in 1..{MAX_PENDING_LIMIT}, got {max_pending!r}")
         if not (isinstance(lease, (int, float)) and lease > 0 and math.isfinite(lease)):
             raise ValueError(f"lease must be a positive number of seconds, got {lease!r}")
-        self.subscriber_id = f"{client.client_id}/{secrets.token_hex(6)}"
-        self._client = client
+        self.subscriber_id = f"{owner_id}/{secrets.token_hex(6)}"
+        self._channel = channel
+        self._call_timeout = call_timeout
         self._timeout = timeout
         self._max_pending = max_pending
         self._client_id = client_id
@@ -198,12 +199,12 @@ class EpisodeStream:
 
     def _exchange(self, wait: float, *, fetch: bool, timeout: float | None = None) -> None:
         """One FetchEpisodes round trip; on success the acks and releases it carried are settled."""
-        client = self._client
+        channel = self._channel
         held = [e.delivery_id for e in self._buffer] + list(self._unacked)
         credit = max(0, self._max_pending - len(held)) if fetch else 0
         acks, release = list(self._acks), list(self._release)
         msg = protocol.FetchEpisodes(
-            client._next_id(),
+            channel.next_id(),
             self.subscriber_id,
             self._epoch,
             credit,
@@ -215,19 +216,19 @@ class EpisodeStream:
             self._client_id,
             self._group,
         )
-        frame = client._encode(msg)
+        frame = channel.encode(msg)
         if self._sock is None:
-            self._sock = client._new_socket()
+            self._sock = channel.new_socket()
         try:
             # A repeat is harmless: acks of episodes acknowledged already change nothing, and what the lost reply
             # leased is neither held nor acknowledged, so the broker hands it out again (redelivered).
             reply, _ = self._sock.roundtrip(
-                frame, msg, wait + (client.timeout if timeout is None else timeout), resend=True
+                frame, msg, wait + (self._call_timeout if timeout is None else timeout), resend=True
             )
         except BaseException:
             self._drop_socket()  # a late reply must not reach a later request
             raise
-        delivered = client._expect(msg, reply, protocol.EpisodesDelivered)
+        delivered = channel.expect(msg, reply, protocol.EpisodesDelivered)
         self._apply(delivered, len(acks), len(release))
 
     def _apply(self, reply: protocol.EpisodesDelivered, n_acks: int, n_release: int) -> None:
@@ -257,5 +258,5 @@ class EpisodeStream:
 
     def _drop_socket(self) -> None:
         if self._sock is not None:
-            self._client._discard(self._sock)
+            self._channel.discard(self._sock)
             self._sock = None

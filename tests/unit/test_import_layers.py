@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -106,6 +107,8 @@ SUBPACKAGES = {
 _GW = "gateway_workers."
 _TURN_PATH = tuple(_GW + p for p in ("adapters", "turns", "rendering", "formats", "engines", "capture"))
 _NOT_BROKER_STATE = ("broker.server", "broker.sessions", "broker.episodes")
+_DIALECT_MODULES = ("openai_chat", "chat_messages", "anthropic_messages", "anthropic_blocks", "openai_responses",
+                    "responses_items")
 
 
 def _gateway_layer(*forbid: str, also: tuple[str, ...] = ()) -> Layer:
@@ -127,7 +130,16 @@ SUBPACKAGES.update({
                                               also=("transformers", "starlette")),
     "gateway_workers.turns": _gateway_layer("adapters", also=("starlette",)),
     "gateway_workers.adapters": _gateway_layer(also=("starlette",)),
+    # the verdict table and the dialect-free tools: nothing of a dialect's adapter
+    "gateway_workers.adapters.request_fields": Layer(forbid=(_GW + "adapters.common", _GW + "adapters.tools",
+                                                             *_TURN_PATH[1:], "broker", "zmq", "starlette")),
+    "gateway_workers.adapters.tools": Layer(forbid=tuple(_GW + "adapters." + m for m in _DIALECT_MODULES)),
+    "gateway_workers.adapters.tool_readers": Layer(forbid=tuple(_GW + "adapters." + m for m in _DIALECT_MODULES)),
 })
+# Packages in which no two modules import each other, directly or around a longer circle (read from the source:
+# an import under TYPE_CHECKING counts too). The trainer client's seam to the broker (`control_socket`) is under
+# the client and its episode streams, never over them.
+NO_CIRCLES = ("trainer_client", "gateway_workers.adapters")
 
 
 def modules_of(package: str) -> list[str]:
@@ -182,6 +194,49 @@ def test_sub_package_layers(package):
     assert [m for m in loaded if under(m, layer.forbid)] == []
     if layer.broker_only is not None:
         assert [m for m in loaded if under(m, ("broker",)) and m != "broker" and not under(m, layer.broker_only)] == []
+
+
+def _imports(module: str) -> set[str]:
+    """The modules of our packages `module`'s source imports (`from a.b import c` counts `a.b.c` when that is one)."""
+    path = REPO_ROOT.joinpath(*module.split("."))
+    source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
+    found = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of imports in `edges` (module -> the modules it imports), each once, from its least module."""
+    found: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(edges.get(module, ())):
+            if target == path[0]:
+                found.append([*path, target])
+            elif target not in path and target > path[0]:
+                visit(target, [*path, target])
+
+    for module in sorted(edges):
+        visit(module, [module])
+    return found
+
+
+@pytest.mark.parametrize("package", NO_CIRCLES)
+def test_no_modules_import_each_other(package):
+    modules = [m for m in modules_of(package) if m != package]
+    assert circles({m: {n for n in _imports(m) if n in modules and n != m} for m in modules}) == []
+
+
+def test_the_circle_finder_sees_circles():
+    assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b", "a"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+    assert circles({"a": {"b"}, "b": {"c"}}) == []
+    assert "trainer_client.control_socket" in _imports("trainer_client.subscriber")  # the source is read
 
 
 def test_the_watch_is_real():
