@@ -276,17 +276,28 @@ class HandshakeWatch:
                     f"{self._role}{SECRET_SUFFIX} the broker knows"
                 )
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                self.refusal = (
+                self.refusal = self._keyless() or (
                     f"the handshake with {self._endpoint} failed (ZMTP protocol error {value:#x}): the broker "
                     "there does not run with CURVE keys, or it is not a rollout-gateway broker"
                 )
             elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                 self._no_detail += 1
                 if self._no_detail >= NO_DETAIL_FAILURES_FINAL:
-                    self.refusal = (
+                    self.refusal = self._keyless() or (
                         f"the CURVE handshake with {self._endpoint} failed {self._no_detail} times (errno {value}): "
                         f"{BROKER}{PUBLIC_SUFFIX} is probably not this broker's public key"
                     )
+
+    def _keyless(self) -> str | None:
+        """Why a socket without keys failed its handshakes: the broker requires them (it drops a plaintext greeting,
+        or names the mechanism mismatch). None for a socket with keys."""
+        if self._sock.get(zmq.MECHANISM) != zmq.NULL:
+            return None
+        return (
+            f"the broker at {self._endpoint} requires CURVE keys and this {self._role} has none: give it the key "
+            f"directory `rollout-gateway keys` wrote ({BROKER}{PUBLIC_SUFFIX} and {self._role}{SECRET_SUFFIX}), "
+            f"through ${CURVE_KEYS_ENV} or its option"
+        )
 
     def close(self) -> None:
         """Stop monitoring and close the monitor socket (the watched socket stays open)."""

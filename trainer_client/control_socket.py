@@ -8,9 +8,9 @@ and the check that a reply is the one expected (a refusal raises its named error
 
 Owns what a call does on the wire: the send and the wait for the reply with the same request id
 (stale replies are dropped), both behind a deadline, and the connection under them, watched by a
-monitor (`curve.HandshakeWatch`) polled with the reply. With CURVE keys a refused handshake raises
-`AuthenticationFailed` at once. A connection that ends while a call waits means its reply will not
-come (the broker's ROUTER drops a reply to a connection that is gone): a call that the broker
+monitor (`curve.HandshakeWatch`) polled with the reply. A refused handshake raises `AuthenticationFailed`
+at once: a wrong key, or no key where the broker requires one. A connection that ends while a call waits
+means its reply will not come (the broker's ROUTER drops a reply to a connection that is gone): a call that the broker
 recognises when repeated (the caller says so: `resend`) is sent again, the same frame with the same
 request id, once a connection is back; any other raises `BrokerDisconnected` at once, instead of
 waiting for its timeout. The DEALER reconnects by itself. The public calls are `client.py`'s, the episode
@@ -74,7 +74,6 @@ class ControlSocket:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, keys: curve.ClientKeys | None) -> None:
         self.endpoint = endpoint
-        self._authenticated = keys is not None
         self.sock = ctx.socket(zmq.DEALER)
         try:
             if keys is not None:
@@ -188,7 +187,7 @@ class ControlSocket:
 
     def _read_watch(self) -> None:
         refusal = self._watch.read()
-        if refusal is not None and self._authenticated:
+        if refusal is not None:  # without keys too: a broker that requires them refuses the plaintext handshake
             raise AuthenticationFailed(refusal)
 
     def _timeout(self, msg: protocol.Message, timeout: float) -> BrokerTimeout:

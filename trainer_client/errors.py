@@ -103,7 +103,8 @@ class ProtocolMismatch(GatewayError):
 
 class AuthenticationFailed(GatewayError):
     """The broker refused this client's CURVE handshake (its key is not authorized there, or `broker.key` is not
-    that broker's, or the broker runs without CURVE). The message says which.
+    that broker's, or the broker runs without CURVE, or it requires CURVE and this client has no keys). The message
+    says which.
 
     Fix the key directory (`curve_keys`) or the broker's `authorized_trainers/`; retrying as is will not help.
     """

@@ -3,7 +3,7 @@ worker `Backplane` and `TrainerClient`, `rollout-gateway keys`, and `serve` end 
 
 With the keys of `rollout-gateway keys` a trainer opens a session and a worker records a turn through a
 broker bound to 0.0.0.0; a trainer with no key, an unknown key, the worker's key or the wrong broker key
-is refused (with `AuthenticationFailed` where it has keys), and so is a worker with an unknown key,
+is refused with `AuthenticationFailed`, and so is a worker with an unknown key,
 whose turns never land; a broker, `serve` or `workers` asked for a non-loopback endpoint without keys
 refuses to start. Every wait has a deadline; every process is stopped.
 """
@@ -15,6 +15,7 @@ import logging
 import shutil
 import stat
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,11 +27,11 @@ from processes import TestProcess, launch_gateway, start_broker
 from broker import curve, protocol
 from gateway_workers.capture import backplane as backplane_module
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable
-from trainer_client import AuthenticationFailed, BrokerTimeout, TrainerClient
+from trainer_client import AuthenticationFailed, TrainerClient
 from trainer_client.launcher import GatewayStartError
 
 CALL_TIMEOUT_S = 10.0
-REFUSED_TIMEOUT_S = 1.5  # how long a refused worker's OPEN / a keyless trainer's call waits here
+REFUSED_TIMEOUT_S = 1.5  # how long a refused worker's OPEN waits here
 EXIT_TIMEOUT_S = 30.0
 NO_KEYS = {curve.CURVE_KEYS_ENV: ""}  # whatever the test runner's environment says
 
@@ -131,10 +132,14 @@ def test_a_trainer_with_a_wrong_key_is_refused_at_once(broker, keys, tmp_path, c
 
 def test_a_trainer_without_keys_is_refused(broker, keys):
     _, _, control_endpoint = broker
-    # through loopback the client may try; the broker drops the plaintext handshake
-    with TrainerClient(control_endpoint, timeout=REFUSED_TIMEOUT_S, curve_keys="") as keyless:
-        with pytest.raises(BrokerTimeout):
+    # through loopback the client may try; the broker refuses the plaintext handshake, and the client says so
+    # at once (not as a timeout), with what to give it
+    with TrainerClient(control_endpoint, timeout=CALL_TIMEOUT_S, curve_keys="") as keyless:
+        started = time.monotonic()
+        with pytest.raises(AuthenticationFailed, match="requires CURVE keys and this trainer has none") as error:
             keyless.open_session()
+    assert time.monotonic() - started < CALL_TIMEOUT_S / 2
+    assert control_endpoint in str(error.value) and curve.CURVE_KEYS_ENV in str(error.value)
     # to the address it is bound on, a client without keys refuses at once
     with pytest.raises(curve.CurveError, match="not a loopback address"):
         TrainerClient(control_endpoint.replace("127.0.0.1", "0.0.0.0"), curve_keys="")
