@@ -7,7 +7,9 @@ turns the agents received. So the beats do not wait for the event loop: a thread
 `interval_s` (it needs the GIL only for a moment, which the interpreter hands over within milliseconds).
 The broker answers a beat with the sessions that ended since the last one (`SessionsEnded`), which the
 thread hands to `on_ended` (which must be thread-safe). The thread owns its DEALER from creation to
-close (a ZeroMQ socket must stay in one thread). Imports `broker.protocol` and `broker.curve` only.
+close (a ZeroMQ socket must stay in one thread). A failure on the thread is logged and the beats start
+again on a fresh socket: a worker that serves but does not beat would have its turns given up. Imports
+`broker.protocol` and `broker.curve` only.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from broker import curve, protocol
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 2.0
+# After a failure, the beats start again this much later (a failure that repeats is logged at this rate).
+RESTART_DELAY_S = 1.0
 # Between beats the thread waits for the broker's answers in slices this long, so that `stop` is prompt.
 _WAIT_SLICE_S = 0.1
 
@@ -50,19 +54,32 @@ class HeartbeatThread:
         self._interval_s = interval_s
         self._on_ended = on_ended
         self._stopping = threading.Event()
+        self.restarts = 0  # how often the beats failed and started again
         self._thread = threading.Thread(target=self._run, name="broker-heartbeat", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
+        # A failure (a socket error, an `on_ended` that raised) must not end the beats while the worker serves:
+        # the broker would give up its turns. So the beats start over on a fresh socket, after a pause.
+        while not self._stopping.is_set():
+            try:
+                self._beat_until_stopped()
+            except Exception:
+                logger.exception("heartbeats to the broker at %s failed; they start again in %.1fs",
+                                 self._endpoint, RESTART_DELAY_S)
+                self.restarts += 1
+                self._stopping.wait(RESTART_DELAY_S)
+
+    def _beat_until_stopped(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             if self._keys is not None:
                 self._keys.apply(sock)
             sock.connect(self._endpoint)
-            next_beat = time.monotonic() + self._interval_s
+            next_beat = time.monotonic()  # at once: a restart may follow a long gap
             while not self._stopping.is_set():
                 wait = min(next_beat - time.monotonic(), _WAIT_SLICE_S)
                 if wait > 0 and sock.poll(wait * 1000):
@@ -73,8 +90,6 @@ class HeartbeatThread:
                         sock.send(self._beat(), zmq.NOBLOCK)
                     except zmq.Again:
                         pass  # the broker is not reading: it will not miss this beat
-        except Exception:
-            logger.exception("heartbeats to the broker at %s stopped: its turns will be given up", self._endpoint)
         finally:
             sock.close(linger=0)
 

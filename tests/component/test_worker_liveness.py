@@ -5,11 +5,13 @@ their OPENs and heartbeat (or fall silent). A finish that waits for a silent wor
 the bound passes, without that turn, while a live worker's turn in the same session is waited for and
 trained. A worker that was only slow still lands its commit, and a durable broker remembers both who
 owns each in-flight turn (so the owner's silence after a restart still abandons it) and what it
-abandoned.
+abandoned. A backplane heartbeats while idle and while its event loop stalls, and starts its beats again
+after they fail.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -205,3 +207,44 @@ def test_a_worker_whose_event_loop_stalls_is_slow_not_dead(make_broker, monkeypa
         client.open_session(session_id=SID)
         assert asyncio.run(main()) == 0
         assert client.stats()["turns_in_flight"] == 1
+
+
+def test_a_worker_whose_heartbeats_fail_starts_them_again(make_broker, monkeypatch, caplog):
+    """A failure inside the heartbeat thread is logged and the beats start over: the broker keeps the worker."""
+    import asyncio
+
+    from gateway_workers.capture import backplane as backplane_module
+    from gateway_workers.capture import heartbeat as heartbeat_module
+    from gateway_workers.capture.backplane import Backplane
+
+    monkeypatch.setattr(backplane_module, "HEARTBEAT_INTERVAL_S", SILENCE_S / 4)
+    monkeypatch.setattr(heartbeat_module, "RESTART_DELAY_S", SILENCE_S / 4)
+    failures = [RuntimeError("a bug in the beat")]
+    beat = heartbeat_module.HeartbeatThread._beat
+
+    def failing_once(self: heartbeat_module.HeartbeatThread) -> bytes:
+        if failures:
+            raise failures.pop()
+        return beat(self)
+
+    monkeypatch.setattr(heartbeat_module.HeartbeatThread, "_beat", failing_once)
+    broker = make_broker(worker_silence_s=SILENCE_S)
+
+    async def main() -> tuple[int, int]:
+        backplane = Backplane(broker.worker_endpoint)
+        backplane.start()
+        try:
+            await backplane.open_turn(SID, "t0")
+            await asyncio.sleep(5 * SILENCE_S)
+            assert backplane._heartbeats is not None
+            return broker.server.registry.counters["turns_worker_lost"], backplane._heartbeats.restarts
+        finally:
+            await backplane.close()
+
+    with TrainerClient(broker.control_endpoint, timeout=10) as client:
+        client.open_session(session_id=SID)
+        with caplog.at_level(logging.ERROR, logger=heartbeat_module.__name__):
+            lost, restarts = asyncio.run(main())
+        assert (failures, restarts, lost) == ([], 1, 0)
+        assert client.stats()["turns_in_flight"] == 1
+    assert "heartbeats to the broker at" in caplog.text and "a bug in the beat" in caplog.text
