@@ -36,19 +36,7 @@ class Journal:
         self._append(WORKER_FRAME, protocol.encode(protocol.AbortTurn(0, sid, turn_id, WORKER_LOST)))
 
     def session_opened(self, session: Session) -> None:
-        self._state(
-            records.OpenRecord(
-                session.sid,
-                session.sampling_defaults,
-                session.max_context_tokens,
-                session.max_turns,
-                session.metadata,
-                session.client_id,
-                session.group,
-                session.history_mode,
-                session.linear_fallback,
-            )  # fmt: skip
-        )
+        self._state(records.open_record(session))
 
     def session_dropped(self, sid: str) -> None:
         self._state(records.DropRecord(sid))

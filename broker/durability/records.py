@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from broker import protocol
@@ -64,7 +64,12 @@ class Record:
 @dataclass(frozen=True, slots=True)
 class OpenRecord(Record):
     """A session opened, with its settings as the registry keeps them (a minted key included; a record from
-    before history modes reads as a tree session)."""
+    before history modes reads as a tree session).
+
+    Its fields after `session_id` declare what a session is opened with (`SESSION_SETTINGS`): the snapshot's
+    image holds the same, in this order, and recovery opens the session with them by name (`Session`'s and
+    `SessionRegistry.open_session`'s). A new setting is a field here, with a default for older records.
+    """
 
     TAG: ClassVar[str] = "open"
     session_id: str
@@ -76,6 +81,19 @@ class OpenRecord(Record):
     group: str | None
     history_mode: str = "tree"
     linear_fallback: str = "fork"
+
+
+SESSION_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(OpenRecord) if f.name != "session_id")
+
+
+def session_settings(session: Any) -> dict[str, Any]:
+    """A session's (or an OpenRecord's) settings by name, in `SESSION_SETTINGS`' order."""
+    return {name: getattr(session, name) for name in SESSION_SETTINGS}
+
+
+def open_record(session: Any) -> OpenRecord:
+    """The record of a session's opening: its id (`sid`) and its settings."""
+    return OpenRecord(session.sid, **session_settings(session))
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +208,7 @@ class SnapshotHeader(Record):
 
 @dataclass(frozen=True, slots=True)
 class SessionImage(Record):
-    """One live session as of log `position` (`sessions.images`); `pending`: the encoded CloseRecord of the
+    """One live session as of log `position` (`durability.images`); `pending`: the encoded CloseRecord of the
     RequestFinish that is closing it, if one is."""
 
     TAG: ClassVar[str] = "session"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from broker import protocol
 from broker.durability import records
+from broker.durability.images import restore_session
 from broker.durability.journal import request_of
 from broker.durability.records import STATE, WORKER_FRAME
 from broker.durability.snapshots import Snapshot, list_snapshots, read_snapshot, snapshot_path
@@ -31,7 +32,6 @@ from broker.durability.wal import CorruptLog, SegmentReader, list_segments, posi
 from broker.episodes.answers import AnswerItem, FinishAnswers
 from broker.episodes.outbox import Outbox
 from broker.protocol import session_tag
-from broker.sessions.images import restore_session
 from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry
 from broker.sessions.workers import WORKER_LOST
 
@@ -155,10 +155,7 @@ class Replay:
                 if self._skip_session(sid, pos):
                     return
                 try:
-                    registry.open_session(
-                        sid, record.sampling_defaults, record.max_context_tokens, record.max_turns, record.metadata,
-                        record.client_id, record.group, record.history_mode, record.linear_fallback,
-                    )  # fmt: skip
+                    registry.open_session(sid, **records.session_settings(record))
                 except Refusal as r:  # e.g. a smaller max_sessions than before the restart
                     self.refused += 1
                     logger.warning("replaying the open of session %s: refused (%s)", session_tag(sid), r.message)

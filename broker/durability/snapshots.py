@@ -2,7 +2,7 @@
 
 A snapshot is begun with a new log segment `seq` (`snap-<seq>.snap`): its header holds what the
 outbox and the finished-session memory were at that segment's start; then each session and each
-unacknowledged episode that was live then is written as its image (`sessions.images`,
+unacknowledged episode that was live then is written as its image (`durability.images`,
 `records.EpisodeImage`), a few per loop pass, each stamped with the log position it reflects. The
 state keeps changing meanwhile: an image taken at position p reflects every record before p, so
 recovery replays the segments from `seq` on and skips, per session or episode, the records an image
@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.durability import records
+from broker.durability.images import session_image
 from broker.durability.journal import close_record
 from broker.durability.records import STATE, STATE_WITH_BLOBS
 from broker.durability.wal import IOV_BATCH, SegmentReader, fsync_directory, record_header
 from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox
-from broker.sessions.images import session_image
 from broker.sessions.registry import SessionRegistry
 
 SNAPSHOT_RE = re.compile(r"snap-([0-9a-f]{16})\.snap")

@@ -17,7 +17,7 @@ import pytest
 
 from broker import protocol
 from broker.durability import records
-from broker.sessions.images import restore_session, session_image
+from broker.durability.images import restore_session, session_image
 from broker.sessions.registry import SessionRegistry
 
 LOG_RECORDS = [
@@ -95,6 +95,12 @@ def big_session(reg: SessionRegistry, sid: str, turns: int = 12, seed: int = 0) 
     reg.open_turn(sid, "in-flight")
 
 
+def layout_4(image: list) -> list:
+    """An image as a broker of layout 4 wrote it: its history settings after the digests."""
+    assert image[0] == 5
+    return [4, *image[1:8], *image[10:18], image[8], image[9], image[18]]
+
+
 def test_a_large_session_survives_its_image_split_into_blobs_and_back():
     reg = SessionRegistry(max_sessions=4, compact_age_s=0.0, compact_min_bytes=0)
     big_session(reg, "big-session-key-xxxxxxxxxx")
@@ -137,7 +143,7 @@ def test_an_image_of_layout_2_with_its_raw_messages_one_item_each_still_loads():
     big_session(reg, "big-session-key-xxxxxxxxxx", turns=6)
     session = reg.session("big-session-key-xxxxxxxxxx")
     assert session is not None and session.committed.msgs.hot
-    image = session_image(session, closing=False)
+    image = layout_4(session_image(session, closing=False))
     store = list(image[12])
     joined, ends, cold, cold_ends, raw_bytes = store[1]
     bounds = [0, *array("q", ends)]
@@ -182,7 +188,7 @@ def test_an_image_keeps_who_owns_each_in_flight_turn_what_was_abandoned_and_requ
     assert restored.in_flight == {"owned": 0} and restored.abandoned == {"lost": 1}
     assert restored.owners == {"owned": "worker-a"} and restored.digests == {"digest-of-its-request": "owned"}
     # an image written before turns named their workers (layout 1: no owners, nothing abandoned) still loads
-    old = [1, *session_image(session, closing=False)[1:-6]]
+    old = [1, *layout_4(session_image(session, closing=False))[1:-6]]
     assert restore_session(old).in_flight == {"owned": 0} and restore_session(old).owners == {}
     assert (restore_session(old).history_mode, restore_session(old).heads) == ("tree", [])
 
@@ -202,3 +208,29 @@ def test_an_image_keeps_a_linear_sessions_settings_and_heads():
     assert (restored.history_mode, restored.linear_fallback) == ("linear", "reject")
     assert (restored.heads, restored.head_seqs) == ([["t0", 2, "ab" * 16]], [0])
     assert session_image(restored, closing=False)[-1] == [[0, "t0", 2, "ab" * 16]]  # the layout is unchanged
+    # as a broker of layout 4 wrote it (its history settings after the digests), it loads the same
+    old = restore_session(layout_4(session_image(reg.session(sid), closing=False)))
+    assert (old.history_mode, old.linear_fallback, old.heads, old.head_seqs) == (
+        "linear", "reject", [["t0", 2, "ab" * 16]], [0]
+    )
+    assert session_image(old, closing=False) == session_image(restored, closing=False)
+
+
+def test_an_image_holds_the_settings_the_log_opens_a_session_with():
+    reg = SessionRegistry(max_sessions=2)
+    reg.open_session(
+        "settings-session-key-xxxxx", {"temperature": 0.5}, 4096, 9, {"task": "t"}, "client-7", "group-3",
+        history_mode="linear", linear_fallback="reject",
+    )  # fmt: skip
+    session = reg.session("settings-session-key-xxxxx")
+    record = records.open_record(session)
+    restored = restore_session(session_image(session, closing=False))
+    assert records.session_settings(restored) == records.session_settings(record) == {
+        "sampling_defaults": {"temperature": 0.5}, "max_context_tokens": 4096, "max_turns": 9,
+        "metadata": {"task": "t"}, "client_id": "client-7", "group": "group-3", "history_mode": "linear",
+        "linear_fallback": "reject",
+    }  # fmt: skip
+    assert records.decode_log(records.encode(record)) == record
+    # the log's open opens the same session again
+    again = SessionRegistry(max_sessions=2).open_session(record.session_id, **records.session_settings(record))
+    assert records.session_settings(again) == records.session_settings(session)
