@@ -5,7 +5,8 @@ session (process group) so the whole tree is killed together, unbuffered combine
 stdout+stderr captured by a reader thread, `expect(regex, timeout)` instead of sleeps,
 SIGTERM -> wait(timeout) -> SIGKILL of the group on stop, and the captured output
 dumped to stderr when the `with` block fails. `launch_gateway` is the trainer client's, with a start bound
-that fails inside pytest's per-test timeout. Stdlib only, but for that one lazy import.
+that fails inside pytest's per-test timeout. A process dies with the test run (`lifetime.die_with_parent`).
+Stdlib and that, but for one lazy import.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from gateway_workers.lifetime import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPECT_TIMEOUT_S = 30.0
@@ -72,6 +75,10 @@ class TestProcess:
             text=True,
             bufsize=1,
             start_new_session=True,  # own process group: stop() reaches grandchildren too
+            # A test run that is killed (a timeout's SIGKILL, ^C twice) never reaches stop(): the kernel then
+            # SIGTERMs the process, so none is left holding a port. The signal comes when the starting *thread*
+            # ends, so only processes the main thread starts are tied.
+            preexec_fn=die_with_parent(os.getpid()) if threading.current_thread() is threading.main_thread() else None,
         )
         self._reader = threading.Thread(target=self._read, name=f"read-{self.name}", daemon=True)
         self._reader.start()
