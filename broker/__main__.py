@@ -10,7 +10,6 @@ no peer reaches a half-recovered broker). Once both sockets are bound it prints 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import logging
 import os
@@ -21,8 +20,8 @@ from typing import Any
 
 import zmq
 
-from broker import curve, protocol
-from broker.config import ENV_PREFIX, FSYNC_POLICIES, BrokerConfig
+from broker import curve, settings
+from broker.config import CONFIG_ENV, ENV_PREFIX, BrokerConfig
 from broker.durability.records import RecordError
 from broker.durability.store import StateDirError
 from broker.durability.wal import CorruptLog
@@ -39,126 +38,18 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m broker",
         description="rollout-gateway broker: sessions and trajectories",
+        epilog=_env_epilog(),
     )
-    p.add_argument(
-        "--worker-endpoint",
-        default=None,
-        metavar="ENDPOINT",
-        help=f"ZeroMQ endpoint to bind for gateway workers (default {protocol.DEFAULT_WORKER_ENDPOINT}; port 0 ok)",
-    )
-    p.add_argument(
-        "--control",
-        default=None,
-        metavar="ENDPOINT",
-        help=f"ZeroMQ endpoint to bind for trainer clients (default {protocol.DEFAULT_CONTROL_ENDPOINT}; port 0 ok)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="PATH",
-        help="tokenizer.json (or its directory) to decode rows' response text (default: none, response stays empty)",
-    )
-    p.add_argument("--log-level", default=None, metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
-    p.add_argument("--max-sessions", type=int, default=None, metavar="N", help="open sessions at most (default 100000)")
-    p.add_argument(
-        "--max-turns-cap", type=int, default=None, metavar="N", help="hard cap on turns per session (default none)"
-    )
-    p.add_argument(
-        "--max-wait-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="ceiling on a finish's wait_timeout, seconds (default 600)",
-    )
-    p.add_argument(
-        "--outbox-max-episodes",
-        type=int,
-        default=None,
-        metavar="N",
-        help="finished episodes held for subscribers at most; further request_finish / agent finishes are "
-        "refused as busy until subscribers acknowledge some (default 10000)",
-    )
-    p.add_argument(
-        "--outbox-max-bytes",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="approximate row bytes held for subscribers; further finishes are refused as busy (default 2 GiB)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        metavar="DIR",
-        help="durable broker: keep a write-ahead log and snapshots in DIR (created if missing, one broker per "
-        "directory) and recover every open session, acknowledged turn and unacknowledged episode from it on start "
-        "(default: in memory only)",
-    )
-    p.add_argument(
-        "--fsync",
-        default=None,
-        choices=FSYNC_POLICIES,
-        help="with --state-dir, when the log is synced to disk (a process crash loses nothing acknowledged under "
-        "any): always (before each batch of replies; a power loss loses nothing acknowledged), interval (every "
-        "100 ms, the default; a power loss loses up to that), never (the OS decides)",
-    )
-    p.add_argument(
-        "--history-mode",
-        default=None,
-        choices=protocol.HISTORY_MODES,
-        help="how sessions that do not choose build their prompts: tree (the chat template renders the request's "
-        "messages; the default) or linear (a request that extends the session's previous turn is prompted with the "
-        "ids the engine saw plus the rendering of only the new messages: one row per append-only episode)",
-    )
-    p.add_argument(
-        "--linear-fallback",
-        default=None,
-        choices=protocol.LINEAR_FALLBACKS,
-        help="what a linear session's request that does not extend it gets: fork (a full render starting a new "
-        "line; the default), rerender (a full render that becomes its one line) or reject (a 400 naming the first "
-        "message that differs)",
-    )
-    p.add_argument(
-        "--engine-url",
-        action="append",
-        dest="engine_urls",
-        default=None,
-        metavar="URL",
-        help="an engine replica sessions are routed to (repeat it): a new session goes to the least-loaded healthy "
-        "one and stays there until it ends; replicas failing their /health check are taken out "
-        f"(env {ENV_PREFIX}ENGINE_URLS, space- or comma-separated; default none: the workers route by their own "
-        "--engine-url lists)",
-    )
-    p.add_argument(
-        "--restarted",
-        action="store_true",
-        default=None,
-        help="this broker replaces one that ran before (serve's supervisor sets ROLLOUT_BROKER_RESTARTED): without "
-        "--state-dir, requests for sessions it never saw are refused saying the earlier state was not durable",
-    )
-    p.add_argument(
-        "--curve-keys",
-        default=None,
-        metavar="DIR",
-        help="the key directory of `rollout-gateway keys`: both endpoints use CURVE and accept only the keys in its "
-        f"authorized_workers/ and authorized_trainers/ (env {curve.CURVE_KEYS_ENV}, else "
-        f"{ENV_PREFIX}CURVE_KEYS); required for a non-loopback endpoint",
-    )
-    # Named from the flags themselves, so a setting that gains a flag leaves this list by itself.
-    p.epilog = _env_epilog({_FIELD_OF_DEST.get(a.dest, a.dest) for a in p._actions})
+    settings.add_flags(p, BrokerConfig)
     return p
 
 
-# The one flag whose dest is not the name of the BrokerConfig field it sets.
-_FIELD_OF_DEST = {"control": "control_endpoint"}
-
-
-def _env_epilog(flagged: set[str]) -> str:
+def _env_epilog() -> str:
     """--help's last paragraph: the settings only the environment sets, so that it lists every one."""
-    unflagged = [ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BrokerConfig) if f.name not in flagged]
+    unflagged = [e.envs[0] for e in settings.entries(BrokerConfig) if e.flag is None]
     return (
-        f"Every setting can also be set as {ENV_PREFIX}<FIELD> (a BrokerConfig field in broker/config.py, e.g. "
-        f"{ENV_PREFIX}MAX_SESSIONS); flags win. Settings without a flag: {', '.join(unflagged)}. "
-        "Defaults and meanings: README.md, Configuration."
+        f"Every setting can also be set as {ENV_PREFIX}<FIELD>; flags win. Settings without a flag: "
+        f"{', '.join(unflagged)}. Defaults and meanings: docs/configuration.md."
     )
 
 
@@ -237,28 +128,13 @@ def _log_recovery(server: BrokerServer) -> None:
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     """The broker's settings: flags, else `ROLLOUT_BROKER_<FIELD>` variables, else defaults; raises ValueError.
 
-    An empty `--curve-keys` means no keys (`serve` passes it to a broker of its own without CURVE), so no
-    variable may turn CURVE on for that broker alone: its workers would not get in.
+    An empty `--curve-keys` means no keys, whatever a variable says. A broker that `serve` starts gets its whole
+    config from `serve` ($ROLLOUT_BROKER_CONFIG) instead, and reads neither flags nor variables.
     """
-    config = BrokerConfig.from_env(
-        worker_endpoint=args.worker_endpoint,
-        control_endpoint=args.control,
-        tokenizer=args.tokenizer,
-        log_level=args.log_level,
-        max_sessions=args.max_sessions,
-        max_turns_cap=args.max_turns_cap,
-        max_wait_timeout=args.max_wait_timeout,
-        outbox_max_episodes=args.outbox_max_episodes,
-        outbox_max_bytes=args.outbox_max_bytes,
-        curve_keys=curve.keys_from_env(args.curve_keys),
-        state_dir=args.state_dir,
-        fsync=args.fsync,
-        history_mode=args.history_mode,
-        linear_fallback=args.linear_fallback,
-        engine_urls=tuple(args.engine_urls) if args.engine_urls else None,
-        restarted=args.restarted,
-    )
-    return dataclasses.replace(config, curve_keys=None) if args.curve_keys == "" else config
+    handed = os.environ.get(CONFIG_ENV)
+    if handed is not None:
+        return settings.from_json(BrokerConfig, handed)  # type: ignore[no-any-return]
+    return settings.build(BrokerConfig, args)  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,25 +1,28 @@
-"""BrokerConfig: every setting of the broker process, with defaults, in one picklable record.
+"""BrokerConfig: every setting of the broker process, each declared once with its default, variable, flag, help
+and check (`broker.settings`), in one picklable record.
 
-The CLI (`python -m broker`, or the lead's `rollout-gateway broker`) builds it once from
-flags and `ROLLOUT_BROKER_*` environment variables and hands it to `__main__.run_broker`.
-Nothing here reads the environment at import time. Imports only the stdlib and
-`broker.protocol` (for the default endpoints and the history modes); never zmq, never the other packages.
+The CLI (`python -m broker`, or the lead's `rollout-gateway broker`) builds it once from flags over
+`ROLLOUT_BROKER_*` environment variables over defaults and hands it to `__main__.run_broker`; `serve` builds it
+in its own process and hands it to the broker it starts (`settings.to_json`). Nothing here reads the environment
+at import time. Imports only the stdlib, `broker.protocol` (the default endpoints and the history modes) and
+`broker.settings`; never zmq, never the other packages.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from broker import protocol
+from broker.settings import CURVE_KEYS_ENV, SettingError, build, check, not_negative, positive, setting
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "ROLLOUT_BROKER_"
+# A broker that `serve` starts gets its whole config here (`settings.to_json`), not from flags and variables.
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
 # A FinishSession may ask to wait this long at most: a longer drain is almost surely a
 # trainer bug, and the broker would hold the session's memory meanwhile.
@@ -81,219 +84,131 @@ FsyncPolicy = Literal["always", "interval", "never"]
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
 
 
+def _log_level(value: str) -> str | None:
+    return None if isinstance(logging.getLevelName(value.upper()), int) else "must be a logging level"
+
+
+def _http_urls(urls: tuple[str, ...]) -> str | None:
+    bad = [url for url in urls if not url.startswith(("http://", "https://"))]
+    return f"must be http:// or https:// URLs, not {', '.join(map(repr, bad))}" if bad else None
+
+
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
-    """Settings of one broker process.
+    """Settings of one broker process, each declared with its help, variable, flag and check (`broker.settings`)."""
 
-    Args:
-        worker_endpoint: ZeroMQ endpoint bound for gateway workers (port 0 allowed).
-        control_endpoint: ZeroMQ endpoint bound for trainer clients (port 0 allowed).
-        tokenizer: a `tokenizer.json` (or a directory holding one) used to decode each row's
-            `response` text; None leaves `response` empty.
-        log_level: Python logging level name.
-        max_sessions: open sessions at most; further opens are refused with "busy".
-        max_turns_cap: hard cap on turns per session whatever the trainer asks (None: none).
-        max_wait_timeout: ceiling on a FinishSession's `wait_timeout`, seconds.
-        finished_memory: how many finished session ids are remembered for precise refusals.
-        shutdown_linger_ms: bounded flush of pending replies at shutdown.
-        max_frame_bytes: inbound frame size limit (libzmq MAXMSGSIZE).
-        hwm: send/receive high-water mark per socket.
-        outbox_max_episodes: episodes held for subscribers at most (finishes past it: "busy").
-        outbox_max_bytes: approximate row bytes held for subscribers at most (finishes past it: "busy").
-        max_poll_wait: ceiling on a subscriber's long-poll wait, seconds.
-        max_lease: ceiling on a subscriber's lease, seconds.
-        max_credit: episodes one FetchEpisodes reply carries at most.
-        compact_idle: compress older session log bytes (raw deflate) while no frame waits.
-        compact_age_s: only log bytes committed at least this many seconds ago are compressed
-            (once they are, the next steps of the loop's idle time do it, a slice at a time).
-        compact_min_bytes: only sessions holding at least this many raw log bytes (token ids plus
-            message bytes) are compressed; smaller ones hold little.
-        trim_min_bytes: give free heap pages back to the OS (glibc `malloc_trim`, in idle time) once
-            this many bytes were freed since the last trim; 0 never trims.
-        trim_interval_s: at least this many seconds between two trims.
-        curve_keys: the key directory of `rollout-gateway keys` (`broker.key_secret`, `authorized_workers/`,
-            `authorized_trainers/`): both endpoints use CURVE and accept only the authorized keys. None: no
-            CURVE, and both endpoints must be loopback (or ipc://).
-        state_dir: make the broker durable: a write-ahead log and snapshots in this directory (created if
-            missing; one broker per directory), recovered on start (`broker.durability`). None: in memory.
-        fsync: when the log is synced to the disk: "always" (before each pass's replies: a power loss
-            loses nothing acknowledged), "interval" (every `fsync_interval_ms`: a power loss loses up to
-            that much), "never" (the OS decides; a power loss may lose the last ~30 s). A process crash
-            loses nothing acknowledged under any of them.
-        fsync_interval_ms: the "interval" policy's period.
-        wal_segment_bytes: log segments are sealed at this size.
-        snapshot_min_bytes, snapshot_max_bytes: a snapshot begins once the log since the last one reaches
-            the last snapshot's size, kept within these bounds (the max bounds what a restart replays).
-        wal_truncate_corrupt: at start, cut the log at a damaged record (losing what follows it) instead of
-            refusing to start.
-        worker_silence_s: a worker whose heartbeats stop for this long is given up for lost: its
-            in-flight turns are abandoned (finishes stop waiting for them; a late commit still lands).
-        history_mode: how sessions that do not choose build their prompts: "tree" (the template renders the
-            request's messages) or "linear" (a request that extends a committed turn is prompted with that turn's
-            ids and the rendering of only the new messages: one row per append-only episode).
-        linear_fallback: what a linear session's request that extends none of its turns gets: "fork" (a full
-            render that starts a new line; later requests may extend either), "rerender" (a full render that
-            becomes the session's one line) or "reject" (a 400 naming the first message that differs).
-        engine_urls: the engine replicas sessions are routed to (`broker.sessions.replicas`: least-loaded
-            healthy, sticky until the session ends); `SetEngines` replaces them at run time. Empty: the
-            workers route by their own --engine-url lists.
-        engine_health_interval_s, engine_health_timeout_s: how often each replica's /health is checked, and
-            how long one check may take (`broker.health`).
-        restarted: this broker replaces one that ran before (`serve`'s supervisor sets it); without a
-            state directory, refusals of unknown sessions then say the earlier sessions were lost.
-    """
+    ENV_PREFIX: ClassVar[str] = ENV_PREFIX
 
-    worker_endpoint: str = protocol.DEFAULT_WORKER_ENDPOINT
-    control_endpoint: str = protocol.DEFAULT_CONTROL_ENDPOINT
-    tokenizer: str | None = None
-    log_level: str = "INFO"
-    max_sessions: int = 100_000
-    max_turns_cap: int | None = None
-    max_wait_timeout: float = MAX_WAIT_TIMEOUT_S
-    finished_memory: int = FINISHED_MEMORY
-    shutdown_linger_ms: int = SHUTDOWN_LINGER_MS
-    max_frame_bytes: int = MAX_FRAME_BYTES
-    hwm: int = 100_000
-    outbox_max_episodes: int = OUTBOX_MAX_EPISODES
-    outbox_max_bytes: int = OUTBOX_MAX_BYTES
-    max_poll_wait: float = MAX_POLL_WAIT_S
-    max_lease: float = MAX_LEASE_S
-    max_credit: int = MAX_CREDIT
-    compact_idle: bool = True
-    compact_age_s: float = COMPACT_AGE_S
-    compact_min_bytes: int = COMPACT_MIN_SESSION_BYTES
-    trim_min_bytes: int = TRIM_MIN_BYTES
-    trim_interval_s: float = TRIM_INTERVAL_S
-    curve_keys: str | None = None
-    state_dir: str | None = None
-    fsync: FsyncPolicy = "interval"
-    fsync_interval_ms: int = FSYNC_INTERVAL_MS
-    wal_segment_bytes: int = WAL_SEGMENT_BYTES
-    snapshot_min_bytes: int = SNAPSHOT_MIN_BYTES
-    snapshot_max_bytes: int = SNAPSHOT_MAX_BYTES
-    wal_truncate_corrupt: bool = False
-    worker_silence_s: float = WORKER_SILENCE_S
-    history_mode: str = "tree"
-    linear_fallback: str = "fork"
-    engine_urls: tuple[str, ...] = ()
-    engine_health_interval_s: float = ENGINE_HEALTH_INTERVAL_S
-    engine_health_timeout_s: float = ENGINE_HEALTH_TIMEOUT_S
-    restarted: bool = False
+    worker_endpoint: str = setting(
+        protocol.DEFAULT_WORKER_ENDPOINT, "the ZeroMQ endpoint between broker and workers, bound by the broker "
+        "(port 0 allowed)", metavar="ENDPOINT")
+    control_endpoint: str = setting(
+        protocol.DEFAULT_CONTROL_ENDPOINT, "the ZeroMQ endpoint trainers connect to, bound by the broker (port 0 "
+        "allowed)", flag="--control", metavar="ENDPOINT")
+    tokenizer: str | None = setting(
+        None, "a local `tokenizer.json` or its directory, to decode rows' `response` text (without it `response` "
+        "is empty)", metavar="PATH")
+    log_level: str = setting("INFO", "`DEBUG`, `INFO`, `WARNING` or `ERROR`", metavar="LEVEL", check=_log_level)
+    max_sessions: int = setting(100_000, "open sessions at most; further opens are refused as busy", metavar="N",
+                                check=positive)
+    max_turns_cap: int | None = setting(None, "hard cap on turns per session, whatever the trainer asks",
+                                        metavar="N", check=positive)
+    max_wait_timeout: float = setting(MAX_WAIT_TIMEOUT_S, "ceiling on a finish's `wait_timeout`, seconds",
+                                      metavar="S", check=not_negative)
+    finished_memory: int = setting(
+        FINISHED_MEMORY, "finished session ids remembered, so that a straggler gets `session_closed` instead of "
+        "`unknown_session`", flag=None, check=positive)
+    shutdown_linger_ms: int = setting(
+        SHUTDOWN_LINGER_MS, "at shutdown, how long queued replies may still be flushed to peers, ms", flag=None,
+        check=not_negative)
+    max_frame_bytes: int = setting(
+        MAX_FRAME_BYTES, "inbound frame size limit (libzmq `MAXMSGSIZE`): a larger frame drops its connection",
+        flag=None, check=positive, shown="256 MiB")
+    hwm: int = setting(100_000, "send and receive high-water mark of each socket", flag=None, check=positive)
+    outbox_max_episodes: int = setting(
+        OUTBOX_MAX_EPISODES, "finished episodes held for subscribers; further finishes (`request_finish`, agent "
+        "finishes) are refused as busy until subscribers acknowledge some", metavar="N", check=positive)
+    outbox_max_bytes: int = setting(
+        OUTBOX_MAX_BYTES, "approximate row bytes held for subscribers; further finishes are refused as busy",
+        metavar="BYTES", check=positive, shown="2 GiB")
+    max_poll_wait: float = setting(MAX_POLL_WAIT_S, "ceiling on a subscriber's long-poll wait, seconds", flag=None,
+                                   check=positive)
+    max_lease: float = setting(MAX_LEASE_S, "ceiling on a subscriber's lease, seconds", flag=None, check=positive)
+    max_credit: int = setting(MAX_CREDIT, "episodes one `FetchEpisodes` reply carries at most", flag=None,
+                              check=positive)
+    compact_idle: bool = setting(
+        True, "compress older session log bytes (raw deflate) while no frame waits; `0`: no idle compaction",
+        flag=None)
+    compact_age_s: float = setting(
+        COMPACT_AGE_S, "only log bytes committed at least this many seconds ago are compressed (once they are, the "
+        "loop's idle time does it, a slice at a time)", flag=None, check=not_negative)
+    compact_min_bytes: int = setting(
+        COMPACT_MIN_SESSION_BYTES, "only sessions holding at least this many raw log bytes (token ids and message "
+        "bytes) are compressed", flag=None, check=not_negative, shown="64 KiB")
+    trim_min_bytes: int = setting(
+        TRIM_MIN_BYTES, "give free heap pages back to the OS (glibc `malloc_trim`, in idle time) once this many "
+        "bytes were freed since the last trim; 0: never trim the heap", flag=None, check=not_negative,
+        shown="256 KiB")
+    trim_interval_s: float = setting(TRIM_INTERVAL_S, "at least this many seconds between two trims", flag=None,
+                                     check=not_negative)
+    curve_keys: str | None = setting(
+        None, "the key directory of `rollout-gateway keys` (`broker.key_secret`, `authorized_workers/`, "
+        "`authorized_trainers/`): both endpoints use CURVE and accept only the authorized keys; required for a "
+        "non-loopback endpoint", metavar="DIR", env=(CURVE_KEYS_ENV, ENV_PREFIX + "CURVE_KEYS"))
+    state_dir: str | None = setting(
+        None, "a durable broker: its write-ahead log and snapshots in `DIR` (created if missing, one broker per "
+        "directory), from which a restarted broker recovers every open session, acknowledged turn and "
+        "unacknowledged episode (default: in memory)", metavar="DIR", shown="in memory")
+    fsync: FsyncPolicy = setting(
+        "interval", "with a state directory, when the log is synced to disk: `always` (before each batch of "
+        "replies: a power loss loses nothing acknowledged), `interval` (every `FSYNC_INTERVAL_MS`: a power loss "
+        "loses up to that), `never` (the OS decides); a process crash loses nothing acknowledged under any")
+    fsync_interval_ms: int = setting(FSYNC_INTERVAL_MS, "the `interval` policy's period, ms", flag=None,
+                                     check=positive)
+    wal_segment_bytes: int = setting(WAL_SEGMENT_BYTES, "log segments are sealed at this size", flag=None,
+                                     check=positive, shown="64 MiB")
+    snapshot_min_bytes: int = setting(
+        SNAPSHOT_MIN_BYTES, "a snapshot begins once the log since the last one reaches the last snapshot's size, "
+        "at least this", flag=None, check=positive, shown="64 MiB")
+    snapshot_max_bytes: int = setting(
+        SNAPSHOT_MAX_BYTES, "... and at most this (it bounds what a restart replays)", flag=None, check=positive,
+        shown="128 MiB")
+    wal_truncate_corrupt: bool = setting(
+        False, "at start, cut the log at a damaged record (losing what follows it) instead of refusing to start",
+        flag=None)
+    worker_silence_s: float = setting(
+        WORKER_SILENCE_S, "a worker unheard (no heartbeat) this long is given up for lost: its in-flight turns are "
+        "abandoned, so finishes stop waiting for them (a late commit still lands)", flag=None, check=positive)
+    history_mode: str = setting(
+        "tree", "how sessions that do not choose build their prompts: `tree` (the chat template renders the "
+        "request's messages) or `linear` (a request that extends the session's previous turn is prompted with the "
+        "ids the engine saw plus the rendering of only the new messages: one row per append-only episode)",
+        choices=protocol.HISTORY_MODES)
+    linear_fallback: str = setting(
+        "fork", "what a linear session's request that extends none of its turns gets: `fork` (a full render "
+        "starting a new line), `rerender` (a full render that becomes its one line) or `reject` (a 400 naming the "
+        "first message that differs)", choices=protocol.LINEAR_FALLBACKS)
+    engine_urls: tuple[str, ...] = setting(
+        (), "an engine replica sessions are routed to (repeat it; the variable: space- or comma-separated): a new "
+        "session goes to the least-loaded healthy one and stays there until it ends; replicas failing their "
+        "`/health` check are taken out, and `TrainerClient.set_engines` replaces the list at run time (none: the "
+        "workers route by their own lists)", flag="--engine-url", metavar="URL", check=_http_urls)
+    engine_health_interval_s: float = setting(
+        ENGINE_HEALTH_INTERVAL_S, "seconds between health checks (`GET /health`) of each engine replica the broker "
+        "routes to", flag=None, check=positive)
+    engine_health_timeout_s: float = setting(
+        ENGINE_HEALTH_TIMEOUT_S, "seconds one health check may take (longer: the replica is unhealthy)", flag=None,
+        check=positive)
+    restarted: bool = setting(
+        False, "this broker replaces one that ran before (`serve`'s supervisor sets it): without a state "
+        "directory, requests for sessions it never saw are refused saying the earlier state was not durable")
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_sessions",
-            "finished_memory",
-            "max_frame_bytes",
-            "hwm",
-            "outbox_max_episodes",
-            "outbox_max_bytes",
-            "max_poll_wait",
-            "max_lease",
-            "max_credit",
-            "fsync_interval_ms",
-            "wal_segment_bytes",
-            "snapshot_min_bytes",
-            "snapshot_max_bytes",
-            "worker_silence_s",
-            "engine_health_interval_s",
-            "engine_health_timeout_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"BrokerConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.max_turns_cap is not None and self.max_turns_cap <= 0:
-            raise ValueError(f"BrokerConfig.max_turns_cap must be > 0 or None, got {self.max_turns_cap!r}")
-        for name in (
-            "max_wait_timeout",
-            "shutdown_linger_ms",
-            "compact_age_s",
-            "compact_min_bytes",
-            "trim_min_bytes",
-            "trim_interval_s",
-        ):
-            if not getattr(self, name) >= 0:  # `not >=`: NaN fails too
-                raise ValueError(f"BrokerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-        for url in self.engine_urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"BrokerConfig.engine_urls: {url!r} is not an http:// or https:// URL")
-        if self.fsync not in FSYNC_POLICIES:
-            raise ValueError(f"BrokerConfig.fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
-        problem = protocol.check_history(self.history_mode, self.linear_fallback)
-        if problem is not None:
-            raise ValueError(f"BrokerConfig.{problem}")
+        check(self)  # the history settings' choices are the protocol's (`protocol.check_history`)
         if self.snapshot_max_bytes < self.snapshot_min_bytes:
-            raise ValueError("BrokerConfig.snapshot_max_bytes must be >= snapshot_min_bytes")
-        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
-            raise ValueError(f"BrokerConfig.log_level: unknown level {self.log_level!r}")
+            raise SettingError("BrokerConfig.snapshot_max_bytes must be >= snapshot_min_bytes")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> BrokerConfig:
         """Defaults, then `ROLLOUT_BROKER_<FIELD>` variables, then explicit `overrides` (non-None only)."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            key = ENV_PREFIX + f.name.upper()
-            if key in env:
-                values[f.name] = _cast(key, env[key], _CASTS[f.name])
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-
-def _optional_int(text: str) -> int | None:
-    return None if text.strip().lower() in ("", "none") else int(text)
-
-
-def _optional_str(text: str) -> str | None:
-    return text or None
-
-
-def _flag(text: str) -> bool:
-    return text.strip().lower() not in ("0", "false", "no", "off")
-
-
-_CASTS: dict[str, Callable[[str], Any]] = {
-    "worker_endpoint": str,
-    "control_endpoint": str,
-    "tokenizer": _optional_str,
-    "log_level": str,
-    "max_sessions": int,
-    "max_turns_cap": _optional_int,
-    "max_wait_timeout": float,
-    "finished_memory": int,
-    "shutdown_linger_ms": int,
-    "max_frame_bytes": int,
-    "hwm": int,
-    "outbox_max_episodes": int,
-    "outbox_max_bytes": int,
-    "max_poll_wait": float,
-    "max_lease": float,
-    "max_credit": int,
-    "compact_idle": _flag,
-    "compact_age_s": float,
-    "compact_min_bytes": int,
-    "trim_min_bytes": int,
-    "trim_interval_s": float,
-    "curve_keys": _optional_str,
-    "state_dir": _optional_str,
-    "fsync": str,
-    "fsync_interval_ms": int,
-    "wal_segment_bytes": int,
-    "snapshot_min_bytes": int,
-    "snapshot_max_bytes": int,
-    "wal_truncate_corrupt": _flag,
-    "worker_silence_s": float,
-    "history_mode": str,
-    "linear_fallback": str,
-    "engine_urls": lambda text: tuple(url for url in text.replace(",", " ").split() if url),
-    "engine_health_interval_s": float,
-    "engine_health_timeout_s": float,
-    "restarted": _flag,
-}
-
-
-def _cast(key: str, text: str, cast: Callable[[str], Any]) -> Any:
-    try:
-        return cast(text)
-    except ValueError as e:
-        # name the variable: "invalid literal for int()" alone does not say which one
-        raise ValueError(f"environment variable {key}={text!r}: {e}") from None
+        return build(cls, None, environ, **{k: v for k, v in overrides.items() if v is not None})  # type: ignore[no-any-return]

@@ -7,8 +7,8 @@ only the files it needs (`load_server_keys`: the broker's secret and the two aut
 is the rule that a non-loopback endpoint needs keys; `HandshakeWatch` reads a client socket's monitor
 events, so a refused key is reported instead of waiting silently (and, when asked, a lost connection
 is noticed at once: the trainer client's retry seam). The ZAP handler that authorizes keys
-runs in the broker only (`broker.zap`). Imports the stdlib, zmq and zmq's certificate files only (not
-`zmq.auth.thread` nor `zmq.utils.monitor`: both load zmq.asyncio).
+runs in the broker only (`broker.zap`). Imports the stdlib, zmq and zmq's certificate files (not
+`zmq.auth.thread` nor `zmq.utils.monitor`: both load zmq.asyncio), and `broker.settings` for its variable.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from typing import Literal
 import zmq
 from zmq.auth.certs import create_certificates, load_certificate
 
-# One variable for every component: `serve`, `workers`, `python -m broker` and `TrainerClient`.
-CURVE_KEYS_ENV = "ROLLOUT_GATEWAY_CURVE_KEYS"
+from broker.settings import CURVE_KEYS_ENV  # one variable for every component: serve, workers, broker, trainers
 
 Role = Literal["worker", "trainer"]
 BROKER = "broker"

@@ -1,12 +1,13 @@
 """`serve`'s broker: started as a subprocess, watched, and restarted on the same endpoints when it dies.
 
-The first start binds what the flags say (port 0 picks free ports); every restart binds exactly the
-endpoints the first one reported, so workers (whose DEALER sockets reconnect by themselves) and trainer
+The broker gets its whole config from `serve` (`broker.config.BrokerConfig`, as JSON in $ROLLOUT_BROKER_CONFIG),
+never an argument list. The first start binds what it says (port 0 picks free ports); every restart binds exactly
+the endpoints the first one reported, so workers (whose DEALER sockets reconnect by themselves) and trainer
 clients find it where it was. A broker that dies is logged with its exit status and restarted after a
 backoff that doubles from RESTART_BACKOFF_S up to RESTART_BACKOFF_MAX_S and starts over once a broker
-has stayed up for RESTART_RESET_S. A restarted broker is told it is one (ROLLOUT_BROKER_RESTARTED=1), so
-without a state directory it can say that sessions opened before are lost. The broker never outlives
-`serve` (`lifetime.die_with_parent`). The broker itself is never imported here.
+has stayed up for RESTART_RESET_S. A restarted broker is told it is one (`restarted`), so without a state
+directory it can say that sessions opened before are lost. The broker never outlives `serve`
+(`lifetime.die_with_parent`). The broker itself is never imported here.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from dataclasses import replace
 
+from broker import settings
+from broker.config import CONFIG_ENV, BrokerConfig
 from gateway_workers.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -30,7 +33,6 @@ RESTART_BACKOFF_S = 0.5
 CLEAN_EXIT_GRACE_S = 1.0
 RESTART_BACKOFF_MAX_S = 10.0
 RESTART_RESET_S = 60.0
-RESTARTED_ENV = "ROLLOUT_BROKER_RESTARTED"
 _BROKER_READY = re.compile(r"BROKER READY worker=(\S+) control=(\S+)")
 
 
@@ -39,17 +41,12 @@ class BrokerStartError(RuntimeError):
 
 
 class BrokerSupervisor:
-    """Runs `python -m broker` with `args`, restarting it on the endpoints its first start bound.
+    """Runs `python -m broker` with `config`, restarting it on the endpoints its first start bound."""
 
-    Args:
-        args: the broker's flags, without `--worker-endpoint` and `--control`.
-        worker_endpoint, control_endpoint: what the first start binds.
-    """
-
-    def __init__(self, args: Sequence[str], worker_endpoint: str, control_endpoint: str) -> None:
-        self._args = list(args)
-        self.worker_endpoint = worker_endpoint
-        self.control_endpoint = control_endpoint
+    def __init__(self, config: BrokerConfig) -> None:
+        self._config = config
+        self.worker_endpoint = config.worker_endpoint
+        self.control_endpoint = config.control_endpoint
         self.restarts = 0
         self._proc: subprocess.Popen[str] | None = None
         self._stopping = threading.Event()
@@ -69,10 +66,10 @@ class BrokerSupervisor:
         return proc.pid if proc is not None else None
 
     def _spawn(self, restarted: bool) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "broker", "--worker-endpoint", self.worker_endpoint,
-               "--control", self.control_endpoint, *self._args]
-        env = {**os.environ, RESTARTED_ENV: "1" if restarted else "0"}
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+        config = replace(self._config, worker_endpoint=self.worker_endpoint, control_endpoint=self.control_endpoint,
+                         restarted=restarted)
+        env = {**os.environ, CONFIG_ENV: settings.to_json(config)}
+        proc = subprocess.Popen([sys.executable, "-m", "broker"], stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
                                 preexec_fn=die_with_parent(os.getpid()))
         found: list[tuple[str, str]] = []
         ready = threading.Event()

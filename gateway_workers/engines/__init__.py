@@ -9,14 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway_workers.engines.base import (
-    Engine,
-    EngineConfig,
-    EngineError,
-    EngineResult,
-    EngineTimeout,
-    SamplingParams,
-)
+from gateway_workers.engines.base import Engine, EngineError, EngineResult, EngineTimeout, SamplingParams
+from gateway_workers.engines.config import EngineConfig
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "EngineResult", "EngineTimeout", "SamplingParams", "create_engine"]
 

@@ -1,7 +1,7 @@
 """The engine seam: token ids in, token ids + logprobs out, behind one small Protocol.
 
-Owns the records every backend shares (`SamplingParams`, `EngineResult`, `EngineChunk`,
-`EngineConfig`), the two failures the app maps to HTTP (`EngineError` -> 502,
+Owns the records every backend shares (`SamplingParams`, `EngineResult`, `EngineChunk`; the engine's
+settings are `config.EngineConfig`), the two failures the app maps to HTTP (`EngineError` -> 502,
 `EngineTimeout` -> 504), each with its `FaultKind`, the per-replica fault counts (`Engine.faults`,
 on the worker's /metrics) and the pooled-HTTP plumbing the vLLM and SGLang backends share
 (one keep-alive `http_client.HttpPool` per engine object, bounded timeouts, orjson bodies in which
@@ -26,20 +26,18 @@ from typing import Any, Literal, Protocol
 import numpy
 import orjson
 
-from gateway_workers.engines.http.client import HttpConnectionError, HttpPool, HttpTimeout, parse_url, tls_context
+from gateway_workers.engines.config import EngineConfig
+from gateway_workers.engines.http.client import HttpConnectionError, HttpPool, HttpTimeout, tls_context
 from gateway_workers.engines.routing import choose_replica, routing_headers, routing_key
 
 logger = logging.getLogger(__name__)
 
-EngineKind = Literal["mock", "vllm", "sglang"]
 FinishReason = Literal["stop", "length"]
 # Why an engine call failed, as counted per replica: an HTTP error status; no answer in time; the connection
 # failed or broke; the engine's own error event mid-stream; a 2xx body we cannot use (not JSON, not a stream,
 # the wrong shape, ids without their logprobs); a generation that ended without finishing.
 FaultKind = Literal["status", "timeout", "connection", "error_event", "bad_answer", "incomplete"]
 
-DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a long generation is legitimate; a hung engine is not
-DEFAULT_CONNECT_TIMEOUT_S = 5.0
 ABORT_TIMEOUT_S = 2.0  # bound on the best-effort abort call sent when a generate is cancelled
 
 
@@ -102,54 +100,6 @@ class EngineChunk:
     logprobs: list[float]
     finish_reason: FinishReason | None = None
     weight_version: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Engine settings, embedded in the worker config and handed to every worker process.
-
-    Args:
-        kind: "mock" (built in, no GPU), "vllm" or "sglang".
-        urls: engine base URLs (replicas); a session sticks to one of them.
-        request_timeout_s: bound on one whole generate call.
-        connect_timeout_s: bound on opening a connection to the engine.
-        mock_delay_s: mock engine: fixed delay per generation.
-        mock_per_token_s: mock engine: extra delay per generated token.
-        mock_output_tokens: mock engine: length of a generated answer (before max_tokens cuts it).
-        mock_think: mock engine: open each reply with a `<think>` block.
-        mock_tool_call_every: mock engine: every Nth reply (when tools are offered) is a tool call; 0 = never.
-        seed: mock engine: base seed; the output is a function of (seed, prompt ids, params).
-        model: model name sent to engines that accept one (vLLM's optional `model` field).
-        ca_file: PEM bundle of the CAs trusted for https:// engine URLs instead of the system's.
-    """
-
-    kind: EngineKind = "mock"
-    urls: tuple[str, ...] = ()
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    mock_delay_s: float = 0.0
-    mock_per_token_s: float = 0.0
-    mock_output_tokens: int = 32
-    mock_think: bool = True
-    mock_tool_call_every: int = 0
-    seed: int = 0
-    model: str | None = None
-    ca_file: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("mock", "vllm", "sglang"):
-            raise ValueError(f"engine kind must be mock, vllm or sglang, got {self.kind!r}")
-        if self.kind != "mock" and not self.urls:
-            raise ValueError(f"engine kind {self.kind!r} needs at least one engine URL")
-        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("engine timeouts must be positive")
-        if self.mock_delay_s < 0 or self.mock_per_token_s < 0 or self.mock_output_tokens < 1:
-            raise ValueError("mock delays must be >= 0 and mock_output_tokens >= 1")
-        if self.mock_tool_call_every < 0:
-            raise ValueError("mock_tool_call_every must be >= 0")
-        if self.kind != "mock":
-            for url in self.urls:
-                parse_url(url)  # http:// or https:// only: another scheme or a malformed URL fails at startup
 
 
 class Engine(Protocol):

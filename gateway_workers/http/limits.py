@@ -1,55 +1,54 @@
 """Request limits: how big a request may be, checked at the edge before it costs the worker real time.
 
-`RequestLimits` is one picklable record in `WorkerConfig` (CLI flags, `ROLLOUT_GATEWAY_MAX_*` variables).
+`RequestLimits` is one picklable record in `WorkerConfig` (its settings: `broker.settings`).
 The body and header bounds are checked by the app before the body is read or parsed (413 / 431, and
 the connection is closed so an unread body is never buffered), and string lengths by the app on bodies
 long enough to hold an over-long string (`check_strings`); the shape bounds (messages, tools, content
 parts, JSON nesting) by the adapters where they walk what they bound (`check_parts`, `check_depth`,
 `check_turn`), so a request within the limits pays next to nothing for them.
-Imports nothing of the gateway but `http.errors`.
+Imports nothing of the gateway but `http.errors`, and `broker.settings`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
+from broker.settings import check, setting
 from gateway_workers.http.errors import ApiError
 
 # Anthropic's own API refuses bodies over 32 MB; a 1M-token conversation is a few MB of JSON.
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
+def _count(value: Any) -> str | None:
+    return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be an integer >= 1"
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """Bounds on one agent request; every one answers a 4xx that names it.
+    """Bounds on one agent request; every one answers a 4xx, in the dialect's own error shape, that names it."""
 
-    Args:
-        max_body_bytes: the body, by Content-Length before reading and by bytes read for a chunked body (413).
-        max_header_bytes: all request header names and values together (431).
-        max_messages: messages (input items) in one request.
-        max_tools: tools declared in one request.
-        max_content_parts: content parts (blocks) in one message.
-        max_string_chars: one string: a message's text, a tool result, an argument value.
-        max_json_depth: nesting of free-form JSON (tool schemas, tool-call arguments).
-    """
+    ENV_PREFIX: ClassVar[str] = "ROLLOUT_GATEWAY_"
 
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_header_bytes: int = 64 << 10
-    max_messages: int = 4096
-    max_tools: int = 512
-    max_content_parts: int = 1024
-    max_string_chars: int = 8 << 20
-    max_json_depth: int = 64
+    max_body_bytes: int = setting(
+        DEFAULT_MAX_BODY_BYTES, "request body bytes: 413, decided from `Content-Length` before reading, or as soon "
+        "as a chunked body outgrows it, and the connection is closed", metavar="N", check=_count, shown="16 MiB")
+    max_header_bytes: int = setting(64 << 10, "request header bytes, names and values together: 431", metavar="N",
+                                    check=_count, shown="64 KiB")
+    max_messages: int = setting(4096, "messages (or input items) in one request", metavar="N", check=_count)
+    max_tools: int = setting(512, "tools declared in one request", metavar="N", check=_count)
+    max_content_parts: int = setting(1024, "content parts (blocks) in one message", metavar="N", check=_count)
+    max_string_chars: int = setting(8 << 20, "characters in one string (a message's text, a tool result, an "
+                                    "argument)", metavar="N", check=_count, shown="8 Mi characters")
+    max_json_depth: int = setting(64, "nesting depth of free-form JSON (tool schemas, tool-call arguments)",
+                                  metavar="N", check=_count)
 
     def __post_init__(self) -> None:
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check(self)
 
 
 DEFAULT_LIMITS = RequestLimits()

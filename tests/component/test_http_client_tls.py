@@ -15,6 +15,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from gateway_workers import cli
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
 from gateway_workers.engines.base import EngineConfig, EngineError, EngineTimeout
+from gateway_workers.engines.config import ENGINE_CA_FILE_ENV
 from gateway_workers.engines.http.client import HttpPool, tls_context
 from gateway_workers.engines.vllm import VllmEngine
 
@@ -286,21 +288,22 @@ def test_closing_the_pool_ends_a_tls_shutdown_the_server_never_answers(tls_serve
 
 
 def test_ca_file_from_the_cli_flag_or_env_reaches_the_engine_client(tls_server, ca_file, monkeypatch, run):
-    monkeypatch.delenv(cli.ENGINE_CA_FILE_ENV, raising=False)
+    monkeypatch.delenv(ENGINE_CA_FILE_ENV, raising=False)
     base = ["serve", "--engine-kind", "vllm", "--engine-url", tls_server.url]
 
     def through_workers(argv: list[str]) -> EngineConfig:
         """The flags as a spawned worker sees them: WorkerConfig through its environment variable."""
-        config = cli._worker_config(cli._parser().parse_args(argv), "tcp://127.0.0.1:1", None)
+        worker = cli._settings(cli._parser().parse_args(argv))[0].worker
+        config = replace(worker, engine=replace(worker.engine, ca_file=cli._engine_ca_file(worker.engine)))
         for name, value in config.to_env().items():
             monkeypatch.setenv(name, value)
         return WorkerConfig.from_env().engine
 
     from_flag = through_workers([*base, "--engine-ca-file", ca_file])
-    monkeypatch.setenv(cli.ENGINE_CA_FILE_ENV, ca_file)
+    monkeypatch.setenv(ENGINE_CA_FILE_ENV, ca_file)
     from_env = through_workers(base)
     assert from_flag.ca_file == from_env.ca_file == str(Path(ca_file).resolve())
-    monkeypatch.delenv(cli.ENGINE_CA_FILE_ENV)
+    monkeypatch.delenv(ENGINE_CA_FILE_ENV)
     assert through_workers(base).ca_file is None
 
     async def scenario() -> Any:
@@ -312,6 +315,6 @@ def test_ca_file_from_the_cli_flag_or_env_reaches_the_engine_client(tls_server, 
 
     assert run(scenario())["body"] == {"via": "cli"}
     with pytest.raises(SystemExit, match="engine CA file .*missing.pem.* cannot be loaded"):
-        cli._worker_config(cli._parser().parse_args([*base, "--engine-ca-file", "missing.pem"]), "tcp://x:1", None)
+        through_workers([*base, "--engine-ca-file", "missing.pem"])
     with pytest.raises(SystemExit, match="must start with http:// or https://"):
-        cli._worker_config(cli._parser().parse_args([*base[:-1], "ws://engine:1"]), "tcp://x:1", None)
+        through_workers([*base[:-1], "ws://engine:1"])

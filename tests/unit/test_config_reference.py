@@ -1,147 +1,75 @@
-"""The README's configuration table checked against the real parsers, so the reference cannot drift from the code.
+"""Settings declared once, checked from outside: the configuration reference is the generated one, every flag of
+`serve`, `workers` and `broker` sets a declared setting and has help, `--help` lists them, and every setting's
+variable and flag reach the config the command builds, the flag winning.
 
-Every option of `serve`, `workers` and `broker` has exactly one row that names the subcommands taking it; every
-variable the code reads (each `BrokerConfig` field's, the request limits', the CURVE and CA ones) is in it; a row
-naming a flag or a variable the code lacks fails; every option has help text; and `rollout-gateway <cmd> --help`
-run as a subprocess lists each option of that subcommand (for `broker`, the broker's own parser, which it execs).
+The last is a property over every declared setting: a value other than the default, given by its variable, is
+what the built config holds; given by its flag as well, the flag's value is.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-import broker.__main__ as broker_main
-from broker import curve
-from broker.config import ENV_PREFIX, BrokerConfig
+from broker import settings
+from broker.config import BrokerConfig
 from gateway_workers import cli
+from gateway_workers.config import ServeConfig
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-DOCUMENTED = ("serve", "workers", "broker")
+REPO_ROOT = Path(__file__).resolve().parents[2]
 HELP_TIMEOUT_S = 60
-# Read by the tokenizer cache (`rendering.tokenizer.cache_root`); not a constant of ours to import.
-OTHER_ENV = "XDG_CACHE_HOME"
-
-_FLAG = re.compile(r"(?<![\w-])--?[a-z][a-z0-9-]*")
-_ENV = re.compile(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b")
+# Every setting below is tried with an engine URL set, so that a non-mock engine kind is a valid value.
+BASE_ENV = {"ROLLOUT_GATEWAY_ENGINE_URLS": "http://engine:1"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    flags: frozenset[str]
-    envs: frozenset[str]
-    subcommands: frozenset[str]
-    line: str
+def _load_reference_script() -> Any:
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import config_reference
+    finally:
+        sys.path.remove(str(REPO_ROOT / "scripts"))
+    return config_reference
 
 
-def _rows(text: str) -> list[Row]:
-    section = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
-    table = [line for line in section.splitlines() if line.startswith("|")]
-    header = [cell.strip() for cell in table[0].strip("|").split("|")]
-    assert header[:3] == ["flag", "env variable", "subcommands"], header
-    rows = []
-    for line in table[2:]:  # after the header and its |---| line
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        assert len(cells) == len(header), line
-        subcommands = frozenset(s.strip(" `") for s in cells[2].split(","))
-        rows.append(Row(frozenset(_FLAG.findall(cells[0])), frozenset(_ENV.findall(cells[1])), subcommands, line))
-    return rows
+reference = _load_reference_script()
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def test_the_configuration_reference_is_the_generated_one():
+    assert reference.current() == reference.reference(), "run python scripts/config_reference.py"
+
+
+def test_the_check_command_fails_on_a_stale_reference(tmp_path, monkeypatch):
+    stale = tmp_path / "configuration.md"
+    stale.write_text(reference.DOC.read_text("utf-8").replace("`ROLLOUT_BROKER_HWM`", "`ROLLOUT_BROKER_HW`"))
+    monkeypatch.setattr(reference, "DOC", stale)
+    monkeypatch.setattr(sys, "argv", ["config_reference.py", "--check"])
+    assert reference.main() == 1
+    monkeypatch.setattr(sys, "argv", ["config_reference.py"])
+    assert reference.main() == 0 and reference.current() == reference.reference()
+
+
+@pytest.mark.parametrize("command", ["serve", "workers", "broker"])
+def test_every_flag_sets_a_declared_setting_and_has_help(command: str):
+    parser = reference.parsers()[command]
     for action in parser._actions:
+        if action.dest == "help":
+            continue
+        entry = getattr(action, "setting_entry", None)
+        assert entry is not None, f"{command} {action.option_strings} sets no declared setting"
+        assert (action.help or "").strip() and action.help != argparse.SUPPRESS
+        assert entry.flag in action.option_strings
+
+
+def test_every_subcommand_has_help_text():
+    for action in cli._parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    raise AssertionError("rollout-gateway has no subcommands")
-
-
-def _parsers() -> dict[str, argparse.ArgumentParser]:
-    """Each subcommand's parser as its --help sees it: `broker` execs the broker's own."""
-    sub = _subparsers(cli._parser())
-    return {**sub, "broker": broker_main._parser()}
-
-
-def _options(parser: argparse.ArgumentParser) -> set[str]:
-    return {s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
-
-
-def _broker_field(action: argparse.Action) -> str:
-    return broker_main._FIELD_OF_DEST.get(action.dest, action.dest)
-
-
-@pytest.fixture(scope="module")
-def rows() -> list[Row]:
-    return _rows(README.read_text("utf-8"))
-
-
-def test_every_flag_has_one_row_naming_exactly_the_subcommands_that_take_it(rows: list[Row]):
-    parsers = _parsers()
-    taken: dict[str, set[str]] = {}
-    for name in DOCUMENTED:
-        for option in _options(parsers[name]):
-            taken.setdefault(option, set()).add(name)
-    documented: dict[str, frozenset[str]] = {}
-    for row in rows:
-        assert len(row.flags) <= 1, f"one flag per row: {row.line}"
-        for flag in row.flags:
-            assert flag not in documented, f"{flag} has two rows"
-            documented[flag] = row.subcommands
-    assert sorted(set(taken) - set(documented)) == [], "flags without a row in the README's Configuration table"
-    assert sorted(set(documented) - set(taken)) == [], "rows for flags that no parser has"
-    wrong = {flag: (sorted(documented[flag]), sorted(subs)) for flag, subs in taken.items() if documented[flag] != subs}
-    assert wrong == {}, "flag: (subcommands in the README, subcommands that take it)"
-
-
-def test_every_variable_has_a_row_and_no_row_names_one_the_code_lacks(rows: list[Row]):
-    broker_envs = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BrokerConfig)}
-    limit_envs = {cli.LIMITS_ENV_PREFIX + name.upper() for name in cli._LIMIT_FLAGS}
-    expected = broker_envs | limit_envs | {curve.CURVE_KEYS_ENV, cli.ENGINE_CA_FILE_ENV, OTHER_ENV}
-    documented = {env for row in rows for env in row.envs}
-    assert sorted(expected - documented) == [], "variables without a row"
-    assert sorted(documented - expected) == [], "rows for variables that the code does not read"
-    for row in rows:
-        if not row.flags and row.envs & broker_envs:
-            # serve's broker reads them too; no worker does
-            assert row.subcommands == {"serve", "broker"}, row.line
-
-
-def test_each_flag_row_names_the_variable_that_flag_overrides(rows: list[Row]):
-    by_flag = {flag: row for row in rows for flag in row.flags}
-    own: dict[str, set[str]] = {}
-    for action in _parsers()["broker"]._actions:
-        if action.option_strings and action.dest != "help":
-            own.setdefault(action.option_strings[0], set()).add(ENV_PREFIX + _broker_field(action).upper())
-    for name in cli._LIMIT_FLAGS:
-        own.setdefault("--" + name.replace("_", "-"), set()).add(cli.LIMITS_ENV_PREFIX + name.upper())
-    own.setdefault("--curve-keys", set()).add(curve.CURVE_KEYS_ENV)
-    own.setdefault("--engine-ca-file", set()).add(cli.ENGINE_CA_FILE_ENV)
-    missing = {flag: sorted(envs - by_flag[flag].envs) for flag, envs in own.items() if envs - by_flag[flag].envs}
-    assert missing == {}, "flag: the variables its row should name"
-
-
-def test_every_broker_flag_sets_a_config_field():
-    fields = {f.name for f in dataclasses.fields(BrokerConfig)}
-    for action in _parsers()["broker"]._actions:
-        if action.dest != "help":
-            assert _broker_field(action) in fields, action.option_strings
-
-
-def test_every_option_and_subcommand_has_help_text():
-    parsers = {"rollout-gateway": cli._parser(), **_parsers()}
-    for name, parser in parsers.items():
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for choice in action._choices_actions:
-                    assert (choice.help or "").strip(), f"subcommand {choice.dest} has no help"
-                continue
-            assert action.help != argparse.SUPPRESS, f"{name} {action.option_strings} is hidden from --help"
-            assert (action.help or "").strip(), f"{name} {action.option_strings or action.dest} has no help"
+            assert all((choice.help or "").strip() for choice in action._choices_actions)
 
 
 @pytest.mark.parametrize("subcommand", ["serve", "workers", "broker", "keys"])
@@ -153,21 +81,108 @@ def test_help_lists_every_option_of_the_subcommand(subcommand: str):
         timeout=HELP_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr
-    parser = _parsers()[subcommand]
-    for option in _options(parser):
+    parser = {**reference.parsers(), "keys": None}[subcommand]
+    options = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"} if parser else set()
+    for option in options:
         # at a line's start: listed as an option, not merely named in another's help
         assert re.search(rf"^\s+{re.escape(option)}\b", done.stdout, re.M), f"{subcommand} --help lacks {option}"
-    if subcommand == "broker":
-        unflagged = {f.name for f in dataclasses.fields(BrokerConfig)} - {_broker_field(a) for a in parser._actions}
+    if subcommand == "broker":  # and the settings only a variable sets
         text = " ".join(done.stdout.split())
-        assert unflagged and all(ENV_PREFIX + name.upper() in text for name in unflagged), text
+        unflagged = [e.envs[0] for e in settings.entries(BrokerConfig) if e.flag is None]
+        assert unflagged and all(env in text for env in unflagged), text
+
+
+def _other_value(entry: settings.Entry) -> tuple[Any, str]:
+    """A valid value other than the default, and its text."""
+    if entry.switch:
+        return (not entry.default), "1" if not entry.default else "0"
+    if entry.choices is not None:
+        value = next(c for c in reversed(entry.choices) if c != entry.default)
+        return value, value
+    if entry.many:
+        return ("http://engine:2",), "http://engine:2"
+    if entry.name.endswith("endpoint") or entry.name == "control_endpoint":
+        return "tcp://127.0.0.1:9", "tcp://127.0.0.1:9"
+    if entry.name == "log_level":
+        return ("DEBUG", "DEBUG") if entry.default == "INFO" else ("debug", "debug")
+    base = settings._base(entry.hint)
+    if base is int:
+        value = (entry.default or 0) + 3
+        return value, str(value)
+    if base is float:
+        value = (entry.default or 0.0) + 1.5
+        return value, str(value)
+    return "some-value", "some-value"
+
+
+def _commands(config: type) -> list[tuple[str, type]]:
+    return [(command, config) for command, configs in reference.BUILDS.items() if config in configs]
+
+
+def _built(command: str, config: type, argv: list[str], env: dict[str, str]) -> Any:
+    if command == "broker":
+        import broker.__main__ as broker_main
+
+        return settings.build(BrokerConfig, broker_main._parser().parse_args(argv), {**BASE_ENV, **env})
+    args = cli._parser().parse_args([command, *argv])
+    defaults = cli.SERVE_BROKER_DEFAULTS if config is BrokerConfig else None
+    return settings.build(config, args, {**BASE_ENV, **env}, defaults=defaults)
+
+
+def _value(config: Any, entry: settings.Entry) -> Any:
+    for name in entry.path:
+        config = getattr(config, name)
+    return config
+
+
+CASES = [(command, config, entry) for config in (ServeConfig, BrokerConfig) for command, _ in _commands(config)
+         for entry in settings.entries(config)]
+
+
+@pytest.mark.parametrize(("command", "config", "entry"), CASES,
+                         ids=[f"{c}-{e.dest}" for c, _, e in CASES])
+def test_each_setting_comes_from_its_variable_and_its_flag_wins(command: str, config: type, entry: settings.Entry):
+    parser = reference.parsers()[command]
+    taken = entry in reference.flagged(parser)
+    value, text = _other_value(entry)
+    for env in entry.envs:
+        assert _value(_built(command, config, [], {env: text}), entry) == value, env
+    if not taken:
+        return
+    if entry.switch:  # its flag turns it on, over a variable that says off
+        argv, variable = [entry.flag], "0"
+    else:
+        argv, variable = [entry.flag, text], _another_text(entry, value)
+    env = {entry.envs[0]: variable} if entry.envs else {}
+    assert _value(_built(command, config, argv, env), entry) == (True if entry.switch else value)
+
+
+def _another_text(entry: settings.Entry, taken: Any) -> str:
+    """A second valid value's text, for the variable a flag must win over."""
+    if entry.choices is not None:
+        return next(c for c in entry.choices if c != taken)
+    if entry.many:
+        return "http://engine:3"
+    base = settings._base(entry.hint)
+    if base in (int, float):
+        return str((entry.default or 0) + 5)
+    return "" if entry.default is None else str(entry.default)
+
+
+def test_a_value_that_does_not_parse_or_fails_its_check_names_its_source():
+    with pytest.raises(settings.SettingError, match="ROLLOUT_BROKER_MAX_SESSIONS='lots'"):
+        settings.build(BrokerConfig, None, {"ROLLOUT_BROKER_MAX_SESSIONS": "lots"})
+    with pytest.raises(settings.SettingError, match="ROLLOUT_BROKER_MAX_SESSIONS='0'.*must be positive"):
+        settings.build(BrokerConfig, None, {"ROLLOUT_BROKER_MAX_SESSIONS": "0"})
+    with pytest.raises(SystemExit, match="--max-tools: worker.limits.max_tools must be an integer >= 1"):
+        cli._settings(cli._parser().parse_args(["serve", "--max-tools", "0"]))
 
 
 def test_an_empty_curve_keys_flag_means_no_keys_whatever_the_environment_says(monkeypatch):
-    """`serve` passes `--curve-keys ""` to its own broker when it runs without CURVE: a variable must not turn
-    CURVE on for that broker alone, or its workers could not connect."""
+    """An empty `--curve-keys` turns CURVE off for that broker, whatever a variable says."""
     from broker.__main__ import _parser, config_from_args
 
+    monkeypatch.delenv("ROLLOUT_BROKER_CONFIG", raising=False)
     monkeypatch.setenv("ROLLOUT_BROKER_CURVE_KEYS", "/some/keys")
     monkeypatch.setenv("ROLLOUT_GATEWAY_CURVE_KEYS", "/other/keys")
     assert config_from_args(_parser().parse_args(["--curve-keys", ""])).curve_keys is None

@@ -7,7 +7,7 @@
 - Per broker sub-package (every module of it imported, found by file): `broker.protocol`,
   `broker.messages` and `broker.codec` load no zmq; of `broker`, the protocol loads only those two,
   the messages only `broker.codec`, the codec nothing else; `broker.sockets` (the ROUTER role) only
-  the config, the wire, `broker.curve` and `broker.zap`; `broker.sessions` nothing
+  the config (and its `broker.settings`), the wire, `broker.curve` and `broker.zap`; `broker.sessions` nothing
   of `broker.episodes`; neither of those two opens sockets (no zmq, no `broker.server`).
   `broker.episodes` may import `broker.sessions`, not the reverse. `broker.durability` (the state
   directory: log, snapshots, recovery) loads no zmq, no asyncio and nothing of the server or the
@@ -15,9 +15,12 @@
 - `broker.token_ids` (byte tables, matching prefixes) and `broker.message_keys` (echo keys, shared with
   the trajectory builder) are the other broker modules workers may import: stdlib only (no zmq or msgpack;
   no numpy) and nothing else of `broker`; workers load nothing of the broker's server, sessions or episodes.
+- `broker.settings` (settings declared once: flags, variables, checks) is shared by the broker and the workers:
+  stdlib only, nothing else of `broker`.
 - `broker.curve` (CURVE keys, the loopback rule, handshake monitors) is shared by all three: stdlib and
-  zmq, no asyncio (so not `zmq.auth.thread`) and nothing else of `broker`; the broker's ZAP handler
-  (`broker.zap`, blocking) loads only `broker.curve`, and neither workers nor the trainer client load it.
+  zmq, no asyncio (so not `zmq.auth.thread`) and nothing else of `broker` but `broker.settings`; the
+  broker's ZAP handler (`broker.zap`, blocking) loads only `broker.curve`, and neither workers nor the
+  trainer client load it.
 - Per gateway sub-package, along a turn's path: the HTTP edge's connection, errors and limits load
   nothing of the gateway; `rendering` nothing of the turn, the formats, engines or capture;
   `formats` nothing of adapters, turns, engines or capture; `engines` and `capture` nothing of the
@@ -87,10 +90,13 @@ SUBPACKAGES = {
     "broker.messages": Layer(forbid=("zmq", "asyncio"), broker_only=("broker.messages", "broker.codec")),
     "broker.codec": Layer(forbid=("zmq", "asyncio"), broker_only=("broker.codec",)),
     "broker.sockets": Layer(
-        forbid=("asyncio",), broker_only=("broker.sockets", "broker.config", "broker.curve", "broker.zap", *_WIRE)
+        forbid=("asyncio",),
+        broker_only=("broker.sockets", "broker.config", "broker.settings", "broker.curve", "broker.zap", *_WIRE),
     ),
-    "broker.curve": Layer(forbid=("asyncio", "zmq.asyncio"), broker_only=("broker.curve",)),
-    "broker.zap": Layer(forbid=("asyncio", "zmq.asyncio"), broker_only=("broker.zap", "broker.curve")),
+    "broker.curve": Layer(forbid=("asyncio", "zmq.asyncio"), broker_only=("broker.curve", "broker.settings")),
+    "broker.zap": Layer(forbid=("asyncio", "zmq.asyncio"),
+                        broker_only=("broker.zap", "broker.curve", "broker.settings")),
+    "broker.settings": Layer(forbid=("zmq", "asyncio"), broker_only=("broker.settings",)),
     "broker.sessions": Layer(forbid=("broker.episodes", "broker.server", "broker.durability", "zmq", "asyncio")),
     # broker.sessions is allowed
     "broker.episodes": Layer(forbid=("broker.server", "broker.durability", "zmq", "asyncio")),

@@ -12,8 +12,8 @@ from gateway_workers.config import WorkerConfig
 
 
 def _config(*flags: str) -> WorkerConfig:
-    args = cli._parser().parse_args(["serve", *flags])
-    return cli._worker_config(args, "tcp://127.0.0.1:1", None)
+    serve, _ = cli._settings(cli._parser().parse_args(["serve", *flags]))
+    return serve.worker
 
 
 def _commit(turn_id: str, prompt: list[int]) -> protocol.CommitTurn:
