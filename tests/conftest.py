@@ -8,7 +8,10 @@ fixtures, so test modules that never ask for a tokenizer do not pay for it.
 
 from __future__ import annotations
 
+import gc
 import sys
+import tracemalloc
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,25 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import assets` from any test module
 
 from assets import FakeEngine, trl_qwen3_template_path  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_leaks_left_for_later() -> Iterator[None]:
+    """After each module, collect its garbage and fail if that closed a leaked resource (a socket, a file): left
+    to the collector, it would warn in whichever test runs then, blaming an unrelated one. Here the module that
+    leaked it fails, naming what it leaked."""
+    yield
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    leaked = [_leak(w) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert leaked == [], f"this module's tests left resources unclosed: {leaked}"
+
+
+def _leak(warning: warnings.WarningMessage) -> str:
+    """What leaked, and where it was made when tracemalloc traces (`python -X tracemalloc=20 -m pytest ...`)."""
+    made = tracemalloc.get_object_traceback(warning.source) if warning.source is not None else None
+    return f"{warning.message}" + (" made at\n" + "\n".join(made.format()) if made is not None else "")
 
 
 @pytest.fixture(scope="session")

@@ -260,9 +260,10 @@ def test_tool_episode_per_family(family_gateway: tuple[str, Any, FakeEngine, str
 
 
 def connection_per_request(gw: Any, sid: str) -> openai.OpenAI:
-    """An agent that opens a connection per request, so consecutive turns land on either worker."""
-    http = httpx.Client(headers={"Connection": "close"}, timeout=60)
-    return openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60, http_client=http)
+    """An agent that opens a connection per request, so consecutive turns land on either worker (the SDK's own
+    HTTP client, which it closes with itself)."""
+    return openai.OpenAI(base_url=gw.base_url, api_key=sid, max_retries=2, timeout=60,
+                         default_headers={"Connection": "close"})
 
 
 def held_counts(gw: Any) -> dict[int, dict[str, float]]:

@@ -21,7 +21,6 @@ from collections import Counter
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 from assets import wait_until
@@ -33,13 +32,10 @@ SETTLE_S = 10.0  # the other worker's counts arrive with its next heartbeat (eve
 STAGES = ("render", "engine", "parse", "reply", "commit", "total")
 
 
-def _http() -> httpx.Client:
-    return httpx.Client(headers={"Connection": "close"}, timeout=60)
-
-
 def _agent(base_url: str, sid: str, k: int, seen: Counter[Any]) -> None:
     """Turns in every dialect, streamed and not; what the agent was billed is added to `seen`."""
-    chat = openai.OpenAI(base_url=base_url, api_key=sid, max_retries=2, http_client=_http())
+    chat = openai.OpenAI(base_url=base_url, api_key=sid, max_retries=2, timeout=60,
+                         default_headers={"Connection": "close"})
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"agent {k}: hello"}]
     reply = chat.chat.completions.create(model="x", messages=messages)
     assert reply.usage is not None
