@@ -3,8 +3,8 @@
 A thin CLI over public parts: the broker runs as `python -m broker` (a subprocess on
 port 0), publishers are separate processes speaking `broker.protocol` over plain zmq
 DEALERs like workers do, and the trainer side is `trainer_client.TrainerClient`.
-Measures (issue 6 targets): commits/s of ~4k-token prompts with 100-token outputs from
-4 concurrent publishers (growing sessions, so prefixes are shared as in real traffic) and
+Measures (the performance targets in docs/performance.md): commits/s of ~4k-token prompts with
+100-token outputs from 4 concurrent publishers (growing sessions, so prefixes are shared as in real traffic) and
 the broker's own CPU per commit (publishers share the cores, so commits/s alone understates
 the broker; split into its main thread and the rest, libzmq's I/O thread), side by side with a
 bare zmq echo fed the same frames by the same publishers; the broker's per-commit hot path
@@ -14,7 +14,7 @@ count (from the broker at rest after a warm-up session; 20 sessions interleaved,
 the broker's compact_age_s, then a wait for their last bytes to age and be compressed, and for
 the broker's next heap trim: the output says so). Commits are deltas against the sender's
 previous turn, as a worker sends them (`gateway_workers.capture.commit_bases`); `--full-commits`
-also measures whole-turn commits in the same run. Durability (issue 22): `durable` runs the ingest
+also measures whole-turn commits in the same run. Durability (`--state-dir`): `durable` runs the ingest
 with no state directory and with one under each fsync policy side by side (and the commit path
 in-process, steadier on a shared box; `--durable-prefill-mib` first fills the broker with live
 sessions, so that snapshots rewrite a large state meanwhile), `recovery` kill -9s a durable broker

@@ -1,4 +1,4 @@
-"""Benchmark: worker CPU per engine call, our HTTP client (engines/http_client.py) against aiohttp.
+"""Benchmark: worker CPU per engine call, our HTTP client (gateway_workers/engines/http/client.py) against aiohttp.
 
 Starts scripts/bench_engine.py (a near-free vLLM token-in/token-out engine) in a subprocess and
 POSTs pre-encoded `/inference/v1/generate` bodies of a 4k- and a 24k-token prompt to it, one at a

@@ -1,4 +1,4 @@
-"""Hostile input benchmark: the other agents' latency while one agent sends huge bodies (issue 21).
+"""Hostile input benchmark: the other agents' latency while one agent sends huge bodies.
 
 Starts `rollout-gateway serve` with the built-in mock engine (bench_procs.Service: its own process
 group, READY line, stopped by group whatever happens), opens sessions with `trainer_client`, and runs

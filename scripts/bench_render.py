@@ -5,7 +5,7 @@ turns whose results grow the context to 4k or 24k tokens) with the real Qwen BPE
 qwen3.jinja. Measures, as medians over repetitions: the Jinja render vs the template twin; a full
 encode (`encode` vs the GIL-free `encode_batch_fast`, on the main thread vs a worker thread); the
 incremental `Renderer.render` of each turn after the previous one (what a live episode pays);
-and the hot-path steps outside render.py (agent body JSON, list<->array copies, engine request
+and the hot-path steps outside rendering/renderer.py (agent body JSON, list<->array copies, engine request
 JSON, CommitTurn msgpack). `--profile` adds a cProfile summary of a turn. Prints JSON.
 """
 
@@ -141,7 +141,7 @@ def measure(tokenizer: Any, context_tokens: int, reps: int) -> dict[str, Any]:
 
 
 def hot_path(tokenizer: Any, messages: list[dict[str, Any]], ids: list[int], reps: int) -> dict[str, float]:
-    """Steps outside render.py, as the adapters / turns.py / engines / parser do them today."""
+    """Steps outside rendering/renderer.py, as the adapters / turns / engines / parser do them today."""
     from gateway_workers.adapters import openai_chat
     from gateway_workers.formats import detect_parser
 

@@ -1,4 +1,4 @@
-"""Soak benchmark: ~1,000 concurrent sessions x 20 turns, finishes interleaved, RSS over time (issue 22).
+"""Soak benchmark: ~1,000 concurrent sessions x 20 turns, finishes interleaved, RSS over time.
 
 Starts `rollout-gateway serve` (mock engine, 2 workers, built-in defaults; by default durable, on a
 temporary --state-dir with --fsync interval) as a bench_procs.Service. --concurrency agent slots each

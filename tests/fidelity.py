@@ -1,4 +1,4 @@
-"""The fidelity checker every test layer shares: asserts DESIGN.md's fidelity rule on built rows.
+"""The fidelity checker every test layer shares: asserts docs/design.md's fidelity rule on built rows.
 
 Turns: `broker.episodes.trajectory.TurnRecord` or anything with turn_id/prompt_ids/output_ids/logprobs. Rows: the
 builder's `Row`, a `TraceRow`/`TraceRecord`, or any object (or dict) with token_ids/loss_mask/logprobs/

@@ -1,6 +1,6 @@
 """`EpisodeStream`: a blocking iterator over finished episodes, with credit, leases and acknowledgements.
 
-The subscriber side of the broker's episode outbox (broker/outbox.py): one socket of its own
+The subscriber side of the broker's episode outbox (broker/episodes/outbox.py): one socket of its own
 from its client's `ControlChannel`, one `FetchEpisodes` request per step that acknowledges what was consumed, renews the
 lease, reports what it holds and asks for as many episodes as its credit allows (a long poll
 when nothing is buffered). Delivery is at least once: an episode stays leased to this stream

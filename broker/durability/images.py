@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.durability.records import SESSION_SETTINGS, session_settings
-from broker.sessions.registry import Session
+from broker.sessions.session import Session
 from broker.sessions.turn_store import TurnStore
 
 # The layout of an image (a list): bumped with any change to it, checked on load, and older layouts are

@@ -14,7 +14,7 @@ from broker import protocol
 from broker.durability import records
 from broker.durability.records import STATE, WORKER_FRAME
 from broker.durability.wal import LogWriter
-from broker.sessions.registry import Session
+from broker.sessions.session import Session
 from broker.sessions.workers import WORKER_LOST
 
 

@@ -32,7 +32,8 @@ from broker.durability.wal import CorruptLog, SegmentReader, list_segments, posi
 from broker.episodes.answers import AnswerItem, FinishAnswers
 from broker.episodes.outbox import Outbox
 from broker.protocol import session_tag
-from broker.sessions.registry import FinishOrigin, Refusal, SessionRegistry
+from broker.sessions.registry import SessionRegistry
+from broker.sessions.session import FinishOrigin, Refusal
 from broker.sessions.workers import WORKER_LOST
 
 logger = logging.getLogger(__name__)

@@ -24,11 +24,12 @@ from typing import Any
 
 from broker import protocol
 from broker.episodes.answers import FinishAnswers
-from broker.episodes.journal import EpisodeJournal
+from broker.episodes.journal import NO_JOURNAL, EpisodeJournal
 from broker.episodes.outbox import Envelope, Outbox, Reply
 from broker.episodes.rows import RowBuilder
 from broker.protocol import session_tag
-from broker.sessions.registry import FinishedSession, FinishOrigin, Refusal, SessionRegistry
+from broker.sessions.registry import SessionRegistry
+from broker.sessions.session import FinishedSession, FinishOrigin, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class Finishes:
         self._deadlines: list[tuple[float, int, str]] = []
         self._tokens = itertools.count()
         self.counters: dict[str, int] = {"drain_timeouts": 0, "finish_failures": 0}
-        self.journal: EpisodeJournal | None = None  # a durable broker's log (`broker.durability`)
+        self.journal: EpisodeJournal = NO_JOURNAL  # a durable broker's log (`broker.durability`)
         self.answers = FinishAnswers()
 
     # --- the ways in ---------------------------------------------------------------------
@@ -104,8 +105,7 @@ class Finishes:
         self._registry.closable(msg.session_id)  # "already finished" before "busy": the precise answer
         self._outbox.reserve()
         self._registry.close(msg.session_id, origin)
-        if self.journal is not None:
-            self.journal.finish_requested(msg, origin)
+        self.journal.finish_requested(msg, origin)
         return self.answers.accept(msg, now), self._drain_or_park(msg, now)
 
     def resume(self, msg: protocol.RequestFinish, now: float) -> list[Reply]:
@@ -207,14 +207,12 @@ class Finishes:
         except Exception:
             self.counters["finish_failures"] += 1
             logger.exception("building rows of session %s failed (%d turns)", tag, len(finished.turns))
-            if self.journal is not None:
-                self.journal.session_finished(finished.sid, finished.finished_by)
+            self.journal.session_finished(finished.sid, finished.finished_by)
             return protocol.Refused(msg.request_id, "internal", f"building rows of session {tag} failed; see the log")
         if finished.status == "drain_timeout":
             self.counters["drain_timeouts"] += 1
         self.answers.remember(finished.sid, msg.request_id, frame, now)
-        if self.journal is not None:
-            self.journal.session_finished(finished.sid, finished.finished_by, msg.request_id, frame)
+        self.journal.session_finished(finished.sid, finished.finished_by, msg.request_id, frame)
         return reply
 
     def _complete_into_outbox(self, msg: protocol.RequestFinish, now: float) -> list[Reply]:

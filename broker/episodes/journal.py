@@ -1,10 +1,12 @@
-"""The seam a durable broker logs the episode side through: what finishes and the outbox report as they change.
+"""The seam a durable broker logs its changes through, and the journal of a broker that logs nothing.
 
-`Finishes` and `Outbox` call an `EpisodeJournal`, when they are given one, right after each change
-of theirs that a restart must not lose (a close by request, a finish, an episode handed to the
-outbox, its leases, acks and requeues); `broker.durability.journal` implements it by appending log
-records, which the server writes before it sends any reply. Without one (no state directory) they
-call nothing. Imports only the stdlib and `broker.protocol`; never `broker.durability`.
+The handlers (worker frames, opens, drops, weight versions), `Finishes` and `Outbox` call their
+journal right after each change that a restart must not lose (a stored commit, a close by request,
+a finish, an episode handed to the outbox, its leases, acks and requeues). `broker.durability.journal`
+implements `BrokerJournal` by appending log records, which the server writes before it sends any reply;
+a broker without a state directory has `NO_JOURNAL`, whose calls do nothing, so no caller asks which one
+it has. Imports only the stdlib, `broker.protocol` and `broker.sessions` (the Session type); never
+`broker.durability`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from broker import protocol
+from broker.sessions.session import Session
 
 
 class EpisodeJournal(Protocol):
@@ -35,3 +38,62 @@ class EpisodeJournal(Protocol):
 
     def episodes_requeued(self, delivery_ids: list[int], redelivered: bool) -> None:
         """Leased episodes went back to the ready queue (`redelivered`: marked so for their next holder)."""
+
+
+class BrokerJournal(EpisodeJournal, Protocol):
+    """Every durable change: the episode side's and the handlers'."""
+
+    def worker_frame(self, frame: bytes) -> None:
+        """An OpenTurn, a stored CommitTurn or an AbortTurn, exactly as received."""
+
+    def turn_abandoned(self, sid: str, turn_id: str) -> None:
+        """An in-flight turn given up with its silent worker."""
+
+    def session_opened(self, session: Session) -> None:
+        """A session opened, with its settings."""
+
+    def session_dropped(self, sid: str) -> None:
+        """A session dropped without rows."""
+
+    def weight_version_set(self, version: int) -> None:
+        """The trainer set the policy version."""
+
+
+class NoJournal:
+    """The journal of a broker without a state directory: nothing is logged."""
+
+    def finish_requested(self, msg: protocol.RequestFinish, origin: str) -> None:
+        pass
+
+    def session_finished(self, session_id: str, origin: str, request_id: int = 0, answer: bytes | None = None) -> None:
+        pass
+
+    def episode_added(self, episode: protocol.DeliveredEpisode, client_id: str) -> None:
+        pass
+
+    def episodes_leased(self, subscriber_id: str, lease: float, delivery_ids: list[int]) -> None:
+        pass
+
+    def episodes_acked(self, delivery_ids: list[int]) -> None:
+        pass
+
+    def episodes_requeued(self, delivery_ids: list[int], redelivered: bool) -> None:
+        pass
+
+    def worker_frame(self, frame: bytes) -> None:
+        pass
+
+    def turn_abandoned(self, sid: str, turn_id: str) -> None:
+        pass
+
+    def session_opened(self, session: Session) -> None:
+        pass
+
+    def session_dropped(self, sid: str) -> None:
+        pass
+
+    def weight_version_set(self, version: int) -> None:
+        pass
+
+
+NO_JOURNAL = NoJournal()

@@ -7,7 +7,7 @@ subscription filters, one lease per subscriber (renewed by each `FetchEpisodes`;
 out, its unacknowledged episodes go back to the queue marked redelivered), and long polls
 parked until an episode matches or their wait ends. A durable broker logs each change through
 `journal` and restores the outbox after a restart (`restore*`: delivery ids and epoch kept, so
-subscribers' acks still apply). Pure bookkeeping like `sessions.py`: no sockets and no clock of
+subscribers' acks still apply). Pure bookkeeping like `sessions/registry.py`: no sockets and no clock of
 its own (callers pass `now`); envelopes are opaque. Imports the stdlib, `broker.protocol`,
 `broker.episodes.journal` and `broker.sessions.registry` (for `Refusal`) only.
 """
@@ -22,8 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from broker import protocol
-from broker.episodes.journal import EpisodeJournal
-from broker.sessions.registry import Refusal
+from broker.episodes.journal import NO_JOURNAL, EpisodeJournal
+from broker.sessions.session import Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Outbox:
         # Delivery ids restart with an in-memory broker; the epoch tells a subscriber's old ids from new
         # ones. A durable broker keeps both across restarts (`restore_ids`), so acks of held episodes still apply.
         self.epoch = secrets.token_hex(8)
-        self.journal: EpisodeJournal | None = None  # a durable broker's log (`broker.durability`)
+        self.journal: EpisodeJournal = NO_JOURNAL  # a durable broker's log (`broker.durability`)
         self._max_episodes = max_episodes
         self._max_bytes = max_bytes
         self._max_wait = max_wait
@@ -154,8 +154,7 @@ class Outbox:
         self._entries[entry.delivery_id] = entry
         self._bytes += entry.nbytes
         self.counters["episodes_added"] += 1
-        if self.journal is not None:
-            self.journal.episode_added(entry.episode, client_id)
+        self.journal.episode_added(entry.episode, client_id)
         self._make_ready(entry, front=False)
         return self._offer(now)
 
@@ -174,7 +173,7 @@ class Outbox:
         current = msg.epoch == self.epoch  # else its ids name another broker's episodes
         acked_ids = [d for d in msg.acks if self._ack(d)] if current else []
         acked = len(acked_ids)
-        if acked_ids and self.journal is not None:
+        if acked_ids:
             self.journal.episodes_acked(acked_ids)
         if current:
             self._requeue([sub.leased.pop(d) for d in msg.release if d in sub.leased], redelivered=False)
@@ -355,7 +354,7 @@ class Outbox:
         return True
 
     def _lease(self, sub: _Subscriber, taken: list[_Entry]) -> None:
-        if taken and self.journal is not None:
+        if taken:
             self.journal.episodes_leased(sub.subscriber_id, sub.lease, [e.delivery_id for e in taken])
         for entry in taken:
             entry.holder = sub.subscriber_id
@@ -380,7 +379,7 @@ class Outbox:
 
     def _requeue(self, entries: list[_Entry], *, redelivered: bool) -> None:
         """Back to the ready queues, ahead of newer episodes (they are the oldest), in their own order."""
-        if entries and self.journal is not None:
+        if entries:
             self.journal.episodes_requeued([e.delivery_id for e in entries], redelivered)
         self._ready_first(entries, redelivered)
 

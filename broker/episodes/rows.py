@@ -26,7 +26,7 @@ from broker import protocol, token_ids
 from broker.episodes.trajectory import DECISIONS, Row, build_rows
 from broker.metrics.catalog import ROWS_BUCKETS
 from broker.metrics.gateway import Histogram
-from broker.sessions.registry import FinishedSession
+from broker.sessions.session import FinishedSession
 
 logger = logging.getLogger(__name__)
 

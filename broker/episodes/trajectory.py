@@ -3,7 +3,7 @@
 Pure computation: no sockets or clocks; imports only `broker.sessions.turn_record` (its input), which the
 session registry materializes at finish, and `broker.message_keys` (the message tree's keys); `rows.py`
 turns its rows into wire rows.
-Fidelity rule (DESIGN.md): every kept sampled token is trained once, with its float32 logprob, right after
+Fidelity rule (docs/design.md): every kept sampled token is trained once, with its float32 logprob, right after
 exactly its turn's prompt_ids -- so a turn joins a row only when the row's ids are a prefix of its prompt.
 Row.weight_versions: each response-region token's policy version (its turn's; -1 for context and unversioned turns).
 Row.metadata: truncated, use_tool, ill_formed (bools); turn_ids (trained here, in order); row_start ("first" |

@@ -13,13 +13,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from broker.sessions.logs.cold_log import PendingChunk
-
-if TYPE_CHECKING:
-    from broker.sessions.registry import Session
+from broker.sessions.session import AgingEntry, Session
 
 # A cold read decompresses a whole chunk, so chunks stay small; a step compresses one slice, so a frame
 # that arrives during a step waits for one slice at most (a chunk's last step adds its flush).
@@ -28,20 +24,6 @@ COMPACT_SLICE_BYTES = 2 * 1024
 # Commits of one session within compact_age_s / AGE_BUCKETS of each other share one aging entry
 # (stamped with the first one's time, due that much later): a few entries per session, not one a commit.
 AGE_BUCKETS = 4
-
-
-@dataclass(slots=True, eq=False)
-class AgingEntry:
-    """Some commits of one session: its log ends after the last of them, compressible from `due` on.
-
-    `serial` names which opening of `sid` it belongs to (ids may be reused). Later commits within
-    the entry's bucket move its `ends` forward instead of queueing an entry of their own.
-    """
-
-    due: float
-    sid: str
-    serial: int
-    ends: tuple[int, int, int]  # `TurnStore.log_ends`
 
 
 class CompactionScheduler:

@@ -1,4 +1,4 @@
-"""Session registry and turn store: the broker's state, and the lifecycle rules of DESIGN.md.
+"""The session registry: every live session (`session.Session`) and the lifecycle rules in docs/design.md.
 
 Pure bookkeeping: no sockets, no encoding; the one clock (injectable) only ages log bytes for
 idle-time compaction, which `compaction.CompactionScheduler` schedules. `server.py` calls it from
@@ -13,132 +13,45 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
-import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from broker import protocol
 from broker.protocol import session_tag
 from broker.sessions import history
-from broker.sessions.compaction import COMPACT_CHUNK_BYTES, COMPACT_SLICE_BYTES, AgingEntry, CompactionScheduler
+from broker.sessions.compaction import COMPACT_CHUNK_BYTES, COMPACT_SLICE_BYTES, CompactionScheduler
 from broker.sessions.logs.append_logs import packed_messages
+from broker.sessions.session import (
+    FinishedSession,
+    FinishOrigin,
+    Refusal,
+    Session,
+    check_delta_shape,
+    check_session_key,
+    check_settings,
+    check_turn_id,
+    minted_key,
+)
 from broker.sessions.turn_record import TurnRecord
 from broker.sessions.turn_store import TurnStore
 
 logger = logging.getLogger(__name__)
 
-# An API key the agents will send in a header: visible ASCII, bounded.
-_SESSION_ID_RE = re.compile(r"[!-~]{1,256}")
-# A key a trainer chooses is at least as long as 128 random bits spelled in url-safe base64
-# (`secrets.token_urlsafe(16)`): one agent must not be able to guess another's session.
-MIN_CHOSEN_KEY_CHARS = 22
-_MAX_TURN_ID_LEN = 256
-_MINTED_KEY_BYTES = 24  # 192 bits of entropy, 32 url-safe characters
-_MINTED_KEY_PREFIX = "rg-"
 # Request digests kept per session for retries to find (`Session.digests`): a retry follows its request
 # within seconds, so the latest ones suffice, and a session's memory for them stays bounded.
 MAX_DIGESTS = 64
 # Ends kept for the workers' next heartbeats (a second apart): far more than end in that time.
 ENDED_KEPT = 16_384
-
-State = Literal["open", "closing"]
-# Who finished a session: named in the refusal the later finishers get.
-FinishOrigin = Literal["trainer", "agent", "dropped"]
-
-
-class Refusal(Exception):
-    """A request the lifecycle rules reject; `code` is a `protocol.ErrorCode`."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(slots=True, eq=False)
-class Session:
-    """One session's settings, lifecycle state and deduplicated turn store."""
-
-    sid: str
-    sampling_defaults: dict[str, Any]
-    max_context_tokens: int | None
-    max_turns: int | None
-    metadata: dict[str, Any]
-    client_id: str = ""  # the opening TrainerClient: the episode stream's only_mine filter
-    group: str | None = None  # the episode stream's group filter
-    history_mode: str = "tree"  # how its prompts are built (`history`)
-    linear_fallback: str = "fork"  # what a linear session's request that extends no head gets
-    heads: list[list[Any]] = field(default_factory=list)  # a linear session's (`history.note_head`)
-    head_seqs: list[int] = field(default_factory=list)  # their seqs
-    state: State = "open"
-    finished_by: FinishOrigin | None = None  # set when a finish closes it
-    next_seq: int = 0
-    in_flight: dict[str, int] = field(default_factory=dict)  # turn_id -> seq
-    owners: dict[str, str] = field(default_factory=dict)  # in-flight turn_id -> the worker that opened it, if named
-    # turn_id -> seq of in-flight turns whose worker fell silent: no finish waits for them, yet a late commit lands
-    abandoned: dict[str, int] = field(default_factory=dict)
-    aborted: set[str] = field(default_factory=set)
-    digests: dict[str, str] = field(default_factory=dict)  # request digest -> its latest turn (`OpenTurn`)
-    committed: TurnStore = field(default_factory=TurnStore)
-    # Compaction's per-session state (`compaction.CompactionScheduler`):
-    serial: int = 0  # which opening of `sid` (ids may be reused): aging entries name it
-    aged_to: tuple[int, int, int] = (0, 0, 0)  # `TurnStore.log_ends` of its last commit that is compact_age_s old
-    aging: AgingEntry | None = None  # its newest aging entry, while commits may still join it
-    idle: bool = False  # no commit for compact_age_s when its last aging entry came of age: its tail compresses too
-
-
-def _check_delta_shape(msg: protocol.CommitTurn) -> None:
-    """A delta commit's own numbers must add up (see `protocol.CommitTurn`); its base is checked by the store."""
-    if msg.base_turn_id == msg.turn_id:
-        raise Refusal("bad_request", "a turn cannot be its own base")
-    if min(msg.base_tokens, msg.base_messages, msg.prompt_len) < 0:
-        raise Refusal("bad_request", "base_tokens, base_messages and prompt_len must not be negative")
-    tail = max(msg.prompt_len - msg.base_tokens, 0)
-    if len(msg.prompt_ids) != tail:
-        raise Refusal(
-            "bad_request",
-            f"a delta with prompt_len {msg.prompt_len} and base_tokens {msg.base_tokens} sends {tail} prompt ids, "
-            f"not {len(msg.prompt_ids)}",
-        )
-    if msg.base_tokens > msg.prompt_len + len(msg.output_ids):
-        raise Refusal("bad_request", f"base_tokens {msg.base_tokens} exceeds the turn's own context")
-    raise AssertionError("the delta's shape failed the fast check but passes every named one")
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedSession:
-    """What finish hands the trajectory builder: turns in OPEN order plus the session's settings."""
-
-    sid: str
-    turns: list[TurnRecord]
-    max_context_tokens: int | None
-    metadata: dict[str, Any]
-    turns_abandoned: int  # in flight at the finish, or given up with their silent workers
-    client_id: str = ""
-    group: str | None = None
-    finished_by: FinishOrigin = "trainer"
-    turns_worker_lost: int = 0  # of turns_abandoned, those given up with their workers (`abandon_turn`)
-
-    @property
-    def status(self) -> str:
-        """complete; drain_timeout when the finish cut off turns in flight; worker_lost when the only turns
-        missing were given up with dead workers (their agents most likely never got those replies)."""
-        if self.turns_abandoned > self.turns_worker_lost:
-            return "drain_timeout"
-        return "worker_lost" if self.turns_worker_lost else "complete"
-
-
-def check_chosen_key(session_id: str | None) -> None:
-    """Refuse a key chosen by a trainer (`OpenSession.session_id`) that is too short to be unguessable."""
-    if session_id is not None and len(session_id) < MIN_CHOSEN_KEY_CHARS:
-        raise Refusal("bad_request", f"a chosen session_id must be at least {MIN_CHOSEN_KEY_CHARS} characters: it is "
-                      "the agents' API key, so make it unguessable (secrets.token_urlsafe(16) or longer), or leave "
-                      "it out and the broker mints one")
-
+# The registry's lifetime counters (`stats`). bytes_freed: what it let go to the allocator (compressed chunks' raw
+# bytes, finished and dropped sessions' logs); the server trims the C heap by it (`heap_trim`).
+COUNTERS = (
+    "sessions_opened", "sessions_finished", "sessions_dropped",
+    "turns_opened", "turns_aborted", "turns_abandoned", "turns_worker_lost",
+    "commits_late", "turns_replayed", "commits_stored", "commits_duplicate", "commits_discarded", "commits_delta",
+    "commits_unknown_base", "bytes_compacted", "bytes_freed", *history.HISTORY_COUNTERS,
+)  # fmt: skip
 
 class SessionRegistry:
     """Every live session, keyed by id, and the lifecycle rules applied to them."""
@@ -184,30 +97,7 @@ class SessionRegistry:
         # compact_min_bytes of raw logs never pay at all (see `config`).
         self._compact = compact
         self._compact_min_bytes = compact_min_bytes
-        # bytes_freed: what the registry let go to the allocator (compressed chunks' raw bytes, finished
-        # and dropped sessions' logs); the server trims the C heap by it (`heap_trim`).
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "sessions_opened",
-                "sessions_finished",
-                "sessions_dropped",
-                "turns_opened",
-                "turns_aborted",
-                "turns_abandoned",
-                "turns_worker_lost",
-                "commits_late",
-                "turns_replayed",
-                "commits_stored",
-                "commits_duplicate",
-                "commits_discarded",
-                "commits_delta",
-                "commits_unknown_base",
-                "bytes_compacted",
-                "bytes_freed",
-                *history.HISTORY_COUNTERS,
-            ),
-            0,
-        )
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.compaction = CompactionScheduler(self._sessions, self.counters, age_s=compact_age_s, clock=clock)
 
     # --- lookups ---------------------------------------------------------------------
@@ -247,19 +137,14 @@ class SessionRegistry:
     ) -> Session:
         """Register a session; mint an unguessable key unless the caller gave one. An empty `history_mode` or
         `linear_fallback` takes the registry's default."""
-        if session_id is not None and not _SESSION_ID_RE.fullmatch(session_id):
-            raise Refusal("bad_request", "session_id must be 1-256 visible ASCII characters (it is an API key)")
-        for name, value in (("max_context_tokens", max_context_tokens), ("max_turns", max_turns)):
-            if value is not None and value <= 0:
-                raise Refusal("bad_request", f"{name} must be a positive integer or None, got {value!r}")
+        if session_id is not None:
+            check_session_key(session_id)
         history_mode, linear_fallback = history_mode or self.history_mode, linear_fallback or self.linear_fallback
-        problem = protocol.check_history(history_mode, linear_fallback)
-        if problem is not None:
-            raise Refusal("bad_request", problem)
+        check_settings(max_context_tokens, max_turns, history_mode, linear_fallback)
         if len(self._sessions) >= self._max_sessions:
             raise Refusal("busy", f"the broker holds its maximum of {self._max_sessions} sessions")
         if session_id is None:
-            session_id = _MINTED_KEY_PREFIX + secrets.token_urlsafe(_MINTED_KEY_BYTES)
+            session_id = minted_key()
         elif session_id in self._sessions:
             raise Refusal("duplicate_session", f"session {session_tag(session_id)} is already open")
         if self._max_turns_cap is not None:
@@ -346,8 +231,7 @@ class SessionRegistry:
             return session, seq
         if session.state != "open":
             raise Refusal("session_closed", f"session {session_tag(sid)} is finishing; no new turns")
-        if not turn_id or len(turn_id) > _MAX_TURN_ID_LEN:
-            raise Refusal("bad_request", f"turn_id must be 1-{_MAX_TURN_ID_LEN} characters")
+        check_turn_id(turn_id)
         if turn_id in session.committed or turn_id in session.aborted or turn_id in session.abandoned:
             raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(sid)} is already over")
         cap = session.max_turns
@@ -410,12 +294,12 @@ class SessionRegistry:
             raise Refusal("bad_request", f"{len(msg.logprobs)} logprobs for {n_out} output ids")
         if msg.base_turn_id:
             n, plen = msg.base_tokens, msg.prompt_len
-            # the delta's own numbers (see protocol.CommitTurn), checked at once; `_check_delta_shape` says which failed
+            # the delta's own numbers (see protocol.CommitTurn), checked at once; `check_delta_shape` says which failed
             if not (
                 msg.base_turn_id != turn_id and n >= 0 and msg.base_messages >= 0 and plen >= 0
                 and len(msg.prompt_ids) == (plen - n if plen > n else 0) and n <= plen + n_out
             ):  # fmt: skip
-                _check_delta_shape(msg)
+                check_delta_shape(msg)
             problem = store.add_delta(msg, seq, messages)
             if problem is not None:
                 counters["commits_unknown_base"] += 1

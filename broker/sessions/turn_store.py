@@ -8,7 +8,7 @@ without any comparison: the base's ranges cut to the shared length, plus the new
 Output logprobs go to a third log. Older log bytes can be compressed in the broker's idle time
 (`start_compaction`). A turn is a row of ints in one array per session, its ranges in another:
 no Python object per turn but its id. Pure data structure: no sockets, no clocks, no lifecycle
-rules (`sessions.py` owns those). Imports only the stdlib and `broker`.
+rules (`registry.py` owns those). Imports only the stdlib and `broker`.
 """
 
 from __future__ import annotations

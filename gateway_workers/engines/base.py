@@ -4,7 +4,7 @@ Owns the records every backend shares (`SamplingParams`, `EngineResult`, `Engine
 settings are `config.EngineConfig`), the two failures the app maps to HTTP (`EngineError` -> 502,
 `EngineTimeout` -> 504), each with its `FaultKind`, the per-replica fault counts (`Engine.faults`,
 on the worker's /metrics) and the pooled-HTTP plumbing the vLLM and SGLang backends share
-(one keep-alive `http_client.HttpPool` per engine object, bounded timeouts, orjson bodies in which
+(one keep-alive `http.client.HttpPool` per engine object, bounded timeouts, orjson bodies in which
 each session's prompt ids are written once (`PromptJson`), an SSE reader for streamed generations).
 Backends (vllm, sglang, mock) implement `Engine`: `generate` returns a whole generation, `stream`
 yields it as it is sampled. A generation that did not finish (no finish reason, or one the engine

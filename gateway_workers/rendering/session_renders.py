@@ -1,7 +1,7 @@
 """Each recent session's last render, so the next render of its conversation cuts only what is new.
 
 The renderer cuts rendered text at the tokenizer's added tokens and looks each piece up by its
-text (`render.py`): both cost time in proportion to the whole conversation. A conversation grows
+text (`renderer.py`): both cost time in proportion to the whole conversation. A conversation grows
 at its end, so the text up to the last added token it shares with the session's previous render
 cuts the same way again (given no added token occurs inside another, which the renderer checks),
 and its ids are a prefix of the previous prompt's: only the rest is cut, looked up and joined.

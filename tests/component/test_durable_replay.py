@@ -1,7 +1,7 @@
 """A durable broker's state survives a crash exactly: random operations, crashes at random points, recovery.
 
 A real `BrokerServer` with a state directory (bound on port 0, so its parked replies have sockets to
-go to) is driven through its own dispatcher, `_handle_frame`, frame by frame, committing the log
+go to) is driven through its own dispatcher (`broker.dispatch`), frame by frame, committing the log
 after each frame as its loop does before replying; `durable.tick()` writes snapshots a single object
 per step, so images of one snapshot are taken at different log positions while the state moves on.
 A "crash" drops the server without writing anything more (its descriptors closed as a kill -9 closes
@@ -105,7 +105,7 @@ class Harness:
 
     def _call(self, msg: protocol.Message, side: str) -> Any:
         decode = protocol.decode_worker_to_broker if side == "worker" else protocol.decode_trainer_to_broker
-        reply = self.server._handle_frame([b"peer"], protocol.encode(msg), decode, side)  # type: ignore[arg-type]
+        reply = self.server._dispatch.handle([b"peer"], protocol.encode(msg), decode, side)  # type: ignore[arg-type]
         self.server.durable.commit()  # type: ignore[union-attr]  # what the loop does before it sends the reply
         return reply
 

@@ -1,4 +1,4 @@
-"""Import layers (STYLE.md), checked in fresh interpreters: what each package may pull in.
+"""Import layers (docs/design.md), checked in fresh interpreters: what each package may pull in.
 
 - `trainer_client` runs inside synchronous trainers: no zmq.asyncio, asyncio, uvloop,
   starlette, transformers or gateway_workers.
@@ -107,6 +107,14 @@ SUBPACKAGES = {
         forbid=("zmq", "asyncio", "numpy", "msgpack", "tokenizers"), broker_only=("broker.token_ids",)
     ),
     "broker.message_keys": Layer(forbid=("zmq", "asyncio", "msgpack"), broker_only=("broker.message_keys",)),
+    # the message handlers and the state they share: no sockets, nothing of the server's loop
+    "broker.handlers": Layer(forbid=("zmq", "asyncio", "broker.server", "broker.sockets", "broker.zap",
+                                     "gateway_workers", "trainer_client")),
+    # decode, route, encode: no sockets either
+    "broker.dispatch": Layer(forbid=("zmq", "asyncio", "broker.server", "broker.sockets", "broker.zap",
+                                     "gateway_workers", "trainer_client")),
+    "broker.state": Layer(forbid=("zmq", "asyncio", "broker.server", "broker.sockets", "broker.zap",
+                                  "broker.handlers", "gateway_workers", "trainer_client")),
     "broker.metrics": Layer(forbid=("zmq", "asyncio", "broker.server", "broker.sessions", "broker.episodes",
                                     "broker.durability", "gateway_workers", "trainer_client")),
 }
@@ -145,7 +153,7 @@ SUBPACKAGES.update({
 # Packages in which no two modules import each other, directly or around a longer circle (read from the source:
 # an import under TYPE_CHECKING counts too). The trainer client's seam to the broker (`control_socket`) is under
 # the client and its episode streams, never over them.
-NO_CIRCLES = ("trainer_client", "gateway_workers.adapters")
+NO_CIRCLES = ("trainer_client", "gateway_workers.adapters", "broker.handlers", "broker.sessions")
 
 
 def modules_of(package: str) -> list[str]:

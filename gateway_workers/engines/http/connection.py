@@ -1,6 +1,6 @@
 """One engine connection: an asyncio Protocol (over TCP or TLS) that sends a request, parses the answer with httptools.
 
-Owns the per-connection state machine of engines/http_client.py's pool: one exchange at a time
+Owns the per-connection state machine of engines/http/client.py's pool: one exchange at a time
 (no pipelining), a deadline timer per exchange, buffered or streamed bodies (with read
 back-pressure), end-of-body at close for unframed answers, the liveness check of an idle
 connection, and the failure types (`HttpTimeout`, `HttpConnectionError`). The pool decides

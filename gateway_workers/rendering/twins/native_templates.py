@@ -130,7 +130,7 @@ def render_qwen3(messages: Messages, tools: Tools, add_generation_prompt: bool, 
     return "".join(out)
 
 
-# --- gateway_workers/templates/qwen3_chatml_tools.jinja (the built-in template) ---------------------
+# --- gateway_workers/rendering/templates/qwen3_chatml_tools.jinja (the built-in template) -----------
 
 _BUILTIN_TOOLS_HEAD = (
     "# Tools\n\nYou can call the functions whose JSON signatures are listed inside <tools></tools>:\n<tools>"

@@ -1,0 +1,90 @@
+"""What one broker holds, built from its config: sessions, finishes, the outbox, workers, replicas, metrics and
+the journal its changes are logged through.
+
+The server's loop (`broker.server`) and the message handlers (`broker.handlers`) share one `BrokerState`.
+`open_state` makes it durable (a state directory, recovered first); until then, and without one, its journal
+logs nothing (`episodes.journal.NO_JOURNAL`). No sockets; imports `broker.*` only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from broker.config import BrokerConfig
+from broker.durability.store import DurableState
+from broker.episodes.finishes import Finishes
+from broker.episodes.journal import NO_JOURNAL, BrokerJournal
+from broker.episodes.outbox import Outbox
+from broker.episodes.rows import RowBuilder
+from broker.health import HealthChecker
+from broker.metrics.gateway import GatewayMetrics
+from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
+from broker.sessions.registry import SessionRegistry
+from broker.sessions.replicas import ReplicaTable
+from broker.sessions.workers import WorkerLiveness
+
+# The unknown_session refusals of an in-memory broker that replaced an earlier one (`BrokerConfig.restarted`).
+LOST_ON_RESTART = (
+    " (the broker restarted without a state directory (--state-dir), so sessions opened before the restart "
+    "are lost: open a new session and rerun the episode)"
+)
+
+
+class BrokerState:
+    """The broker's parts, wired together."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        # A restarted in-memory broker says why a key the caller had is gone.
+        lost = "" if config.state_dir is not None or not config.restarted else LOST_ON_RESTART
+        self.registry = SessionRegistry(
+            unknown_hint=lost,
+            max_sessions=config.max_sessions,
+            max_turns_cap=config.max_turns_cap,
+            finished_memory=config.finished_memory,
+            compact=config.compact_idle,
+            compact_min_bytes=config.compact_min_bytes,
+            compact_age_s=config.compact_age_s,
+            history_mode=config.history_mode,
+            linear_fallback=config.linear_fallback,
+        )
+        self.trimmer = HeapTrimmer(
+            min_bytes=config.trim_min_bytes,
+            interval_s=config.trim_interval_s,
+            trim=glibc_malloc_trim() if config.trim_min_bytes > 0 else None,
+        )
+        self.rows = RowBuilder(config.tokenizer)
+        self.outbox = Outbox(
+            max_episodes=config.outbox_max_episodes,
+            max_bytes=config.outbox_max_bytes,
+            max_wait=config.max_poll_wait,
+            max_lease=config.max_lease,
+            max_credit=config.max_credit,
+        )
+        self.finishes = Finishes(self.registry, self.rows, self.outbox, config.max_wait_timeout)
+        self.workers = WorkerLiveness(config.worker_silence_s)
+        self.replicas = ReplicaTable(config.engine_urls)  # which engine replica each session samples from
+        self.registry.end_listeners.append(self.replicas.release)
+        self.health = HealthChecker(config.engine_health_interval_s, config.engine_health_timeout_s)
+        self.health.watch(self.replicas.urls)
+        self.metrics = GatewayMetrics()  # the workers' reports (heartbeats), and the commit latency
+        self.commits_received: list[float] = []  # when each commit of the batch being handled arrived
+        self.refusals: Counter[str] = Counter()  # refusals sent, by code
+        self.loop_counters: Counter[str] = Counter()  # protocol_errors, replies_dropped
+        self.started = time.monotonic()
+        self.durable: DurableState | None = None  # with a state directory, once `open_state` ran
+        self.journal: BrokerJournal = NO_JOURNAL
+
+    def open_state(self) -> DurableState | None:
+        """With `config.state_dir`: lock it and recover its state (before the sockets bind); None without one.
+
+        Raises what `DurableState.open` raises (another broker holds the directory, damage in the log).
+        """
+        if self.config.state_dir is None:
+            return None
+        durable = DurableState(self.config, self.registry, self.outbox, self.finishes)
+        durable.open()
+        assert durable.journal is not None
+        self.durable, self.journal = durable, durable.journal
+        return durable
