@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol, TypedDict
+from typing import Any, TypedDict, cast
 
 import orjson
 from starlette.applications import Starlette
@@ -48,9 +48,10 @@ from gateway_workers.lifetime import tie_to_parent
 from gateway_workers.metrics import WorkerMetrics
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
-from gateway_workers.turns.live import start_live_turn
-from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline
-from gateway_workers.turns.replay import IDEMPOTENCY_HEADER, RETRY_COUNT_HEADER, Replayed, ReplayedLive, retry_key
+from gateway_workers.turns.captured import LiveReply, ReplySource
+from gateway_workers.turns.pipeline import TurnPipeline
+from gateway_workers.turns.replay import IDEMPOTENCY_HEADER, RETRY_COUNT_HEADER, retry_key
+from gateway_workers.turns.start import start_turn
 
 logger = logging.getLogger(__name__)
 
@@ -65,19 +66,6 @@ class WorkerState(TypedDict):
     metrics: WorkerMetrics
     bodies: BodyDecoder
     snapshot: Callable[[], dict[str, Any]]  # this worker's metrics, its parts' counts included
-
-
-class ReplySource(Protocol):
-    """What a reply settles: a whole `CapturedTurn` or a `LiveTurn` still generating."""
-
-    turn_id: str
-    session_id: str
-
-    def commit(self) -> None: ...
-
-    def abort(self, reason: str) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 async def _once(body: bytes) -> AsyncIterator[bytes]:
@@ -109,7 +97,7 @@ def _record(metrics: WorkerMetrics, source: ReplySource, labels: TurnLabels, out
     now = time.perf_counter()
     metrics.observe("turn_duration_seconds", ("reply",), now - t_reply)
     metrics.observe("turn_duration_seconds", ("total",), now - labels.t0)
-    turn = source if isinstance(source, CapturedTurn) else getattr(source, "turn", None)
+    turn = source.turn
     if outcome not in ("failed", "refused"):  # an error mid-stream was logged with the error
         access_log.served("POST", labels.path, 200, labels.t0, labels.sid, labels.stream, outcome)
     if turn is None or outcome == "replayed":
@@ -124,14 +112,13 @@ def _record(metrics: WorkerMetrics, source: ReplySource, labels: TurnLabels, out
 
 
 async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]],
-                     send: Send, connection: AgentConnection, metrics: WorkerMetrics, labels: TurnLabels,
-                     replayed: bool = False) -> None:
+                     send: Send, connection: AgentConnection, metrics: WorkerMetrics, labels: TurnLabels) -> None:
     """Send a turn's reply, one body or SSE events as they are produced, then commit the turn.
 
     uvicorn's `send` silently drops data once the client is gone, so a disconnect cancels the
     sending (and with it the engine stream) and the turn is aborted, never trained on. An
     `ApiError` from the body (the engine failed mid-stream, after the adapter sent its error
-    event) ends the stream and aborts the turn. A `replayed` reply (a retry's) commits nothing.
+    event) ends the stream and aborts the turn. A replayed reply (a retry's) commits nothing.
     """
     sent = False
     failed: ApiError | None = None
@@ -167,7 +154,7 @@ async def send_reply(source: ReplySource, body: AsyncIterator[bytes], headers: l
         await source.close()
         if sent:
             source.commit()
-            outcome = "replayed" if replayed else "committed"
+            outcome = "replayed" if source.replayed else "committed"
         else:
             source.abort("client disconnected before the reply was sent")
             outcome = "aborted" if failed is None else "failed" if failed.status >= 500 else "refused"
@@ -265,37 +252,27 @@ async def serve_turn(scope: Scope, receive: Receive, send: Send, dialect: str, a
                     len(body), decoded.crc32)
     connection = AgentConnection(receive)
     model = state["config"].model_name
-    turn: CapturedTurn | None = None
+    source: ReplySource | None = None
     try:
-        try:
-            if parsed.stream:
-                live = await start_live_turn(pipeline, sid, parsed.turn, connection, key)
-                events = adapter.stream_events(live, parsed, model)
-                return await send_reply(live, events, _SSE_HEADERS, send, connection, metrics, labels)
-            turn = await pipeline.run(sid, parsed.turn, connection, key)
-        except Replayed as r:
-            turn = pipeline.replayed_turn(sid, parsed.turn, r.recorded)
-            if parsed.stream:
-                replay = ReplayedLive(turn)
-                # ReplayedLive has what the adapters read of a LiveTurn (ids, created, prompt_ids, deltas, turn)
-                events = adapter.stream_events(replay, parsed, model)  # type: ignore[arg-type]
-                return await send_reply(replay, events, _SSE_HEADERS, send, connection, metrics, labels, True)
-            body = adapter.response_body(turn, parsed, model)
-            headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
-            return await send_reply(turn, _once(body), headers, send, connection, metrics, labels, True)
-        body = adapter.response_body(turn, parsed, model)
+        source = await start_turn(pipeline, sid, parsed.turn, connection, key, live=parsed.stream)
+        if parsed.stream:
+            reply, headers = adapter.stream_events(cast(LiveReply, source), parsed, model), _SSE_HEADERS
+        else:
+            assert source.turn is not None
+            whole = adapter.response_body(source.turn, parsed, model)
+            reply, headers = _once(whole), [_JSON_TYPE, (b"content-length", str(len(whole)).encode())]
     except ApiError as e:
         connection.stop()
         return await _error(adapter, e, metrics, labels)(scope, receive, send)
     except Exception:
         connection.stop()
-        if turn is not None:
-            turn.abort("the reply could not be built")
+        if source is not None:
+            source.abort("the reply could not be built")
+            await source.close()
         logger.exception("turn of session %s failed", session_tag(sid))
         error = ApiError(500, "internal", "internal error in the gateway worker")
         return await _error(adapter, error, metrics, labels)(scope, receive, send)
-    headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
-    await send_reply(turn, _once(body), headers, send, connection, metrics, labels)
+    await send_reply(source, reply, headers, send, connection, metrics, labels)
 
 
 # Starlette routes that log their answers themselves (with the session and the error's code), not by status.

@@ -38,11 +38,10 @@ from gateway_workers.adapters.common import (
 )
 from gateway_workers.adapters.tool_readers import messages_tools
 from gateway_workers.adapters.tools import NO_TOOLS, ToolSet
-from gateway_workers.formats.live_split import reply_deltas
+from gateway_workers.formats.parsed import reply_deltas
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
-from gateway_workers.turns.live import LiveTurn
-from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.captured import CapturedTurn, LiveReply, TurnRequest, tool_call_id
 
 HISTORY_FIELD = "messages"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _KNOWN = request_fields.known_fields("messages")
@@ -247,7 +246,7 @@ def response_body(turn: CapturedTurn, request: MessagesRequest, model: str) -> b
     )
 
 
-async def stream_events(live: LiveTurn, request: MessagesRequest, model: str) -> AsyncIterator[bytes]:
+async def stream_events(live: LiveReply, request: MessagesRequest, model: str) -> AsyncIterator[bytes]:
     """The Messages SSE stream of a live turn."""
     start = _message(live.turn_id, model, [], None, len(live.prompt_ids), 0)
     yield sse({"type": "message_start", "message": start}, "message_start")

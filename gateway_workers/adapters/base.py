@@ -14,8 +14,8 @@ from typing import Any, Protocol, TypeVar
 
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import RequestLimits
-from gateway_workers.turns.live import LiveTurn
-from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnRequest
+from gateway_workers.turns.captured import CapturedTurn, LiveReply, TurnRequest
+from gateway_workers.turns.pipeline import TurnPipeline
 
 
 class ParsedRequest(Protocol):
@@ -64,7 +64,7 @@ class Adapter(Protocol[RequestT]):
         """The whole reply's JSON body."""
         ...
 
-    def stream_events(self, live: LiveTurn, request: RequestT, model: str, /) -> AsyncIterator[bytes]:
+    def stream_events(self, live: LiveReply, request: RequestT, model: str, /) -> AsyncIterator[bytes]:
         """The reply's SSE events while the engine generates (an error event, then ApiError, if it fails)."""
         ...
 

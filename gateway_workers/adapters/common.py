@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway_workers.formats.live_split import DeltaKind, LiveDelta
+from gateway_workers.formats.parsed import DeltaKind, LiveDelta
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import RequestLimits, check_depth
 

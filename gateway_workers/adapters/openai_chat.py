@@ -1,4 +1,4 @@
-"""OpenAI Chat Completions dialect: wire body -> TurnRequest, CapturedTurn / LiveTurn -> wire reply.
+"""OpenAI Chat Completions dialect: wire body -> TurnRequest, CapturedTurn / LiveReply -> wire reply.
 
 Every field has one verdict (`request_fields.CHAT`): honoured, ignored (accepted and counted), refused with
 the API's own 400 (n > 1, JSON modes, logprobs, audio, the deprecated functions API, ...), or hosted
@@ -43,8 +43,7 @@ from gateway_workers.adapters.tools import (
 from gateway_workers.engines.base import SHARED_SAMPLING
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
-from gateway_workers.turns.live import LiveTurn
-from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.captured import CapturedTurn, LiveReply, TurnRequest, tool_call_id
 
 HISTORY_FIELD = "messages"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _KNOWN = request_fields.known_fields("chat")
@@ -244,7 +243,7 @@ def response_body(turn: CapturedTurn, chat: ChatRequest, model: str) -> bytes:
     )
 
 
-async def stream_events(live: LiveTurn, chat: ChatRequest, model: str) -> AsyncIterator[bytes]:
+async def stream_events(live: LiveReply, chat: ChatRequest, model: str) -> AsyncIterator[bytes]:
     """The SSE chunks of a live turn as it is generated, ending with `data: [DONE]`."""
     head = {
         "id": f"chatcmpl-{live.turn_id}",

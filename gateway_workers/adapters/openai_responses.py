@@ -46,11 +46,11 @@ from gateway_workers.adapters.responses_items import canonical_messages, ends_mo
 from gateway_workers.adapters.tool_readers import responses_tools
 from gateway_workers.adapters.tools import NO_TOOLS, ToolSet, custom_input
 from gateway_workers.formats import ParsedResponse
-from gateway_workers.formats.live_split import reply_deltas
+from gateway_workers.formats.parsed import reply_deltas
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS, RequestLimits, check_count, check_turn
-from gateway_workers.turns.live import LiveTurn
-from gateway_workers.turns.pipeline import CapturedTurn, TurnPipeline, TurnRequest, tool_call_id
+from gateway_workers.turns.captured import CapturedTurn, LiveReply, TurnRequest, tool_call_id
+from gateway_workers.turns.pipeline import TurnPipeline
 
 HISTORY_FIELD = "input"  # the conversation, which grows at its end (`Adapter.HISTORY_FIELD`)
 _KNOWN = request_fields.known_fields("responses")
@@ -310,7 +310,7 @@ def response_body(turn: CapturedTurn, request: ResponsesRequest, model: str) -> 
     )
 
 
-async def stream_events(live: LiveTurn, request: ResponsesRequest, model: str) -> AsyncIterator[bytes]:
+async def stream_events(live: LiveReply, request: ResponsesRequest, model: str) -> AsyncIterator[bytes]:
     """The Responses SSE stream of a live turn; every event carries a sequence_number."""
     seq = 0
 

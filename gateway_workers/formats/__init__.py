@@ -8,14 +8,8 @@ table in `registry`. Must not import the app, adapters, engines or the backplane
 
 from __future__ import annotations
 
-from gateway_workers.formats.base import (
-    FormatParser,
-    ParsedResponse,
-    ParserUnavailable,
-    ResponseFormat,
-    ResponseParser,
-    parsing_engine,
-)
+from gateway_workers.formats.base import FormatParser, ResponseFormat
+from gateway_workers.formats.parsed import ParsedResponse, ParserUnavailable, ResponseParser
 from gateway_workers.formats.registry import (
     FORMATS,
     PARSER_FACTORIES,
@@ -28,6 +22,7 @@ from gateway_workers.formats.registry import (
     template_from_dir,
     template_sha256,
 )
+from gateway_workers.formats.transformers_parsing import parsing_engine
 
 __all__ = [
     "FORMATS",

@@ -4,7 +4,7 @@
 - `qwen2_5`: the same JSON calls, no reasoning (Qwen2.5, Qwen3-Instruct-2507, Qwen3-VL).
 - `qwen3_5` / `nemotron3`: `<think>` + `<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`
   with untyped text values (Qwen3.5/3.6/3.8, Nemotron-3); they differ only in how the template trims.
-Each format is written twice: a declarative response_template and a legacy response_schema.
+Each format is a response_template (its legacy response_schema is in `formats.legacy`).
 Facts about the grammars only; no code is shared with the engines. Imports only `formats.base`/`checks`/`live_split`.
 """
 
@@ -15,7 +15,7 @@ import re
 from functools import partial
 from typing import Any
 
-from gateway_workers.formats.base import AT_SPACE_RUN_LEGACY, SPACES_THEN_TOOL_CALL, NativeReader, ResponseFormat
+from gateway_workers.formats.base import SPACES_THEN_TOOL_CALL, Finisher, NativeReader, ResponseFormat
 from gateway_workers.formats.checks import THINK, TOOL_CALL, check_tagged, fullmatch_check
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
@@ -32,59 +32,30 @@ _JSON_CALLS_TEMPLATE: dict[str, Any] = {
     "repeats": True,
     "content": "json",
 }
-_JSON_CALLS_SCHEMA: dict[str, Any] = {
-    "type": "array",
-    "x-regex-iterator": r"<tool_call>(.*?)</tool_call>",
-    "items": {"x-parser": "json"},  # untyped: a non-object is our verdict, not an engine error
-}
-_CALLS_REMOVED = AT_SPACE_RUN_LEGACY + r"\s*<tool_call>.*?</tool_call>"
 _REASONING_TEMPLATE: dict[str, Any] = {"open": "<think>", "close": "</think>", **_TEXT}
-_REASONING_SCHEMA: dict[str, Any] = {"type": "string", "x-regex": r"<think>(.*?)</think>"}
 
 
-def _content_schema(*removed: str) -> dict[str, Any]:
-    """Legacy: the text outside the removed regions (the declarative implicit `content` region)."""
-    return {"type": "string", "x-regex-substitutions": [[pattern, ""] for pattern in removed]}
 
-
-def _think_then_calls(
-    calls_template: dict[str, Any], calls_schema: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(declarative template, legacy schema) of a `<think>` block, text, and `<tool_call>`s of one kind."""
-    template = {
+def _think_then_calls(calls: dict[str, Any]) -> dict[str, Any]:
+    """The response template of a `<think>` block, text, and `<tool_call>`s of one kind."""
+    return {
         "version": 1,
         "defaults": {"reasoning": None},  # an empty think block is reasoning "", none is None
         "start_anchor": ANCHOR,
         "fields": {
             "reasoning": _REASONING_TEMPLATE,
-            "tool_calls": calls_template,
+            "tool_calls": calls,
             # Text after a tool call (rare) is appended, not allowed to overwrite the text before it.
             "content": {**_TEXT, "repeats": True},
         },
     }
-    schema = {
-        "type": "object",
-        "properties": {
-            "reasoning": _REASONING_SCHEMA,
-            "tool_calls": calls_schema,
-            "content": _content_schema(r"<think>.*?</think>", _CALLS_REMOVED),
-        },
-    }
-    return template, schema
 
 
-QWEN3_TEMPLATE, QWEN3_SCHEMA = _think_then_calls(_JSON_CALLS_TEMPLATE, _JSON_CALLS_SCHEMA)
+QWEN3_TEMPLATE = _think_then_calls(_JSON_CALLS_TEMPLATE)
 QWEN2_5_TEMPLATE: dict[str, Any] = {
     "version": 1,
     "start_anchor": ANCHOR,
     "fields": {"tool_calls": _JSON_CALLS_TEMPLATE, "content": {**_TEXT, "repeats": True}},
-}
-QWEN2_5_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "tool_calls": _JSON_CALLS_SCHEMA,
-        "content": _content_schema(_CALLS_REMOVED),
-    },
 }
 
 
@@ -147,32 +118,19 @@ def _verbatim(content: str, reasoning: str | None) -> tuple[str, str | None]:
 
 
 QWEN3 = ResponseFormat(
-    name="qwen3",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=QWEN3_TEMPLATE,
-    schema=QWEN3_SCHEMA,
-    check=lambda body: check_tagged(body, think=THINK),
-    finish=_qwen3_finish,
-    native_reader=_json_calls_reader(think=True),
+    "qwen3", ANCHOR, END_MARKERS, QWEN3_TEMPLATE, check=lambda body: check_tagged(body, think=THINK),
+    finish=_qwen3_finish, native_reader=_json_calls_reader(think=True),
     live=partial(TagSplitter, TagGrammar(END_MARKERS, think=THINK, call=TOOL_CALL)),
 )
 QWEN2_5 = ResponseFormat(
-    name="qwen2_5",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=QWEN2_5_TEMPLATE,
-    schema=QWEN2_5_SCHEMA,
-    check=lambda body: check_tagged(body, think=None),
-    finish=_verbatim,
-    reasoning=False,
-    native_reader=_json_calls_reader(think=False),
+    "qwen2_5", ANCHOR, END_MARKERS, QWEN2_5_TEMPLATE, check=lambda body: check_tagged(body, think=None),
+    finish=_verbatim, reasoning=False, native_reader=_json_calls_reader(think=False),
     live=partial(TagSplitter, TagGrammar(END_MARKERS, call=TOOL_CALL, content_trim_start="")),
 )
 
 # --- XML calls (Qwen3.5 / Nemotron-3) ---------------------------------------------------------------
 
-_PARAMETER = r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"
+PARAMETER = r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"
 # A value never spans its close tag (as the engines read it): one way to read each parameter, so a block
 # that fails to match fails in linear time (a lazy `.*?` there backtracks exponentially in the parameters).
 _XML_CALL = re.compile(
@@ -183,22 +141,11 @@ _XML_CALLS_TEMPLATE: dict[str, Any] = {
     "close_pattern": r"</function>\s*</tool_call>",
     "repeats": True,
     "content": "xml-inline",
-    "content_args": {"tag_pattern": _PARAMETER},
+    "content_args": {"tag_pattern": PARAMETER},
     # The OpenAI-style shape is what transformers >= 5.15 casts by the tool schema.
     "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
 }
-_XML_CALLS_SCHEMA: dict[str, Any] = {
-    "type": "array",
-    "x-regex-iterator": r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<arguments>.*?)</function>\s*</tool_call>",
-    "items": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "arguments": {"type": "object", "x-regex-key-value": _PARAMETER},
-        },
-    },
-}
-XML_TEMPLATE, XML_SCHEMA = _think_then_calls(_XML_CALLS_TEMPLATE, _XML_CALLS_SCHEMA)
+XML_TEMPLATE = _think_then_calls(_XML_CALLS_TEMPLATE)
 
 
 def _xml_check(body: str) -> str | int:
@@ -215,38 +162,13 @@ def _nemotron_finish(content: str, reasoning: str | None) -> tuple[str, str | No
     return content.strip(), reasoning.strip("\n") if reasoning is not None else None
 
 
-QWEN3_5 = ResponseFormat(
-    name="qwen3_5",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=XML_TEMPLATE,
-    schema=XML_SCHEMA,
-    check=_xml_check,
-    finish=_qwen3_5_finish,
-    string_arguments=True,
-    live=partial(
-        TagSplitter,
-        TagGrammar(
-            END_MARKERS,
-            think=THINK,
-            call=TOOL_CALL,
-            reasoning_trim=None,
-            content_trim_start=None,
-            content_trim_end=None,
-        ),
-    ),
-)
-NEMOTRON3 = ResponseFormat(
-    name="nemotron3",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=XML_TEMPLATE,
-    schema=XML_SCHEMA,
-    check=_xml_check,
-    finish=_nemotron_finish,
-    string_arguments=True,
-    live=partial(
-        TagSplitter,
-        TagGrammar(END_MARKERS, think=THINK, call=TOOL_CALL, content_trim_start=None, content_trim_end=None),
-    ),
-)
+def _xml_format(name: str, finish: Finisher, reasoning_trim: str | None = "\n") -> ResponseFormat:
+    """Qwen3.5 and Nemotron-3: the same grammar; they differ in how their templates trim text."""
+    grammar = TagGrammar(END_MARKERS, think=THINK, call=TOOL_CALL, reasoning_trim=reasoning_trim,
+                         content_trim_start=None, content_trim_end=None)
+    return ResponseFormat(name, ANCHOR, END_MARKERS, XML_TEMPLATE, check=_xml_check, finish=finish,
+                          string_arguments=True, live=partial(TagSplitter, grammar))
+
+
+QWEN3_5 = _xml_format("qwen3_5", _qwen3_5_finish, reasoning_trim=None)
+NEMOTRON3 = _xml_format("nemotron3", _nemotron_finish)

@@ -25,13 +25,6 @@ DEEPSEEK_R1_TEMPLATE: dict[str, Any] = {
     "start_anchor": ANCHOR,
     "fields": {"reasoning": {"open": "<think>", "close": "</think>", **_TEXT}, "content": {**_TEXT, "repeats": True}},
 }
-DEEPSEEK_R1_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": {"type": "string", "x-regex": r"<think>(.*?)</think>"},
-        "content": {"type": "string", "x-regex-substitutions": [[r"<think>.*?</think>", ""]]},
-    },
-}
 
 
 def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
@@ -44,14 +37,6 @@ def _check(body: str) -> str | int:
 
 
 DEEPSEEK_R1 = ResponseFormat(
-    name="deepseek_r1",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=DEEPSEEK_R1_TEMPLATE,
-    schema=DEEPSEEK_R1_SCHEMA,
-    check=_check,
-    finish=_finish,
-    supports_tools=False,
-    parallel_calls=False,
-    live=partial(TagSplitter, TagGrammar(END_MARKERS, think=THINK)),
+    "deepseek_r1", ANCHOR, END_MARKERS, DEEPSEEK_R1_TEMPLATE, check=_check, finish=_finish, supports_tools=False,
+    parallel_calls=False, live=partial(TagSplitter, TagGrammar(END_MARKERS, think=THINK)),
 )

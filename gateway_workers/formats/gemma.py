@@ -17,7 +17,7 @@ import re
 from functools import partial
 from typing import Any
 
-from gateway_workers.formats.base import ResponseFormat, text_blocks_grammar
+from gateway_workers.formats.base import ResponseFormat, text_blocks_template
 from gateway_workers.formats.checks import check_tagged
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
@@ -29,7 +29,7 @@ CALL = ("<|tool_call>", "<tool_call|>")
 STRING = '<|"|>'
 _NAME = r"[^{<\s]+"
 
-GEMMA4_TEMPLATE, GEMMA4_SCHEMA = text_blocks_grammar(
+GEMMA4_TEMPLATE = text_blocks_template(
     {"start_anchor_pattern": r"<\|turn>model\n|<tool_response\|>"}, THOUGHT, CALL
 )
 
@@ -114,17 +114,9 @@ def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
 
 
 GEMMA4 = ResponseFormat(
-    name="gemma4",
-    anchor=ANCHOR,
-    resume_markers=(RESUME,),
-    end_markers=END_MARKERS,
-    template=GEMMA4_TEMPLATE,
-    schema=GEMMA4_SCHEMA,
-    check=lambda body: check_tagged(body, think=THOUGHT, call=CALL, call_body=_call_body),
-    finish=_finish,
+    "gemma4", ANCHOR, END_MARKERS, GEMMA4_TEMPLATE, resume_markers=(RESUME,),
+    check=lambda body: check_tagged(body, think=THOUGHT, call=CALL, call_body=_call_body), finish=_finish,
     calls_reader=read_call,
-    live=partial(
-        TagSplitter,
-        TagGrammar(END_MARKERS, think=THOUGHT, call=CALL, content_trim_start=None, content_trim_end=None),
-    ),
+    live=partial(TagSplitter, TagGrammar(END_MARKERS, think=THOUGHT, call=CALL, content_trim_start=None,
+                                         content_trim_end=None)),
 )

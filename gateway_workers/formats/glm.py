@@ -13,14 +13,14 @@ import re
 from functools import partial
 from typing import Any
 
-from gateway_workers.formats.base import AT_SPACE_RUN_LEGACY, SPACES_THEN_TOOL_CALL, ResponseFormat
+from gateway_workers.formats.base import SPACES_THEN_TOOL_CALL, ResponseFormat
 from gateway_workers.formats.checks import THINK, TOOL_CALL, check_tagged, fullmatch_check
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
 ANCHOR = "<|assistant|>"
 END_MARKERS = ("<|observation|>", "<|user|>", "<|endoftext|>")
 _TEXT = {"content": "text", "content_args": {"strip": False}}
-_ARG = r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
+ARG = r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
 # Neither a key nor a value spans its close tag, so a block that fails to match fails in linear time.
 _CALL_BODY = re.compile(
     r"[^\n<]+(?:\n\s*)?(?:<arg_key>(?:(?!</arg_key>).)*</arg_key>\s*<arg_value>(?:(?!</arg_value>).)*</arg_value>\s*)*",
@@ -38,34 +38,10 @@ GLM4_MOE_TEMPLATE: dict[str, Any] = {
             "close": "</tool_call>",
             "repeats": True,
             "content": "xml-inline",
-            "content_args": {"tag_pattern": _ARG},
+            "content_args": {"tag_pattern": ARG},
             "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
         },
         "content": {**_TEXT, "repeats": True},
-    },
-}
-GLM4_MOE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": {"type": "string", "x-regex": r"<think>(.*?)</think>"},
-        "tool_calls": {
-            "type": "array",
-            "x-regex-iterator": r"<tool_call>(?P<name>[^\n<]+)(?P<arguments>.*?)</tool_call>",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "arguments": {"type": "object", "x-regex-key-value": _ARG},
-                },
-            },
-        },
-        "content": {
-            "type": "string",
-            "x-regex-substitutions": [
-                [r"<think>.*?</think>", ""],
-                [AT_SPACE_RUN_LEGACY + r"\s*<tool_call>.*?</tool_call>", ""],
-            ],
-        },
     },
 }
 
@@ -76,23 +52,9 @@ def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
 
 
 GLM4_MOE = ResponseFormat(
-    name="glm4_moe",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=GLM4_MOE_TEMPLATE,
-    schema=GLM4_MOE_SCHEMA,
+    "glm4_moe", ANCHOR, END_MARKERS, GLM4_MOE_TEMPLATE,
     check=lambda body: check_tagged(body, think=THINK, call_body=fullmatch_check(_CALL_BODY, "<arg_key>/<arg_value>")),
-    finish=_finish,
-    string_arguments=True,
-    live=partial(
-        TagSplitter,
-        TagGrammar(
-            END_MARKERS,
-            think=THINK,
-            call=TOOL_CALL,
-            reasoning_trim=None,
-            content_trim_start=None,
-            content_trim_end=None,
-        ),
-    ),
+    finish=_finish, string_arguments=True,
+    live=partial(TagSplitter, TagGrammar(END_MARKERS, think=THINK, call=TOOL_CALL, reasoning_trim=None,
+                                         content_trim_start=None, content_trim_end=None)),
 )

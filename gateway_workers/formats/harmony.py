@@ -13,26 +13,22 @@ import re
 from typing import Any
 
 from gateway_workers.formats.base import ResponseFormat
-from gateway_workers.formats.live_split import DeltaKind, LiveDelta, Reader, partial_suffix
+from gateway_workers.formats.live_split import Reader, partial_suffix
+from gateway_workers.formats.parsed import DeltaKind, LiveDelta
 
 ANCHOR = "<|start|>assistant"
 END_MARKERS = ("<|return|>", "<|call|>", "<|endoftext|>")
 _TEXT = {"content": "text", "content_args": {"strip": False}}
 # A tool-call header: `[<|start|>assistant] to=functions.X<|channel|>commentary json<|message|>` or
 # `<|channel|>commentary to=functions.X <|constrain|>json<|message|>`; the lookahead finds the name in either.
-_CALL_NAME = r"(?:<\|start\|>assistant)?(?=[^<]*(?:<\|channel\|>[^<]*)?to=functions\.(?P<name>[^\s<]+))"
+CALL_NAME = r"(?:<\|start\|>assistant)?(?=[^<]*(?:<\|channel\|>[^<]*)?to=functions\.(?P<name>[^\s<]+))"
 # It starts at the search start, at the start of a run without '<', or at `<|start|>assistant`: the leftmost
 # match always does, and trying only those keeps the lookahead from rescanning a long run of reasoning
 # from each of its characters. The template's literals sit in alternations (see `formats.base`).
 _TEMPLATE_CALL_HEADER = (
     r"(?:\G|(?<![^<])|(?=<\|start\|>assistant))"
-    + _CALL_NAME
+    + CALL_NAME
     + r"[^<]*(?:<\|channel\|>commentary|(?!))[^<]*(?:<\|constrain\|>[^<]*)?(?:<\|message\|>|(?!))"
-)
-_SCHEMA_CALL_HEADER = (
-    r"(?:(?<![^<])|(?=<\|start\|>assistant))"
-    + _CALL_NAME
-    + r"[^<]*<\|channel\|>commentary[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>"
 )
 
 GPT_OSS_TEMPLATE: dict[str, Any] = {
@@ -57,26 +53,6 @@ GPT_OSS_TEMPLATE: dict[str, Any] = {
             "repeats": True,
             "content": "json",
             "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
-    },
-}
-GPT_OSS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": {
-            "type": "array",
-            "x-regex-iterator": r"<\|channel\|>analysis<\|message\|>(.*?)(?:<\|end\|>|\Z)",
-            "items": {"type": "string"},
-        },
-        "content": {
-            "type": "array",
-            "x-regex-iterator": r"<\|channel\|>(?:final|commentary)<\|message\|>(.*?)(?:<\|end\|>|<\|return\|>|\Z)",
-            "items": {"type": "string"},
-        },
-        "tool_calls": {
-            "type": "array",
-            "x-regex-iterator": _SCHEMA_CALL_HEADER + r"(?P<arguments>.*?)(?:<\|call\|>|\Z)",
-            "items": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"x-parser": "json"}}},
         },
     },
 }
@@ -183,13 +159,6 @@ class HarmonySplitter:
 
 
 GPT_OSS = ResponseFormat(
-    name="gpt_oss",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=GPT_OSS_TEMPLATE,
-    schema=GPT_OSS_SCHEMA,
-    check=_check,
-    finish=_finish,
-    parallel_calls=False,
+    "gpt_oss", ANCHOR, END_MARKERS, GPT_OSS_TEMPLATE, check=_check, finish=_finish, parallel_calls=False,
     live=HarmonySplitter,
 )

@@ -15,7 +15,7 @@ import re
 from functools import partial
 from typing import Any
 
-from gateway_workers.formats.base import ResponseFormat, text_blocks_grammar
+from gateway_workers.formats.base import ResponseFormat, text_blocks_template
 from gateway_workers.formats.checks import THINK, check_tagged
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
 
@@ -23,7 +23,7 @@ ANCHOR = "<|im_start|>assistant\n"
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 CALLS = ("<|tool_call_start|>", "<|tool_call_end|>")
 
-LFM2_TEMPLATE, LFM2_SCHEMA = text_blocks_grammar({"start_anchor": ANCHOR}, THINK, CALLS)
+LFM2_TEMPLATE = text_blocks_template({"start_anchor": ANCHOR}, THINK, CALLS)
 
 # --- the call block ------------------------------------------------------------------------------
 
@@ -163,16 +163,7 @@ def _finish(content: str, reasoning: str | None) -> tuple[str, str | None]:
 
 
 LFM2 = ResponseFormat(
-    name="lfm2",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=LFM2_TEMPLATE,
-    schema=LFM2_SCHEMA,
-    check=_check,
-    finish=_finish,
-    calls_reader=read_calls,
-    live=partial(
-        TagSplitter,
-        TagGrammar(END_MARKERS, think=THINK, call=CALLS, reasoning_trim="", content_trim_start=""),
-    ),
+    "lfm2", ANCHOR, END_MARKERS, LFM2_TEMPLATE, check=_check, finish=_finish, calls_reader=read_calls,
+    live=partial(TagSplitter, TagGrammar(END_MARKERS, think=THINK, call=CALLS, reasoning_trim="",
+                                         content_trim_start="")),
 )

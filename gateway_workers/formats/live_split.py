@@ -17,34 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from gateway_workers.formats.base import FormatParser, ParsedResponse, ResponseParser
+from gateway_workers.formats.parsed import LiveDelta, LiveSplitter, ParsedResponse, ResponseParser
 
 logger = logging.getLogger(__name__)
 
-DeltaKind = Literal["reasoning", "content", "tool_call"]
 _REPLACEMENT = "\ufffd"  # what a decoder returns for an incomplete UTF-8 sequence
-
-
-@dataclass(frozen=True, slots=True)
-class LiveDelta:
-    """A piece of the reply: reasoning or content text, or one complete canonical tool call."""
-
-    kind: DeltaKind
-    text: str = ""
-    call: dict[str, Any] | None = None
-
-
-def reply_deltas(parsed: ParsedResponse) -> list[LiveDelta]:
-    """A whole reply as blocks in reply order: reasoning, text, then each tool call (empty fields left out)."""
-    deltas = []
-    if parsed.reasoning:
-        deltas.append(LiveDelta("reasoning", parsed.reasoning))
-    if parsed.content:
-        deltas.append(LiveDelta("content", parsed.content))
-    deltas.extend(LiveDelta("tool_call", call=call) for call in parsed.tool_calls)
-    return deltas
 
 
 class IncrementalDecoder:
@@ -75,12 +54,6 @@ class IncrementalDecoder:
         after = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
         return after[len(before) :]
-
-
-class LiveSplitter(Protocol):
-    """Splits one reply's text as it arrives; `feed` returns the deltas that became certain."""
-
-    def feed(self, text: str) -> list[LiveDelta]: ...
 
 
 # The format's own parse of the reply text so far (`FormatParser.read_text` with the turn's prompt and tools).
@@ -287,12 +260,10 @@ def live_splitter(
 ) -> LiveSplitter:
     """The live splitter for one reply of this parser's format, given the rendered prompt's text (its tail matters).
 
-    Only the registered formats split live (their `ResponseFormat.live`); any other parser streams at the end.
+    A parser from outside the registry that has no `live_splitter` streams at the end.
     """
-    if not isinstance(parser, FormatParser) or parser.format.live is None:
-        return BufferedSplitter()
-    read_text = parser.read_text
-    return parser.format.live(parser.prefix_head(prompt_text), lambda text: read_text(text, prompt_text, tools))
+    make = getattr(parser, "live_splitter", None)
+    return BufferedSplitter() if make is None else make(prompt_text, tools)  # type: ignore[no-any-return]
 
 
 class StreamTracker:

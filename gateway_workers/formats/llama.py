@@ -14,7 +14,8 @@ import re
 from typing import Any
 
 from gateway_workers.formats.base import AT_SPACE_RUN, ResponseFormat
-from gateway_workers.formats.live_split import LiveDelta, Reader, TagGrammar, TagSplitter
+from gateway_workers.formats.live_split import Reader, TagGrammar, TagSplitter
+from gateway_workers.formats.parsed import LiveDelta
 
 ANCHOR = "<|start_header_id|>assistant<|end_header_id|>\n\n"
 END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
@@ -34,19 +35,6 @@ LLAMA3_TEMPLATE: dict[str, Any] = {
             "content": "json",
         },
         "content": {"content": "text", "content_args": {"strip": False}},
-    },
-}
-LLAMA3_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "tool_calls": {
-            "type": "array",
-            # A call ends where its trailing spaces start: `(?<!\s)` keeps `.*?` from retrying inside them.
-            "x-regex-iterator": r'(?:\A\s*(?:<\|python_tag\|>\s*)?|;\s*)(\{\s*"name"\s*:.*?)'
-            r'(?<!\s)\s*(?=;\s*\{\s*"name"\s*:|\Z)',
-            "items": {"x-parser": "json"},  # untyped: a non-object is our verdict, not an engine error
-        },
-        "content": {"type": "string", "x-regex": r'\A(?!\s*(?:<\|python_tag\|>\s*)?\{\s*"name"\s*:)(.*)\Z'},
     },
 }
 
@@ -101,14 +89,6 @@ class LlamaSplitter:
 
 
 LLAMA3_JSON = ResponseFormat(
-    name="llama3_json",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=LLAMA3_TEMPLATE,
-    schema=LLAMA3_SCHEMA,
-    check=_check,
-    finish=_finish,
-    reasoning=False,
-    parallel_calls=False,
-    live=LlamaSplitter,
+    "llama3_json", ANCHOR, END_MARKERS, LLAMA3_TEMPLATE, check=_check, finish=_finish, reasoning=False,
+    parallel_calls=False, live=LlamaSplitter,
 )

@@ -15,7 +15,8 @@ import re
 from typing import Any, Literal
 
 from gateway_workers.formats.base import ResponseFormat
-from gateway_workers.formats.live_split import LiveDelta, Reader, SteppedSplitter, partial_suffix
+from gateway_workers.formats.live_split import Reader, SteppedSplitter, partial_suffix
+from gateway_workers.formats.parsed import LiveDelta
 
 ANCHOR = "<|start|>assistant"
 END_OF_MESSAGE = "<|eom|>"
@@ -23,10 +24,10 @@ END_MARKERS = ("<|eot|>",)
 NEXT_MESSAGE = END_OF_MESSAGE + ANCHOR  # what separates two messages of one reply
 _TEXT = {"content": "text", "content_args": {"strip": False}}
 _START = r"(?:<\|start\|>assistant)?"
-_CALL_HEADER = r" to=(?P<name>[^\s<]+)<\|message\|>"
-_INVOKE_OPEN = r'<atem:function_calls>\s*<atem:invoke name="[^"]*">'
-_INVOKE_CLOSE = r"</atem:invoke>\s*</atem:function_calls>"
-_PARAMETER = r'<atem:parameter name="(?P<key>[^"]*)">(?P<value>.*?)</atem:parameter>'
+CALL_HEADER = r" to=(?P<name>[^\s<]+)<\|message\|>"
+INVOKE_OPEN = r'<atem:function_calls>\s*<atem:invoke name="[^"]*">'
+INVOKE_CLOSE = r"</atem:invoke>\s*</atem:function_calls>"
+PARAMETER = r'<atem:parameter name="(?P<key>[^"]*)">(?P<value>.*?)</atem:parameter>'
 
 MUSE_TEMPLATE: dict[str, Any] = {
     "version": 1,
@@ -35,38 +36,12 @@ MUSE_TEMPLATE: dict[str, Any] = {
         "reasoning": {"open_pattern": _START + r" to=self<\|message\|>", "close": END_OF_MESSAGE, **_TEXT},
         "content": {"open_pattern": _START + r" to=user<\|message\|>", "close": "<|eot|>", "repeats": True, **_TEXT},
         "tool_calls": {
-            "open_pattern": _START + _CALL_HEADER + _INVOKE_OPEN,
-            "close_pattern": _INVOKE_CLOSE,
+            "open_pattern": _START + CALL_HEADER + INVOKE_OPEN,
+            "close_pattern": INVOKE_CLOSE,
             "repeats": True,
             "content": "xml-inline",
-            "content_args": {"tag_pattern": _PARAMETER},
+            "content_args": {"tag_pattern": PARAMETER},
             "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
-    },
-}
-MUSE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": {
-            "type": "array",
-            "x-regex-iterator": r" to=self<\|message\|>(.*?)<\|eom\|>",
-            "items": {"type": "string"},
-        },
-        "content": {
-            "type": "array",
-            "x-regex-iterator": r" to=user<\|message\|>(.*?)(?:<\|eot\|>|\Z)",
-            "items": {"type": "string"},
-        },
-        "tool_calls": {
-            "type": "array",
-            "x-regex-iterator": _CALL_HEADER + _INVOKE_OPEN + r"(?P<arguments>.*?)" + _INVOKE_CLOSE,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "arguments": {"type": "object", "x-regex-key-value": _PARAMETER},
-                },
-            },
         },
     },
 }
@@ -188,13 +163,6 @@ class MuseSplitter(SteppedSplitter):
 
 
 MUSE_GLIMMER = ResponseFormat(
-    name="muse_glimmer",
-    anchor=ANCHOR,
-    end_markers=END_MARKERS,
-    template=MUSE_TEMPLATE,
-    schema=MUSE_SCHEMA,
-    check=_check,
-    finish=_finish,
-    string_arguments=True,
+    "muse_glimmer", ANCHOR, END_MARKERS, MUSE_TEMPLATE, check=_check, finish=_finish, string_arguments=True,
     live=MuseSplitter,
 )

@@ -30,15 +30,7 @@ def plain_format(name: str, anchor: str, end_markers: tuple[str, ...], trimmed: 
 
     template: dict[str, Any] = {"version": 1, "start_anchor": anchor, "fields": {"content": text}}
     return ResponseFormat(
-        name=name,
-        anchor=anchor,
-        end_markers=end_markers,
-        template=template,
-        schema={"type": "object", "properties": {"content": {"type": "string", "x-regex": r"(?s)\A(.*)\Z"}}},
-        check=_no_calls,
-        finish=finish,
-        supports_tools=False,
-        reasoning=False,
+        name, anchor, end_markers, template, check=_no_calls, finish=finish, supports_tools=False, reasoning=False,
         parallel_calls=False,
         live=partial(TagSplitter, TagGrammar(end_markers, content_trim_start=trim, content_trim_end=trim)),
     )

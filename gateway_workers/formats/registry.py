@@ -20,23 +20,20 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway_workers.formats.base import (
-    FormatParser,
-    ParsedResponse,
-    ParserUnavailable,
-    ResponseFormat,
-    ResponseParser,
-    parsing_engine,
-)
+from gateway_workers.formats.base import FormatParser, ResponseFormat
 from gateway_workers.formats.chatml import NEMOTRON3, QWEN2_5, QWEN3, QWEN3_5
 from gateway_workers.formats.deepseek import DEEPSEEK_R1
 from gateway_workers.formats.gemma import GEMMA4
 from gateway_workers.formats.glm import GLM4_MOE
 from gateway_workers.formats.harmony import GPT_OSS
+from gateway_workers.formats.legacy import SCHEMAS as LEGACY_SCHEMAS
 from gateway_workers.formats.lfm import LFM2
+from gateway_workers.formats.live_split import BufferedSplitter
 from gateway_workers.formats.llama import LLAMA3_JSON
 from gateway_workers.formats.muse import MUSE_GLIMMER
+from gateway_workers.formats.parsed import LiveSplitter, ParsedResponse, ParserUnavailable, ResponseParser
 from gateway_workers.formats.plain import PLAIN_FORMATS
+from gateway_workers.formats.transformers_parsing import parsing_engine
 from gateway_workers.rendering.tokenizer import builtin_template_text
 
 if TYPE_CHECKING:
@@ -155,7 +152,9 @@ TEMPLATE_FORMATS: dict[str, str] = {
 }
 
 ParserFactory = Callable[["PreTrainedTokenizerBase"], ResponseParser]
-PARSER_FACTORIES: dict[str, ParserFactory] = {name: partial(FormatParser, fmt=fmt) for name, fmt in FORMATS.items()}
+PARSER_FACTORIES: dict[str, ParserFactory] = {
+    name: partial(FormatParser, fmt=fmt, legacy_schema=LEGACY_SCHEMAS.get(name)) for name, fmt in FORMATS.items()
+}
 
 
 def template_sha256(template: str) -> str:
@@ -191,6 +190,10 @@ class PlainTextParser:
             ids.pop()
         text = self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return ParsedResponse(content=text if isinstance(text, str) else "".join(text))
+
+    def live_splitter(self, prompt_text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> LiveSplitter:
+        """An unknown template's replies stream at the end: nothing says where their parts begin."""
+        return BufferedSplitter()
 
 
 def _load_custom(path: str) -> ParserFactory:

@@ -1,6 +1,6 @@
 """A turn streamed live: engine chunks -> `LiveDelta`s for the agent while the engine generates.
 
-`start_live_turn` OPENs and renders the turn (`TurnPipeline.prepare`), starts the engine
+`start_live_turn` takes a turn OPENed and rendered (`TurnPipeline.prepare`), starts the engine
 stream and waits for its first chunk, so an engine that fails at once still gets a proper
 HTTP error. `LiveTurn.deltas()` then yields reasoning / text / tool-call deltas as they
 become certain, runs the final (non-streaming) parse of all sampled ids when the engine
@@ -19,24 +19,22 @@ from typing import Any
 
 from broker.protocol import session_tag
 from gateway_workers.engines.base import EngineChunk, EngineError, EngineResult, FinishReason
-from gateway_workers.formats.live_split import IncrementalDecoder, LiveDelta, StreamTracker, live_splitter
+from gateway_workers.formats.live_split import IncrementalDecoder, StreamTracker, live_splitter
+from gateway_workers.formats.parsed import LiveDelta
 from gateway_workers.http.connection import AgentConnection
 from gateway_workers.http.errors import ApiError
 from gateway_workers.rendering.twins.bpe import token_decoder
-from gateway_workers.turns.pipeline import CapturedTurn, PreparedTurn, TurnPipeline, engine_error
-from gateway_workers.turns.replay import RetryKey
+from gateway_workers.turns.captured import CapturedTurn, PreparedTurn
+from gateway_workers.turns.pipeline import TurnPipeline, engine_error
 
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0  # bound on closing an engine stream (an SGLang abort call included)
 
 
-async def start_live_turn(
-    pipeline: TurnPipeline, session_id: str, request: Any, connection: AgentConnection, key: RetryKey | None = None
-) -> LiveTurn:
-    """OPEN, render and start generating; raises ApiError or `Replayed` (`TurnPipeline.prepare`). The caller
-    must commit() or abort(), then close()."""
-    prepared = await pipeline.prepare(session_id, request, key)
+async def start_live_turn(pipeline: TurnPipeline, prepared: PreparedTurn, connection: AgentConnection) -> LiveTurn:
+    """Start generating the prepared turn; raises ApiError (after aborting it). The caller must commit() or
+    abort(), then close()."""
     live = LiveTurn(pipeline, prepared)
     try:
         await live.start(connection)
@@ -48,7 +46,9 @@ async def start_live_turn(
 
 
 class LiveTurn:
-    """One turn whose reply is streamed while it is generated."""
+    """One turn whose reply is streamed while it is generated (a `captured.LiveReply`)."""
+
+    replayed = False
 
     def __init__(self, pipeline: TurnPipeline, prepared: PreparedTurn) -> None:
         self.pipeline = pipeline
@@ -71,7 +71,7 @@ class LiveTurn:
         """Start the engine and wait for its first chunk (or the agent leaving)."""
         prepared = self.prepared
         if prepared.over_budget:
-            # DESIGN: a prompt already over the context budget yields an empty `length` turn.
+            # A prompt already over the context budget yields an empty `length` turn (`rendering.budget`).
             self._first = EngineChunk([], [], "length")
             return
         self._stream = self.pipeline.engine.stream(

@@ -1,11 +1,11 @@
-"""One agent request = one turn: OPEN -> render -> engine -> parse, then COMMIT or ABORT.
+"""The turn's steps against the broker, the renderer, the engine and the parser (one `TurnPipeline` per worker).
 
-Dialect-free: adapters turn their wire body into a `TurnRequest` of canonical
-messages and turn the `CapturedTurn` back into their wire reply. The app decides when
-the reply has been fully sent and only then calls `CapturedTurn.commit()`; every other
-exit calls `abort()`. `ApiError` carries the HTTP status an adapter renders in its
-own error shape. `TurnPipeline.prepare` (OPEN + render) is shared with the live path
-(`gateway_workers.turns.live`); `run` generates a whole reply at once.
+`prepare` OPENs a turn and renders its prompt (or returns the broker's `TurnReplayed` for a retry whose turn is
+recorded); `run` samples a prepared turn whole and parses it; `captured` makes the `CapturedTurn` a reply is
+sent from (the live path, `turns.live`, calls it at the end of its stream). The path that chooses among them is
+`turns.start`. Every exit before a reply exists aborts the turn; `ApiError` carries the HTTP status an adapter
+renders in its own error shape. Also what requests that record nothing ask of the broker (`get_turn`,
+`check_session`, `count_tokens`), and the parts' counts for `/metrics`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import uuid
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from broker import protocol
-from broker.message_keys import EchoDigest
 from broker.protocol import session_tag
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import (
@@ -32,7 +31,6 @@ from gateway_workers.engines.base import (
     EngineError,
     EngineResult,
     EngineTimeout,
-    FinishReason,
     SamplingParams,
 )
 from gateway_workers.formats import ParsedResponse, ResponseParser
@@ -42,8 +40,9 @@ from gateway_workers.rendering.budget import PromptOverBudget
 from gateway_workers.rendering.messages import message_chars
 from gateway_workers.rendering.renderer import RenderedPrompt, Renderer, RenderError
 from gateway_workers.rendering.twins.checks import twin_stats
-from gateway_workers.turns.history import LinearHistory, echo_flag
-from gateway_workers.turns.replay import Replayed, RetryKey
+from gateway_workers.turns.captured import CapturedTurn, PreparedTurn, TurnRequest
+from gateway_workers.turns.history import LinearHistory, LinearPrompt
+from gateway_workers.turns.replay import RetryKey
 
 logger = logging.getLogger(__name__)
 
@@ -83,104 +82,13 @@ def engine_error(e: EngineError, session_id: str, turn_id: str) -> ApiError:
 HUGE_REQUEST_CHARS = 1 << 22
 
 
-def tool_call_id(prefix: str, turn_id: str, index: int) -> str:
-    """The wire id of a reply's index-th tool call: derived from the turn, so a later request can name it."""
-    return f"{prefix}{turn_id[:24]}_{index}"
-
-
 @dataclass(frozen=True, slots=True)
-class TurnRequest:
-    """What an agent asked for, in canonical form (see `protocol.CommitTurn`)."""
+class EarlyRender:
+    """A render begun before the OPEN's answer: done, its rest waiting for the budget, failed, or none begun."""
 
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    sampling: dict[str, Any] | None = None  # more of it (`engines.base.SHARED_SAMPLING`), as the engines take them
-
-
-@dataclass(slots=True)
-class CapturedTurn:
-    """A generated turn waiting for its reply to be sent, then committed or aborted."""
-
-    session_id: str
-    turn_id: str
-    request: TurnRequest
-    prompt_ids: array  # int32, as rendered: no per-turn list copies on the hot path
-    result: EngineResult
-    parsed: ParsedResponse
-    created: int
-    timings: dict[str, float] = field(default_factory=dict)
-    flags: dict[str, Any] = field(default_factory=dict)  # extra verdicts for the commit (e.g. stream_diverged)
-    echo: EchoDigest | None = None  # a linear session's: its tools' digest, its messages counted (`turns.history`)
-    _backplane: Backplane | None = None
-    _settled: bool = False
-
-    @property
-    def finish_reason(self) -> str:
-        """stop | length | tool_calls, as the OpenAI dialect names it."""
-        if self.result.finish_reason == "length":
-            return "length"
-        return "tool_calls" if self.parsed.tool_calls else "stop"
-
-    def commit(self) -> None:
-        if self._settled or self._backplane is None:
-            return
-        self._settled = True
-        flags: dict[str, Any] = {"ill_formed": self.parsed.ill_formed, **self.flags}
-        if self.parsed.error:
-            flags["parse_error"] = self.parsed.error
-        response = self.parsed.canonical_message()
-        if self.echo is not None:  # a linear session's turn: the next request is matched against it
-            flags["echo"] = echo_flag(self.echo, response)
-        backplane = self._backplane
-        backplane.commit_in_background(
-            protocol.CommitTurn(
-                request_id=backplane.request_id(),
-                session_id=self.session_id,
-                turn_id=self.turn_id,
-                prompt_ids=self.prompt_ids,
-                output_ids=array("i", self.result.output_ids),
-                logprobs=array("f", self.result.logprobs),
-                finish_reason=self.result.finish_reason,
-                prompt_messages=[*self.request.messages],  # the wire type also admits packed bytes
-                response_message=response,
-                flags=flags,
-                timings=self.timings,
-            )
-        )
-
-    def abort(self, reason: str) -> None:
-        if self._settled or self._backplane is None:
-            return
-        self._settled = True
-        self._backplane.abort_in_background(self.session_id, self.turn_id, reason)
-
-    async def close(self) -> None:
-        """Nothing is left running once a whole reply exists (the live path holds an engine stream)."""
-
-
-@dataclass(slots=True)
-class PreparedTurn:
-    """An OPENed, rendered turn about to go to the engine."""
-
-    session_id: str
-    turn_id: str
-    request: TurnRequest
-    prompt_ids: array
-    prompt_text: str
-    params: SamplingParams
-    over_budget: bool
-    t0: float
-    t_render: float
-    flags: dict[str, Any] = field(default_factory=dict)  # verdicts of the prompt, committed with the turn
-    echo: EchoDigest | None = None  # a linear session's: its tools' digest, its messages counted
-    replica: str = ""  # the engine replica the broker routes the session to ("": the engine's own choice)
-
+    done: RenderedPrompt | None = None
+    rest: Callable[[int | None], RenderedPrompt] | None = None
+    error: RenderError | None = None
 
 
 def _with_engine_version(flags: dict[str, Any], result: EngineResult) -> dict[str, Any]:
@@ -216,9 +124,11 @@ class TurnPipeline:
         # turns need only the new messages rendered). A session forgotten only renders speculatively again.
         self._linear_sessions: OrderedDict[str, None] = OrderedDict()
 
-    async def prepare(self, session_id: str, request: TurnRequest, key: RetryKey | None = None) -> PreparedTurn:
-        """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened), or
-        `Replayed` when `key` names a retry of a request whose turn is already recorded."""
+    async def prepare(
+        self, session_id: str, request: TurnRequest, key: RetryKey | None = None
+    ) -> PreparedTurn | protocol.TurnReplayed:
+        """OPEN the turn and render its prompt; raises ApiError (after aborting the turn if it was opened). When
+        `key` names a retry of a request whose turn is recorded, the broker's `TurnReplayed` instead."""
         turn_id = uuid.uuid4().hex
         t0 = time.perf_counter()
         # The OPEN is on its way before the render starts, and awaited after its cheap part; the broker's
@@ -227,13 +137,8 @@ class TurnPipeline:
         # a huge request waits for it before its render starts, all of it on the render thread.
         digest, retry = (key.digest, key.retry) if key is not None else ("", False)
         opening = self.backplane.open_turn(session_id, turn_id, digest, retry)
-        begun: RenderedPrompt | Callable[[int | None], RenderedPrompt] | RenderError | None = None
         try:
-            if session_id not in self._linear_sessions and message_chars(request.messages) <= HUGE_REQUEST_CHARS:
-                try:
-                    begun = self.renderer.begin_render(request.messages, request.tools, session_id)
-                except RenderError as e:
-                    begun = e
+            early = self._begin_render(session_id, request)
             opened = await opening
         except BaseException as e:
             opening.close()
@@ -247,55 +152,77 @@ class TurnPipeline:
                 raise broker_unavailable() from None
             raise
         if isinstance(opened, protocol.TurnReplayed):
-            raise Replayed(opened)
-        flags: dict[str, Any] = {}
-        linear, echo = None, None
+            return opened
         try:
-            try:
-                if opened.history_mode == "linear":
-                    self._note_linear(session_id)
-                    try:
-                        linear = await self.history.prompt(session_id, turn_id, request.messages, request.tools,
-                                                           opened)
-                    except TurnRefused as e:
-                        raise refusal_error(e) from None
-                    except BrokerUnavailable as e:
-                        logger.error("the held turn of linear session %s: %s", session_tag(session_id), e)
-                        raise broker_unavailable() from None
-                    opened, flags["history"], echo = linear.opened, linear.kind, linear.echo
-                if opened.weight_version >= 0:  # the policy version in force: its tokens carry it in the rows
-                    flags["weight_version"] = opened.weight_version
-                budget, loop = self._budget(opened), asyncio.get_running_loop()
-                if linear is not None and linear.rendered is not None:
-                    rendered = linear.rendered
-                elif isinstance(begun, RenderError):
-                    raise begun
-                elif begun is None:
-                    rendered = await loop.run_in_executor(self.renderer.thread, self.renderer.render_session,
-                                                          request.messages, request.tools, session_id, budget)
-                elif callable(begun):
-                    rendered = await loop.run_in_executor(self.renderer.thread, begun, budget)
-                else:
-                    rendered = begun
-            except RenderError as e:
-                raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
-            except PromptOverBudget as e:
-                # DESIGN: an empty `length` turn, as for any prompt over the budget, but with no ids to record.
-                rendered = RenderedPrompt(prompt_ids=array("i"), text="")
-                params, _ = self._sampling(request, opened, e.at_least)
-                return PreparedTurn(session_id, turn_id, request, rendered.prompt_ids, rendered.text, params, True,
-                                    t0, time.perf_counter(), {**flags, "prompt_tokens_at_least": e.at_least}, echo)
-            prompt_ids = rendered.prompt_ids
-            params, over_budget = self._sampling(request, opened, len(prompt_ids))
+            return await self._rendered(session_id, turn_id, request, opened, early, t0)
         except BaseException as e:
             rejected = isinstance(e, ApiError) and e.code == protocol.NOT_LINEAR
             reason = protocol.NOT_LINEAR if rejected else type(e).__name__
             self.backplane.abort_in_background(session_id, turn_id, reason)
             raise
+
+    def _begin_render(self, session_id: str, request: TurnRequest) -> EarlyRender:
+        """The render begun before the OPEN's answer: not for a session known linear, nor a huge request."""
+        if session_id in self._linear_sessions or message_chars(request.messages) > HUGE_REQUEST_CHARS:
+            return EarlyRender()
+        try:
+            begun = self.renderer.begin_render(request.messages, request.tools, session_id)
+        except RenderError as e:
+            return EarlyRender(error=e)
+        return EarlyRender(rest=begun) if callable(begun) else EarlyRender(done=begun)
+
+    async def _rendered(
+        self, session_id: str, turn_id: str, request: TurnRequest, opened: protocol.TurnOpened, early: EarlyRender,
+        t0: float,
+    ) -> PreparedTurn:
+        """The opened turn's prompt, rendered within its context budget: a linear session's from its history."""
+        flags: dict[str, Any] = {}
+        echo = None
+        try:
+            rendered = None
+            if opened.history_mode == "linear":
+                self._note_linear(session_id)
+                linear = await self._linear_prompt(session_id, turn_id, request, opened)
+                opened, flags["history"], echo, rendered = linear.opened, linear.kind, linear.echo, linear.rendered
+            if opened.weight_version >= 0:  # the policy version in force: its tokens carry it in the rows
+                flags["weight_version"] = opened.weight_version
+            if rendered is None:
+                rendered = await self._render_rest(session_id, request, early, self._budget(opened))
+        except RenderError as e:
+            raise ApiError(400, "invalid_request", f"the chat template rejected the messages: {e}") from None
+        except PromptOverBudget as e:
+            # An empty `length` turn, as for any prompt over the budget, but with no ids to record.
+            params, _ = self._sampling(request, opened, e.at_least)
+            return PreparedTurn(session_id, turn_id, request, array("i"), "", params, True, t0, time.perf_counter(),
+                                {**flags, "prompt_tokens_at_least": e.at_least}, echo)
+        params, over_budget = self._sampling(request, opened, len(rendered.prompt_ids))
         return PreparedTurn(
-            session_id, turn_id, request, prompt_ids, rendered.text, params, over_budget, t0, time.perf_counter(),
-            flags, echo, opened.replica,
+            session_id, turn_id, request, rendered.prompt_ids, rendered.text, params, over_budget, t0,
+            time.perf_counter(), flags, echo, opened.replica,
         )  # fmt: skip
+
+    async def _linear_prompt(
+        self, session_id: str, turn_id: str, request: TurnRequest, opened: protocol.TurnOpened
+    ) -> LinearPrompt:
+        try:
+            return await self.history.prompt(session_id, turn_id, request.messages, request.tools, opened)
+        except TurnRefused as e:
+            raise refusal_error(e) from None
+        except BrokerUnavailable as e:
+            logger.error("the held turn of linear session %s: %s", session_tag(session_id), e)
+            raise broker_unavailable() from None
+
+    async def _render_rest(
+        self, session_id: str, request: TurnRequest, early: EarlyRender, budget: int | None
+    ) -> RenderedPrompt:
+        """Finish the early render within `budget` (on the render thread), or render it all there."""
+        if early.error is not None:
+            raise early.error
+        if early.done is not None:
+            return early.done
+        rest = early.rest or functools.partial(self.renderer.render_session, request.messages, request.tools,
+                                               session_id)
+        return await asyncio.get_running_loop().run_in_executor(self.renderer.thread, rest, budget)
 
     def _note_linear(self, session_id: str) -> None:
         sessions = self._linear_sessions
@@ -304,23 +231,20 @@ class TurnPipeline:
         if len(sessions) > LINEAR_SESSIONS_KEPT:
             sessions.popitem(last=False)
 
-    async def run(
-        self, session_id: str, request: TurnRequest, connection: AgentConnection, key: RetryKey | None = None
-    ) -> CapturedTurn:
-        """Generate one whole turn; raises ApiError or `Replayed` (see `prepare`). The caller must commit() or
-        abort() the result."""
-        prepared = await self.prepare(session_id, request, key)
+    async def run(self, prepared: PreparedTurn, connection: AgentConnection) -> CapturedTurn:
+        """Generate the prepared turn whole; raises ApiError (after aborting it). The caller must commit() or abort()
+        the result."""
         try:
             if prepared.over_budget:
-                # DESIGN: a prompt already over the context budget yields an empty `length` turn.
+                # A prompt already over the context budget yields an empty `length` turn (`rendering.budget`).
                 result = EngineResult(output_ids=[], logprobs=[], finish_reason="length")
             else:
                 result = await self._call_engine(prepared, connection)
             t_engine = time.perf_counter()
-            parsed = self.parser.parse(result.output_ids, prepared.prompt_text, request.tools)
+            parsed = self.parser.parse(result.output_ids, prepared.prompt_text, prepared.request.tools)
             return self.captured(prepared, result, parsed, t_engine)
         except BaseException as e:
-            self.backplane.abort_in_background(session_id, prepared.turn_id, type(e).__name__)
+            self.backplane.abort_in_background(prepared.session_id, prepared.turn_id, type(e).__name__)
             raise
 
     def captured(
@@ -376,22 +300,6 @@ class TurnPipeline:
                          ["twin_mismatches", labels, twin.mismatches]]  # fmt: skip
             gauges.append(["twin_active", labels, int(twin.active)])
         return counters, gauges
-
-    def replayed_turn(self, session_id: str, request: TurnRequest, recorded: protocol.TurnReplayed) -> CapturedTurn:
-        """A recorded turn (`Replayed`) as a reply to send again; it commits nothing: it is recorded already."""
-        message, flags = recorded.response_message, recorded.flags
-        parsed = ParsedResponse(
-            content=message.get("content") or "",
-            reasoning=message.get("reasoning"),
-            tool_calls=[dict(call) for call in message.get("tool_calls") or ()],
-            ill_formed=bool(flags.get("ill_formed", False)),
-            error=flags.get("parse_error"),
-        )
-        finish: FinishReason = "length" if recorded.finish_reason == "length" else "stop"
-        result = EngineResult(output_ids=recorded.output_ids.tolist(), logprobs=[], finish_reason=finish)
-        return CapturedTurn(
-            session_id, recorded.turn_id, request, recorded.prompt_ids, result, parsed, int(time.time())
-        )
 
     async def get_turn(self, session_id: str, turn_id: str) -> protocol.TurnFound:
         """A committed turn of this session (`previous_response_id`); raises ApiError."""

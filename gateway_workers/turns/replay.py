@@ -4,8 +4,8 @@ The official SDKs resend a request that failed or timed out with `x-stainless-re
 any client may send an `Idempotency-Key`. A request with either header is named by a digest of its
 route, key and body (`retry_key`), which its OPEN carries to the broker; the broker keeps each
 session's recent digests, so a retry finds its earlier turn whichever worker took either attempt. A
-committed earlier turn comes back as `TurnReplayed` (the pipeline raises `Replayed`) and is answered
-again as it was (`TurnPipeline.replayed_turn`: same turn id, so the same reply and tool-call ids, same
+committed earlier turn comes back as `TurnReplayed` (what `TurnPipeline.prepare` returns then) and is
+answered again as it was (`replayed_turn`: same turn id, so the same reply and tool-call ids, same
 content; streamed if this attempt asks for a stream, `ReplayedLive`), and nothing new is recorded. An
 earlier turn still in flight is waited for (`Backplane.open_turn`); an aborted one is sampled afresh.
 Retry count 0 (a first attempt) and no header at all are always new samples: an agent may resample
@@ -14,16 +14,16 @@ on purpose. Must not import the app or the adapters.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from broker import protocol
-from gateway_workers.formats.live_split import LiveDelta, reply_deltas
-
-if TYPE_CHECKING:
-    from gateway_workers.turns.pipeline import CapturedTurn
+from gateway_workers.engines.base import EngineResult, FinishReason
+from gateway_workers.formats import ParsedResponse
+from gateway_workers.formats.parsed import LiveDelta, reply_deltas
+from gateway_workers.turns.captured import CapturedTurn, TurnRequest
 
 RETRY_COUNT_HEADER = "x-stainless-retry-count"
 IDEMPOTENCY_HEADER = "idempotency-key"
@@ -57,16 +57,26 @@ def retry_key(path: str, idempotency_key: str | None, retry_count: str | None, b
     return RetryKey(digest, again)
 
 
-class Replayed(Exception):  # noqa: N818 (not an error: the request was answered before)
-    """The OPEN found this request's committed turn (`recorded`): answer it again instead of sampling."""
-
-    def __init__(self, recorded: protocol.TurnReplayed) -> None:
-        super().__init__(recorded.turn_id)
-        self.recorded = recorded
+def replayed_turn(session_id: str, request: TurnRequest, recorded: protocol.TurnReplayed) -> CapturedTurn:
+    """A recorded turn as a reply to send again; it commits nothing: it is recorded already."""
+    message, flags = recorded.response_message, recorded.flags
+    parsed = ParsedResponse(
+        content=message.get("content") or "",
+        reasoning=message.get("reasoning"),
+        tool_calls=[dict(call) for call in message.get("tool_calls") or ()],
+        ill_formed=bool(flags.get("ill_formed", False)),
+        error=flags.get("parse_error"),
+    )
+    finish: FinishReason = "length" if recorded.finish_reason == "length" else "stop"
+    result = EngineResult(output_ids=recorded.output_ids.tolist(), logprobs=[], finish_reason=finish)
+    return CapturedTurn(session_id, recorded.turn_id, request, recorded.prompt_ids, result, parsed, int(time.time()),
+                        replayed=True)
 
 
 class ReplayedLive:
     """A replayed turn streamed: its whole reply as the deltas a live turn would have yielded."""
+
+    replayed = True
 
     def __init__(self, turn: CapturedTurn) -> None:
         self.turn: CapturedTurn | None = turn

@@ -143,6 +143,9 @@ SUBPACKAGES.update({
     "gateway_workers.capture": _gateway_layer("adapters", "turns", "rendering", "formats", "engines", "http",
                                               also=("transformers", "starlette")),
     "gateway_workers.turns": _gateway_layer("adapters", also=("starlette",)),
+    # what a turn carries: none of the steps that make it
+    "gateway_workers.turns.captured": Layer(forbid=tuple(_GW + "turns." + m for m in ("pipeline", "live", "replay",
+                                                                                      "start"))),
     "gateway_workers.adapters": _gateway_layer(also=("starlette",)),
     # the verdict table and the dialect-free tools: nothing of a dialect's adapter
     "gateway_workers.adapters.request_fields": Layer(forbid=(_GW + "adapters.common", _GW + "adapters.tools",
@@ -153,7 +156,8 @@ SUBPACKAGES.update({
 # Packages in which no two modules import each other, directly or around a longer circle (read from the source:
 # an import under TYPE_CHECKING counts too). The trainer client's seam to the broker (`control_socket`) is under
 # the client and its episode streams, never over them.
-NO_CIRCLES = ("trainer_client", "gateway_workers.adapters", "broker.handlers", "broker.sessions")
+NO_CIRCLES = ("trainer_client", "gateway_workers.adapters", "gateway_workers.turns", "gateway_workers.formats",
+              "broker.handlers", "broker.sessions")
 
 
 def modules_of(package: str) -> list[str]:

@@ -15,10 +15,10 @@ from gateway_workers.adapters import anthropic_messages, openai_chat, openai_res
 from gateway_workers.adapters.common import from_list
 from gateway_workers.engines.base import EngineResult
 from gateway_workers.formats import ParsedResponse
-from gateway_workers.formats.live_split import LiveDelta
+from gateway_workers.formats.parsed import LiveDelta
 from gateway_workers.http.errors import ApiError
 from gateway_workers.http.limits import DEFAULT_LIMITS
-from gateway_workers.turns.pipeline import CapturedTurn, TurnRequest, tool_call_id
+from gateway_workers.turns.captured import CapturedTurn, TurnRequest, tool_call_id
 
 CALL = {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}
 ANTHROPIC_TOOLS = [

@@ -393,7 +393,7 @@ def _engine_patterns(fmt) -> list[tuple[str, Any, bool]]:
                 else:
                     walk(value, f"{where}.{name}")
 
-    walk(dict(fmt.schema), "schema")
+    walk(dict(legacy.SCHEMAS[fmt.name]), "schema")
     return found
 
 

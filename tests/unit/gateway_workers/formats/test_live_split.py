@@ -18,13 +18,8 @@ from hypothesis import strategies as st
 
 from gateway_workers.adapters.common import block_events, from_list
 from gateway_workers.formats import PlainTextParser, detect_parser
-from gateway_workers.formats.live_split import (
-    BufferedSplitter,
-    IncrementalDecoder,
-    LiveDelta,
-    StreamTracker,
-    live_splitter,
-)
+from gateway_workers.formats.live_split import BufferedSplitter, IncrementalDecoder, StreamTracker, live_splitter
+from gateway_workers.formats.parsed import LiveDelta
 from gateway_workers.rendering.renderer import Renderer
 
 CONVERSATION = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"}]

@@ -19,11 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway_workers.formats import ParsedResponse, detect_parser
-from gateway_workers.formats.live_split import (
-    BufferedSplitter,
-    LiveDelta,
-    live_splitter,
-)
+from gateway_workers.formats.live_split import BufferedSplitter, live_splitter
+from gateway_workers.formats.parsed import LiveDelta
 
 # A call ends the generation in these formats (harmony's <|call|>, Llama's whole-reply call): it comes with
 # the final parse, after the engine stopped, exactly when the agent could act on it anyway.

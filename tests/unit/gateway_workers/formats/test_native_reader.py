@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gateway_workers.formats import FormatParser
 from gateway_workers.formats.base import _reading
 from gateway_workers.formats.chatml import QWEN2_5, QWEN3
+from gateway_workers.formats.legacy import SCHEMAS
 from gateway_workers.rendering.twins.checks import VERIFY_FIRST
 
 SPACES = ["\n", " ", "\t", "\r\n", "\u00a0", "\u3000", "\x1c", "\x1f", "\x85", "\u200b"]
@@ -114,4 +115,4 @@ def test_a_reader_that_differs_is_dropped_for_the_engine(parser: FormatParser, b
 
 def test_the_legacy_engine_has_no_twin(builtin_tokenizer) -> None:
     """The legacy schemas read some edges their own way (their regexes' whitespace): no reader there."""
-    assert FormatParser(builtin_tokenizer, QWEN3, engine="schema").reader_twin is None
+    assert FormatParser(builtin_tokenizer, QWEN3, engine="schema", legacy_schema=SCHEMAS["qwen3"]).reader_twin is None

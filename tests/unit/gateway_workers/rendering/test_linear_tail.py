@@ -31,7 +31,7 @@ from family_cases import family_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway_workers.formats.base import ResponseParser
+from gateway_workers.formats.parsed import ResponseParser
 from gateway_workers.formats.registry import detect_parser
 from gateway_workers.rendering.linear import (
     STOP_EQUIVALENTS,
