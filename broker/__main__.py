@@ -74,7 +74,7 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
     try:
         # Load the response tokenizer now: lazily, the first finish would stall the loop for
         # seconds (every worker's OPEN waiting behind it), and a bad file should fail at start.
-        server.warm_up()
+        server.state.warm_up()
     except Exception:
         logger.exception("cannot load the response tokenizer %s", config.tokenizer)
         server.close()
@@ -85,7 +85,7 @@ def run_broker(config: BrokerConfig, *, out: Any = None) -> int:
     # collected as usual (cyclic garbage included).
     gc.collect()
     gc.freeze()
-    server.trim_start_up_heap()
+    server.state.trim_start_up_heap()
 
     def handle_signal(signum: int, frame: FrameType | None) -> None:
         server.request_exit()

@@ -15,7 +15,6 @@ process around it (signals, READY line) is `broker.__main__`. Plain blocking pyz
 from __future__ import annotations
 
 import logging
-import math
 import select
 import time
 from typing import Any
@@ -96,10 +95,6 @@ class BrokerServer:
         assert self._routers is not None
         return self._routers[1].endpoint
 
-    def warm_up(self) -> None:
-        """Load what the first finish would otherwise load inside the loop (the response tokenizer)."""
-        self.state.rows.decode(protocol.ids_array([0]))
-
     def close(self, linger: int = 0) -> None:
         """Release the sockets (and the ZAP handler) of a server that will not `run()`, or has run."""
         if self._zap is not None:
@@ -134,8 +129,6 @@ class BrokerServer:
         poller.register(control_router.fd(), select.POLLIN)
         try:
             state = self.state
-            compact, compaction, trimmer = self.config.compact_idle, state.registry.compaction, state.trimmer
-            counters = state.registry.counters
             durable = state.durable
             workers_ready = control_ready = True  # whatever arrived before the loop: look once
             # Recovered turns' workers get the silence bound from now, after the start-up's slow parts.
@@ -153,10 +146,7 @@ class BrokerServer:
                 if not workers_ready and now >= state.workers.next_check:
                     # Only with the worker socket drained: a heartbeat waiting behind a backlog is not silence.
                     self._turns.abandon_silent_workers(now)
-                for parked in (state.finishes, state.outbox):
-                    due = parked.next_deadline()
-                    if due is not None and due <= now:
-                        self._send_all(parked.expire(now))
+                self._send_all(state.expired(now))
                 if self._control_sent:  # replies to parked requests went out since the control socket was asked
                     control_ready = control_ready or waiting([(control, POLLIN)])
                     self._control_sent = False
@@ -168,17 +158,11 @@ class BrokerServer:
                     # busy worker socket never keeps the trainers waiting (and the reverse).
                     events = poller.poll(0)
                 else:
-                    # Idle time compresses older session logs, one bounded step per loop (`compaction.step`),
-                    # and gives freed heap pages back to the OS (`heap_trim`: rate-limited, one call):
-                    # a frame waiting always goes first, so this costs the commit path nothing.
-                    trim = trimmer.due(counters["bytes_freed"])
-                    idle_work = trim or (compact and compaction.pending) or snapshotting
-                    events = poller.poll(0 if idle_work else self._poll_timeout_ms())
+                    # Idle work (`BrokerState.idle_step`) only when a poll finds no frame waiting.
+                    idle_work = snapshotting or state.idle_work_due()
+                    events = poller.poll(0 if idle_work else state.poll_timeout_ms(MAX_POLL_MS))
                     if idle_work and not events:
-                        if trim:
-                            trimmer.trim(counters["bytes_freed"])
-                        elif compact and compaction.pending:
-                            compaction.step()
+                        state.idle_step()
                 for fd, _ in events:
                     if fd == worker_fd:
                         workers_ready = True
@@ -186,13 +170,6 @@ class BrokerServer:
                         control_ready = True
         finally:
             self._shutdown()
-
-    def _poll_timeout_ms(self) -> int:
-        due = [d for d in (self.state.finishes.next_deadline(), self.state.outbox.next_deadline()) if d is not None]
-        if not due:
-            return MAX_POLL_MS
-        wait = min(due) - time.monotonic()
-        return max(0, min(MAX_POLL_MS, math.ceil(wait * 1000)))
 
     def _drain(self, sock: zmq.Socket, decode: Decoder, side: Side) -> bool:
         """Handle the frames waiting on `sock` (up to DRAIN_BATCH) and send their replies.
@@ -274,12 +251,6 @@ class BrokerServer:
             else:
                 logger.warning("a %d-byte reply dropped: %s", len(reply), e)
 
-    def trim_start_up_heap(self) -> None:
-        """Give back what start-up freed (the response tokenizer's load; docs/performance.md), before any frame
-        waits."""
-        if self.state.trimmer.enabled:
-            self.state.trimmer.trim(self.registry.counters["bytes_freed"])
-
     # --- stats / shutdown --------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -290,11 +261,7 @@ class BrokerServer:
         state = self.state
         state.health.stop()
         if state.durable is None or not state.durable.failed:  # else nothing more may be acknowledged
-            # Parked finishers get what was committed (drain_timeout) instead of a dead socket.
-            self._send_all(state.finishes.shutdown(time.monotonic()))
-            # Long polls are answered empty; unacknowledged episodes die with this process (documented),
-            # unless the broker is durable: then they wait in the log for the next start.
-            self._send_all(state.outbox.close())
+            self._send_all(state.parked_at_shutdown(time.monotonic()))
         if state.durable is not None:
             state.durable.close()
         self.close(linger=self.config.shutdown_linger_ms)

@@ -8,6 +8,7 @@ logs nothing (`episodes.journal.NO_JOURNAL`). No sockets; imports `broker.*` onl
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 
@@ -15,10 +16,11 @@ from broker.config import BrokerConfig
 from broker.durability.store import DurableState
 from broker.episodes.finishes import Finishes
 from broker.episodes.journal import NO_JOURNAL, BrokerJournal
-from broker.episodes.outbox import Outbox
+from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
 from broker.health import HealthChecker
 from broker.metrics.gateway import GatewayMetrics
+from broker.protocol import ids_array
 from broker.sessions.heap_trim import HeapTrimmer, glibc_malloc_trim
 from broker.sessions.registry import SessionRegistry
 from broker.sessions.replicas import ReplicaTable
@@ -38,17 +40,10 @@ class BrokerState:
         self.config = config
         # A restarted in-memory broker says why a key the caller had is gone.
         lost = "" if config.state_dir is not None or not config.restarted else LOST_ON_RESTART
-        self.registry = SessionRegistry(
-            unknown_hint=lost,
-            max_sessions=config.max_sessions,
-            max_turns_cap=config.max_turns_cap,
-            finished_memory=config.finished_memory,
-            compact=config.compact_idle,
-            compact_min_bytes=config.compact_min_bytes,
-            compact_age_s=config.compact_age_s,
-            history_mode=config.history_mode,
-            linear_fallback=config.linear_fallback,
-        )
+        same_names = ("max_sessions", "max_turns_cap", "finished_memory", "compact_min_bytes", "compact_age_s",
+                      "history_mode", "linear_fallback")
+        self.registry = SessionRegistry(unknown_hint=lost, compact=config.compact_idle,
+                                        **{name: getattr(config, name) for name in same_names})
         self.trimmer = HeapTrimmer(
             min_bytes=config.trim_min_bytes,
             interval_s=config.trim_interval_s,
@@ -88,3 +83,52 @@ class BrokerState:
         assert durable.journal is not None
         self.durable, self.journal = durable, durable.journal
         return durable
+
+    def warm_up(self) -> None:
+        """Load what the first finish would otherwise load inside the loop (the response tokenizer)."""
+        self.rows.decode(ids_array([0]))
+
+    def trim_start_up_heap(self) -> None:
+        """Give back what start-up freed (the response tokenizer's load; docs/performance.md), before any frame
+        waits."""
+        if self.trimmer.enabled:
+            self.trimmer.trim(self.registry.counters["bytes_freed"])
+
+    def parked_at_shutdown(self, now: float) -> list[Reply]:
+        """Parked finishers get what was committed (drain_timeout) instead of a dead socket. Long polls are
+        answered empty: unacknowledged episodes die with an in-memory broker (documented), and wait in a durable
+        broker's log for its next start."""
+        return [*self.finishes.shutdown(now), *self.outbox.close()]
+
+    # --- what the server's loop asks between frames ------------------------------------------------
+
+    def expired(self, now: float) -> list[Reply]:
+        """The answers of parked finishes and long polls whose deadline passed."""
+        replies: list[Reply] = []
+        for parked in (self.finishes, self.outbox):
+            due = parked.next_deadline()
+            if due is not None and due <= now:
+                replies += parked.expire(now)
+        return replies
+
+    def poll_timeout_ms(self, most_ms: int) -> int:
+        """How long the loop may sleep: until the next parked deadline, `most_ms` at most."""
+        due = [d for d in (self.finishes.next_deadline(), self.outbox.next_deadline()) if d is not None]
+        if not due:
+            return most_ms
+        return max(0, min(most_ms, math.ceil((min(due) - time.monotonic()) * 1000)))
+
+    def idle_work_due(self) -> bool:
+        """Whether idle time has work: freed heap pages to give back to the OS (`heap_trim`, rate-limited), or
+        older session logs to compress (`compaction`)."""
+        freed = self.registry.counters["bytes_freed"]
+        return self.trimmer.due(freed) or (self.config.compact_idle and self.registry.compaction.pending)
+
+    def idle_step(self) -> None:
+        """One bounded step of idle work: a heap trim, or one compaction slice. Only when no frame waits, so it
+        costs the commit path nothing."""
+        freed = self.registry.counters["bytes_freed"]
+        if self.trimmer.due(freed):
+            self.trimmer.trim(freed)
+        elif self.config.compact_idle and self.registry.compaction.pending:
+            self.registry.compaction.step()

@@ -10,6 +10,7 @@ the engine generates. No I/O here.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -127,20 +128,17 @@ def _more_sampling(body: dict[str, Any]) -> dict[str, Any] | None:
     return more or None
 
 
+@dataclass(slots=True, eq=False)
 class ChatRequest:
     """A validated Chat Completions body; `raw_messages`, its messages as sent, which the next request's parse
     compares its own with (`Adapter.parse_request`'s `earlier`); `toolset` maps calls back to the wire."""
 
-    __slots__ = ("turn", "stream", "include_usage", "raw_messages", "toolset", "ignored")
-
-    def __init__(self, turn: TurnRequest, stream: bool, include_usage: bool, raw_messages: list[Any],
-                 toolset: ToolSet = NO_TOOLS, ignored: tuple[str, ...] = ()) -> None:
-        self.turn = turn
-        self.stream = stream
-        self.include_usage = include_usage
-        self.raw_messages = raw_messages
-        self.toolset = toolset
-        self.ignored = ignored
+    turn: TurnRequest
+    stream: bool
+    include_usage: bool
+    raw_messages: list[Any]
+    toolset: ToolSet = NO_TOOLS
+    ignored: tuple[str, ...] = ()
 
     @property
     def hosted(self) -> tuple[tuple[str, str], ...]:

@@ -59,19 +59,23 @@ class SglangEngine(HttpEngineBase):
         super().__init__(*args, **kwargs)
         self._aborts: set[asyncio.Task[None]] = set()
 
-    async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
-    ) -> EngineResult:
-        base, headers = self.route(session_id, replica)
-        url = base + GENERATE_PATH
-        body = {
+    def _body(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: str, request_id: str,
+              stream: bool) -> dict[str, Any]:
+        return {
             "input_ids": self.prompt_json(session_id, prompt_ids),
             "sampling_params": sampling_body(params),
             "return_logprob": True,
             "logprob_start_len": -1,  # output logprobs only; prompt logprobs cost a forward pass of work
             "rid": request_id,
-            "stream": False,
+            "stream": stream,
         }
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
+    ) -> EngineResult:
+        base, headers = self.route(session_id, replica)
+        url = base + GENERATE_PATH
+        body = self._body(prompt_ids, params, session_id, request_id, stream=False)
         try:
             return parse_answer(url, await self.post_json(url, body, headers))
         except (asyncio.CancelledError, EngineTimeout) as e:
@@ -89,14 +93,7 @@ class SglangEngine(HttpEngineBase):
     ) -> AsyncIterator[EngineChunk]:
         base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
-        body = {
-            "input_ids": self.prompt_json(session_id, prompt_ids),
-            "sampling_params": sampling_body(params),
-            "return_logprob": True,
-            "logprob_start_len": -1,
-            "rid": request_id,
-            "stream": True,
-        }
+        body = self._body(prompt_ids, params, session_id, request_id, stream=True)
         have = 0
         finished = False
         try:

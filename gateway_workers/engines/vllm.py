@@ -47,19 +47,26 @@ _REASON_SNIPPET = 200  # characters of an engine's finish reason quoted in our e
 class VllmEngine(HttpEngineBase):
     """A vLLM server (or a vllm-router in front of several) speaking the tokens-in/tokens-out API."""
 
+    def _body(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: str, request_id: str,
+              stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "request_id": request_id,
+            "token_ids": self.prompt_json(session_id, prompt_ids),
+            "sampling_params": sampling_body(params),
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self._config.model:
+            body["model"] = self._config.model
+        return body
+
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
         base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
-        body: dict[str, Any] = {
-            "request_id": request_id,
-            "token_ids": self.prompt_json(session_id, prompt_ids),
-            "sampling_params": sampling_body(params),
-            "stream": False,
-        }
-        if self._config.model:
-            body["model"] = self._config.model
+        body = self._body(prompt_ids, params, session_id, request_id, stream=False)
         try:
             return parse_answer(url, await self.post_json(url, body, {**headers, "X-Request-Id": request_id}))
         except EngineError as e:
@@ -71,15 +78,7 @@ class VllmEngine(HttpEngineBase):
     ) -> AsyncIterator[EngineChunk]:
         base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
-        body: dict[str, Any] = {
-            "request_id": request_id,
-            "token_ids": self.prompt_json(session_id, prompt_ids),
-            "sampling_params": sampling_body(params),
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self._config.model:
-            body["model"] = self._config.model
+        body = self._body(prompt_ids, params, session_id, request_id, stream=True)
         finished = False
         total = 0
         opened = self.stream_json(url, body, {**headers, "X-Request-Id": request_id})

@@ -3,13 +3,15 @@
 The XML-call formats (Qwen3.5, Nemotron-3, GLM) write every argument value as text; older
 transformers return them as strings. `cast_arguments` casts each value to the type its tool's
 schema declares (integer, number, boolean, null, object, array), leaving strings, unknown tools
-and parameters, and values that do not cast as written. Pure functions; imports only the stdlib.
+and parameters, and values that do not cast as written. `read_scalar` reads a bare value of the formats that
+write arguments in a syntax of their own (Gemma 4, LFM2). Pure functions; imports only the stdlib.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -77,3 +79,22 @@ def _cast(raw: str, types: list[str]) -> Any:
         except ValueError:
             continue
     return raw
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def read_scalar(text: str, at: int, scalar: re.Pattern[str], literals: Mapping[str, Any], number: re.Pattern[str],
+                family: str) -> tuple[Any, int]:
+    """The bare value at `at` (a literal, an integer or a number, as `scalar` delimits it) and where it ends."""
+    found = scalar.match(text, at)
+    if found is None:
+        raise ValueError(f"no value at {at}")
+    token = found.group()
+    if token in literals:
+        return literals[token], found.end()
+    if _INTEGER.fullmatch(token):
+        return int(token), found.end()
+    if number.fullmatch(token):
+        return float(token), found.end()
+    raise ValueError(f"not a {family}value: {token[:40]!r}")

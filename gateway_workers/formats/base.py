@@ -152,12 +152,8 @@ class FormatParser:
                 refusal_differs=True,
             )
 
-    def parse(
-        self,
-        output_ids: Sequence[int],
-        prefix: str | Sequence[int],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> ParsedResponse:
+    def parse(self, output_ids: Sequence[int], prefix: str | Sequence[int],
+              tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedResponse:
         return self.read_text(self._decode_ids(output_ids), prefix, tools)
 
     def read_text(

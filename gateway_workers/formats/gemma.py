@@ -17,6 +17,7 @@ import re
 from functools import partial
 from typing import Any
 
+from gateway_workers.formats.arguments import read_scalar
 from gateway_workers.formats.base import ResponseFormat, text_blocks_template
 from gateway_workers.formats.checks import check_tagged
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
@@ -37,7 +38,6 @@ GEMMA4_TEMPLATE = text_blocks_template(
 
 _KEY = re.compile(r"[^\s:{}\[\],<>]+")
 _SCALAR = re.compile(r"[^,}\]\s<]+")
-_INTEGER = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|-?inf|nan")
 _LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None, "None": None}
 
@@ -66,17 +66,7 @@ def _value(text: str, at: int) -> tuple[Any, int]:
         return _items(text, at + 1, "}", keyed=True)
     if text.startswith("[", at):
         return _items(text, at + 1, "]", keyed=False)
-    scalar = _SCALAR.match(text, at)
-    if scalar is None:
-        raise ValueError(f"no value at {at}")
-    token = scalar.group()
-    if token in _LITERALS:
-        return _LITERALS[token], scalar.end()
-    if _INTEGER.fullmatch(token):
-        return int(token), scalar.end()
-    if _NUMBER.fullmatch(token):
-        return float(token), scalar.end()
-    raise ValueError(f"not a Gemma value: {token[:40]!r}")
+    return read_scalar(text, at, _SCALAR, _LITERALS, _NUMBER, "Gemma ")
 
 
 def _items(text: str, at: int, close: str, keyed: bool) -> tuple[Any, int]:

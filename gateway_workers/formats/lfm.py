@@ -15,6 +15,7 @@ import re
 from functools import partial
 from typing import Any
 
+from gateway_workers.formats.arguments import read_scalar
 from gateway_workers.formats.base import ResponseFormat, text_blocks_template
 from gateway_workers.formats.checks import THINK, check_tagged
 from gateway_workers.formats.live_split import TagGrammar, TagSplitter
@@ -29,7 +30,6 @@ LFM2_TEMPLATE = text_blocks_template({"start_anchor": ANCHOR}, THINK, CALLS)
 
 _NAME = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*")
 _SCALAR = re.compile(r"[^,)\]}\s:]+")
-_INTEGER = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 _LITERALS: dict[str, Any] = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", "'": "'", '"': '"'}
@@ -106,17 +106,7 @@ def _value(text: str, at: int) -> tuple[Any, int]:
             if not text.startswith(",", at):
                 raise ValueError(f"expected ',' or {close!r} at {at}")
             at = _skip(text, at + 1)
-    scalar = _SCALAR.match(text, at)
-    if scalar is None:
-        raise ValueError(f"no value at {at}")
-    token = scalar.group()
-    if token in _LITERALS:
-        return _LITERALS[token], scalar.end()
-    if _INTEGER.fullmatch(token):
-        return int(token), scalar.end()
-    if _NUMBER.fullmatch(token):
-        return float(token), scalar.end()
-    raise ValueError(f"not a value: {token[:40]!r}")
+    return read_scalar(text, at, _SCALAR, _LITERALS, _NUMBER, "")
 
 
 def _string(text: str, at: int, quote: str) -> tuple[str, int]:

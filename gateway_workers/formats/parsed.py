@@ -51,12 +51,8 @@ class ResponseParser(Protocol):
     format_name: str
     supports_tools: bool
 
-    def parse(
-        self,
-        output_ids: Sequence[int],
-        prefix: str | Sequence[int],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> ParsedResponse: ...
+    def parse(self, output_ids: Sequence[int], prefix: str | Sequence[int],
+              tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedResponse: ...
 
     def live_splitter(self, prompt_text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> LiveSplitter:
         """The splitter of one reply while it streams, given the rendered prompt (its tail matters). A parser from

@@ -179,12 +179,8 @@ class PlainTextParser:
         self._tokenizer = tokenizer
         self._special = set(tokenizer.all_special_ids)
 
-    def parse(
-        self,
-        output_ids: Sequence[int],
-        prefix: str | Sequence[int],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> ParsedResponse:
+    def parse(self, output_ids: Sequence[int], prefix: str | Sequence[int],
+              tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedResponse:
         ids = list(output_ids)
         while ids and ids[-1] in self._special:
             ids.pop()

@@ -109,10 +109,7 @@ class TurnPipeline:
         default_max_tokens: int,
         max_context_tokens: int | None = None,
     ) -> None:
-        self.backplane = backplane
-        self.renderer = renderer
-        self.parser = parser
-        self.engine = engine
+        self.backplane, self.renderer, self.parser, self.engine = backplane, renderer, parser, engine
         self.default_max_tokens = default_max_tokens
         self.max_context_tokens = max_context_tokens  # the model's context window, for sessions without less
         fmt = getattr(parser, "format", None)
@@ -251,24 +248,11 @@ class TurnPipeline:
         self, prepared: PreparedTurn, result: EngineResult, parsed: ParsedResponse, t_engine: float
     ) -> CapturedTurn:
         """The generated turn, waiting for its reply to be sent."""
-        return CapturedTurn(
-            session_id=prepared.session_id,
-            turn_id=prepared.turn_id,
-            request=prepared.request,
-            prompt_ids=prepared.prompt_ids,
-            result=result,
-            parsed=parsed,
-            created=int(time.time()),
-            timings={
-                "open_s": 0.0,
-                "render_s": prepared.t_render - prepared.t0,
-                "engine_s": t_engine - prepared.t_render,
-                "parse_s": time.perf_counter() - t_engine,
-            },
-            flags=_with_engine_version(prepared.flags, result),
-            echo=prepared.echo,
-            _backplane=self.backplane,
-        )
+        timings = {"open_s": 0.0, "render_s": prepared.t_render - prepared.t0, "engine_s": t_engine - prepared.t_render,
+                   "parse_s": time.perf_counter() - t_engine}
+        flags = _with_engine_version(prepared.flags, result)
+        return CapturedTurn(prepared.session_id, prepared.turn_id, prepared.request, prepared.prompt_ids, result,
+                            parsed, int(time.time()), timings, flags, prepared.echo, _backplane=self.backplane)
 
     def metric_rows(self) -> tuple[list[list[Any]], list[list[Any]]]:
         """What the worker's parts count themselves, as (counters, gauges) snapshot rows: commits by form, linear

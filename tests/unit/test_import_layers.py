@@ -150,6 +150,8 @@ SUBPACKAGES.update({
     # the verdict table and the dialect-free tools: nothing of a dialect's adapter
     "gateway_workers.adapters.request_fields": Layer(forbid=(_GW + "adapters.common", _GW + "adapters.tools",
                                                              *_TURN_PATH[1:], "broker", "zmq", "starlette")),
+    "gateway_workers.adapters.request_field_rules": Layer(forbid=(_GW + "adapters.common", _GW + "adapters.tools",
+                                                                  *_TURN_PATH[1:], "broker", "zmq", "starlette")),
     "gateway_workers.adapters.tools": Layer(forbid=tuple(_GW + "adapters." + m for m in _DIALECT_MODULES)),
     "gateway_workers.adapters.tool_readers": Layer(forbid=tuple(_GW + "adapters." + m for m in _DIALECT_MODULES)),
 })
