@@ -100,7 +100,7 @@ def _record(metrics: WorkerMetrics, source: ReplySource, labels: TurnLabels, out
     turn = source.turn
     if outcome not in ("failed", "refused"):  # an error mid-stream was logged with the error
         access_log.served("POST", labels.path, 200, labels.t0, labels.sid, labels.stream, outcome)
-    if turn is None or outcome == "replayed":
+    if turn is None or source.replayed:  # a replay's tokens and stages were counted with the attempt that sampled it
         return
     metrics.count("tokens", ("prompt",), len(turn.prompt_ids))
     metrics.count("tokens", ("output",), len(turn.result.output_ids))

@@ -35,7 +35,11 @@ CLOSE_TIMEOUT_S = 5.0  # bound on closing an engine stream (an SGLang abort call
 async def start_live_turn(pipeline: TurnPipeline, prepared: PreparedTurn, connection: AgentConnection) -> LiveTurn:
     """Start generating the prepared turn; raises ApiError (after aborting it). The caller must commit() or
     abort(), then close()."""
-    live = LiveTurn(pipeline, prepared)
+    try:
+        live = LiveTurn(pipeline, prepared)  # builds the format's splitter: a parser from outside may raise
+    except BaseException as e:
+        pipeline.backplane.abort_in_background(prepared.session_id, prepared.turn_id, type(e).__name__)
+        raise
     try:
         await live.start(connection)
     except BaseException as e:
