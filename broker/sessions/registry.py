@@ -28,14 +28,15 @@ from broker.sessions.session import (
     FinishOrigin,
     Refusal,
     Session,
+    abandoned_seq,
     check_delta_shape,
     check_session_key,
     check_settings,
     check_turn_id,
+    committed_store,
     minted_key,
 )
 from broker.sessions.turn_record import TurnRecord
-from broker.sessions.turn_store import TurnStore
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ class SessionRegistry:
         in_flight = session.in_flight
         seq = in_flight.get(turn_id)
         if seq is None:
-            seq = self._abandoned_seq(session, turn_id)
+            seq = abandoned_seq(session, turn_id)
         try:
             messages = packed_messages(msg.prompt_messages, msg.response_message)
         except ValueError as e:
@@ -327,15 +328,6 @@ class SessionRegistry:
             self.compaction.note_commit(session)
         return "stored"
 
-    def _abandoned_seq(self, session: Session, turn_id: str) -> int:
-        """The seq of an abandoned turn whose commit arrived after all (its worker was only slow); a Refusal for
-        a turn that was aborted or never opened."""
-        seq = session.abandoned.get(turn_id)
-        if seq is None:
-            what = "was aborted" if turn_id in session.aborted else "was never opened"
-            raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(session.sid)} {what}")
-        return seq
-
     def _landed_late(self, session: Session, turn_id: str) -> None:
         del session.abandoned[turn_id]
         logger.warning("turn %s of session %s committed after its worker was given up for lost: stored",
@@ -375,27 +367,15 @@ class SessionRegistry:
 
         Only turns of an open session `sid` are found, so a turn id never leaks across sessions.
         """
-        found = self._committed(sid, turn_id).turn_messages(turn_id)
+        found = committed_store(self.get(sid), turn_id).turn_messages(turn_id)
         assert found is not None
         return found
 
     def turn_record(self, sid: str, turn_id: str) -> TurnRecord:
         """A committed turn of open session `sid`, ids included (a linear session's held turn), as `turn_messages`."""
-        found = self._committed(sid, turn_id).record(turn_id)
+        found = committed_store(self.get(sid), turn_id).record(turn_id)
         assert found is not None
         return found
-
-    def _committed(self, sid: str, turn_id: str) -> TurnStore:
-        """The store of open session `sid` if it holds `turn_id`; else the Refusal that says why not."""
-        session = self.get(sid)
-        if session.state != "open":
-            raise Refusal("session_closed", f"session {session_tag(sid)} is finishing; no new turns")
-        if turn_id not in session.committed:
-            if turn_id in session.in_flight:
-                # Its reply reached the agent just before its COMMIT reached us: the worker retries.
-                raise Refusal("turn_pending", f"turn {turn_id!r} is not committed yet")
-            raise Refusal("unknown_turn", f"session {session_tag(sid)} has no committed turn {turn_id!r}")
-        return session.committed
 
     # --- a durable broker's recovery and snapshots (`broker.durability`) ---------------------
 

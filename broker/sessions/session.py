@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from broker import protocol
+from broker.protocol import session_tag
 from broker.sessions.turn_record import TurnRecord
 from broker.sessions.turn_store import TurnStore
 
@@ -161,3 +162,25 @@ def check_chosen_key(session_id: str | None) -> None:
                       "it out and the broker mints one")
 
 
+
+
+def abandoned_seq(session: Session, turn_id: str) -> int:
+    """The seq of an abandoned turn whose commit arrived after all (its worker was only slow); a Refusal for
+    a turn that was aborted or never opened."""
+    seq = session.abandoned.get(turn_id)
+    if seq is None:
+        what = "was aborted" if turn_id in session.aborted else "was never opened"
+        raise Refusal("bad_request", f"turn {turn_id!r} of session {session_tag(session.sid)} {what}")
+    return seq
+
+
+def committed_store(session: Session, turn_id: str) -> TurnStore:
+    """The store of `session`, open, if it holds `turn_id`; else the Refusal that says why not."""
+    if session.state != "open":
+        raise Refusal("session_closed", f"session {session_tag(session.sid)} is finishing; no new turns")
+    if turn_id not in session.committed:
+        if turn_id in session.in_flight:
+            # Its reply reached the agent just before its COMMIT reached us: the worker retries.
+            raise Refusal("turn_pending", f"turn {turn_id!r} is not committed yet")
+        raise Refusal("unknown_turn", f"session {session_tag(session.sid)} has no committed turn {turn_id!r}")
+    return session.committed
