@@ -16,13 +16,13 @@ from __future__ import annotations
 import struct
 import zlib
 from array import array
-from bisect import bisect_left
 from typing import Any, Final
 
 from broker import protocol
 from broker.sessions.logs.append_logs import ItemLog, MessageLog
 from broker.sessions.logs.cold_log import MIN_CHUNK, PendingChunk
 from broker.sessions.logs.ranges import common_prefix, cut, extend, span
+from broker.sessions.open_order import OpenOrder
 from broker.sessions.turn_record import TurnRecord
 
 _ID_BYTES = 4  # int32 token ids
@@ -64,7 +64,7 @@ class TurnStore:
     """The committed turns of one session, keyed by turn id and ordered by OPEN sequence."""
 
     __slots__ = (
-        "ids", "msgs", "lps", "_index", "_rec", "_ranges", "_seqs", "_order", "_reasons", "_flags", "_mark",
+        "ids", "msgs", "lps", "_index", "_rec", "_ranges", "_open", "_reasons", "_flags", "_mark",
         "_prev_mark",
     )  # fmt: skip
 
@@ -76,10 +76,7 @@ class TurnStore:
         self._index: dict[str, int] = {}  # turn id -> row, in arrival order
         self._rec = bytearray()  # the rows (`_ROW`)
         self._ranges = array("q")
-        # The OPEN seqs held, sorted, and the row of each (lists: an array's item store parses its argument,
-        # several times the cost of a list append; and both are small ints, shared objects, in most sessions).
-        self._seqs: list[int] = []
-        self._order: list[int] = []
+        self._open = OpenOrder()  # rows by OPEN seq
         self._reasons: list[str] = []  # distinct finish reasons
         self._flags: dict[int, dict[str, Any]] = {}  # row -> flags, when there are any
         # (token log byte, message index) positions where the last and the previous commit began appending:
@@ -253,14 +250,7 @@ class TurnStore:
         n_out = len(msg.output_ids)
         n_msgs = len(self._ranges) - ranges_at - n_toks
         self._rec += _ROW.pack(seq, prompt_len, n_out, n_prompt_msgs, ranges_at, n_toks, n_msgs, crc, crc_len, code)
-        seqs = self._seqs
-        if not seqs or seqs[-1] < seq:  # in-order arrival, the common case
-            seqs.append(seq)
-            self._order.append(row)
-        else:
-            pos = bisect_left(seqs, seq)
-            seqs.insert(pos, seq)
-            self._order.insert(pos, row)
+        self._open.add(seq, row)
 
     def _add_ids(self, pb: memoryview, ob: memoryview, seq: int) -> tuple[Ranges, int | None]:
         """Store prompt + output ids (as byte views) sharing the longest prefix with a likely base turn (its row)."""
@@ -281,18 +271,7 @@ class TurnStore:
                 ob[: (n - head) * _ID_BYTES], at + head * _ID_BYTES
             )
 
-        # Candidates that most likely share a prefix: the neighbours by OPEN order (the usual
-        # case: the next prompt extends the previous turn) and the latest arrival.
-        seqs, order = self._seqs, self._order
-        last = len(self._index) - 1
-        candidates: list[int]
-        if not seqs or seqs[-1] < seq:  # in-order arrival, the common case: no search
-            candidates = [] if last < 0 else [last] if order[-1] == last else [order[-1], last]
-        else:
-            pos = bisect_left(seqs, seq)
-            candidates = [order[i] for i in (pos - 1, pos) if 0 <= i < len(seqs)]
-            if last not in candidates:
-                candidates.append(last)
+        candidates = self._open.likely_bases(seq, len(self._index) - 1)
         best_len, best_ranges, base = 0, _NO_RANGES, None
         for cand in candidates:
             n, ranges = common_prefix(n_ctx, same, self._tok_ranges(self._row(cand)))
@@ -351,7 +330,7 @@ class TurnStore:
         lp.frombytes(self.lps.read(lp_at * _LP_BYTES, (lp_at + rec[_NOUT]) * _LP_BYTES))
         msgs = self._messages(self._msg_ranges(rec))
         plen, npm = rec[_PLEN], rec[_NPM]
-        seq = self._seqs[self._order.index(row)]
+        seq = self._open.seq_of(row)
         return TurnRecord(turn_id, seq, ctx[:plen], ctx[plen:], lp, self._reasons[rec[_FINISH]], msgs[:npm], msgs[npm],
                           self._flags.get(row, {}))
 
@@ -369,7 +348,7 @@ class TurnStore:
         reasons, flags = self._reasons, self._flags
         out = []
         with memoryview(tokens) as log, memoryview(logprobs) as lp_log:
-            for seq, row in zip(self._seqs, self._order, strict=True):
+            for seq, row in self._open:
                 rec = rows[row]
                 ctx = protocol.ids_array()
                 ranges = self._tok_ranges(rec)
@@ -405,7 +384,7 @@ class TurnStore:
         """
         return [
             self.ids.image(), self.msgs.image(), self.lps.image(), list(self._index), self._rec,
-            self._ranges.tobytes(), self._seqs, self._order, self._reasons, self._flags,
+            self._ranges.tobytes(), self._open.seqs, self._open.rows, self._reasons, self._flags,
             list(self._mark), list(self._prev_mark),
         ]  # fmt: skip
 
@@ -419,10 +398,10 @@ class TurnStore:
         store._index = {turn_id: row for row, turn_id in enumerate(turn_ids)}
         store._rec = bytearray(rec)
         store._ranges.frombytes(ranges)
-        store._seqs, store._order, store._reasons = list(seqs), list(order), list(reasons)
+        store._open, store._reasons = OpenOrder(list(seqs), list(order)), list(reasons)
         store._flags = dict(flags)
         store._mark, store._prev_mark = (mark[0], mark[1]), (prev_mark[0], prev_mark[1])
-        if len(store._rec) != len(store._index) * _ROW.size or len(store._seqs) != len(store._index):
+        if len(store._rec) != len(store._index) * _ROW.size or len(store._open.seqs) != len(store._index):
             raise ValueError(f"a turn store image of {len(store._index)} turns holds {len(store._rec)} row bytes")
         return store
 

@@ -12,7 +12,7 @@ says it is alive every HEARTBEAT_INTERVAL_S (the first on this socket, before an
 and answers beats with the sessions that ended, whose commit bases are then dropped (and
 `ended_listeners` told), so a worker's memory follows its live sessions.
 With a CURVE key directory the socket authenticates and encrypts (`broker.curve`), and a handshake
-the broker refuses is logged as an error. Imports
+the broker refuses is logged as an error (`handshake_log`). Imports
 `broker.protocol` and `broker.curve` and nothing else from `broker`; nothing here blocks
 the event loop.
 """
@@ -36,6 +36,7 @@ import zmq
 from broker import curve, protocol
 from broker.protocol import session_tag
 from gateway_workers.capture.commit_bases import CommitBases
+from gateway_workers.capture.handshake_log import HandshakeLog
 from gateway_workers.capture.heartbeat import HeartbeatThread
 from gateway_workers.metrics import WorkerMetrics
 
@@ -58,9 +59,6 @@ FIRST_ID_RANGE = 1 << 48
 HEARTBEAT_INTERVAL_S = 1.0
 LINGER_MS = 1000
 SEND_HWM = 100_000
-# While the broker keeps refusing this worker's CURVE key, the error is repeated this often (each
-# reconnection is refused again).
-REFUSAL_LOG_INTERVAL_S = 60.0
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _zmq_poll = zmq.zmq_poll
@@ -108,11 +106,11 @@ class Backplane:
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._sock.setsockopt(zmq.RCVHWM, SEND_HWM)
-        self._handshakes: curve.HandshakeWatch | None = None
+        self._handshakes: HandshakeLog | None = None
         if keys is not None:
             keys.apply(self._sock)
-            self._handshakes = curve.HandshakeWatch(self._sock, endpoint, "worker")  # before connect: the first one too
-        self._refusal_logged: tuple[str, float] | None = None
+            # before connect: the first handshake too
+            self._handshakes = HandshakeLog(curve.HandshakeWatch(self._sock, endpoint, "worker"), endpoint)
         self._sock.connect(endpoint)
         # From a random point, as a trainer's: the broker takes a RequestFinish with the session and request
         # id of an accepted one for its resend, so another worker's must not meet it by chance.
@@ -148,24 +146,8 @@ class Backplane:
         )
         self._heartbeats.start()
         if self._handshakes is not None:
-            self._loop.add_reader(self._handshakes.monitor.FD, self._read_handshakes)
-            self._read_handshakes()  # events from before the reader was added
-
-    def _read_handshakes(self) -> None:
-        """Log a refused CURVE handshake as an error (again every REFUSAL_LOG_INTERVAL_S while it lasts)."""
-        assert self._handshakes is not None
-        refusal = self._handshakes.read()
-        now = time.monotonic()
-        if refusal is None:
-            if self._refusal_logged is not None:
-                logger.info("the broker at %s accepts this worker's CURVE key again", self.endpoint)
-                self._refusal_logged = None
-            return
-        if self._refusal_logged is None or self._refusal_logged[0] != refusal or (
-            now - self._refusal_logged[1] >= REFUSAL_LOG_INTERVAL_S
-        ):
-            logger.error("%s; no turn can be recorded until it is accepted", refusal)
-            self._refusal_logged = (refusal, now)
+            self._loop.add_reader(self._handshakes.watch.monitor.FD, self._handshakes.read)
+            self._handshakes.read()  # events from before the reader was added
 
     def _read_replies(self) -> None:
         # The descriptor is edge-triggered (it signals a change, not a level): read until EVENTS says
@@ -238,7 +220,7 @@ class Backplane:
         try:
             reply = await sent
         except asyncio.TimeoutError:
-            refusal = self._handshakes.refusal if self._handshakes is not None else None
+            refusal = self._handshakes.watch.refusal if self._handshakes is not None else None
             why = f": {refusal}" if refusal else ""
             raise BrokerUnavailable(f"broker at {self.endpoint} did not answer in {timeout}s{why}") from None
         if isinstance(reply, expect):
@@ -436,8 +418,8 @@ class Backplane:
             self._loop.remove_reader(self._sock.FD)
         if self._handshakes is not None:
             if self._loop is not None:
-                self._loop.remove_reader(self._handshakes.monitor.FD)
-            self._handshakes.close()
+                self._loop.remove_reader(self._handshakes.watch.monitor.FD)
+            self._handshakes.watch.close()
         self._sock.close(linger=LINGER_MS)
         self._ctx.term()
 
