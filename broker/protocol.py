@@ -31,14 +31,21 @@ from broker.messages.common import FinishAccepted, GetMetrics, Message, MetricsT
 from broker.messages.trainer import (
     HISTORY_MODES,
     LINEAR_FALLBACKS,
+    PAUSE_MODES,
     DeliveredEpisode,
     DropSession,
     EnginesSet,
     EpisodesDelivered,
     FetchEpisodes,
     FinishSession,
+    GenerationPaused,
+    GenerationResumed,
+    GenerationState,
+    GetGeneration,
     GetStats,
     OpenSession,
+    PauseGeneration,
+    ResumeGeneration,
     SessionDropped,
     SessionFinished,
     SessionOpened,
@@ -54,6 +61,7 @@ from broker.messages.worker import (
     SECONDS_BUCKETS,
     AbortTurn,
     CommitTurn,
+    GenerationChanged,
     GetTurn,
     Heartbeat,
     OpenTurn,
@@ -75,7 +83,8 @@ __all__ = [
     "TurnOpened", "TurnReplayed", "TurnCommitted", "TurnAborted", "TurnFound", "SessionsEnded",
     "OpenSession", "HISTORY_MODES", "LINEAR_FALLBACKS", "check_history",
     "FinishSession", "DropSession", "GetStats", "FetchEpisodes", "SetWeightVersion", "WeightVersionSet",
-    "SetEngines", "EnginesSet",
+    "SetEngines", "EnginesSet", "PAUSE_MODES", "PauseGeneration", "ResumeGeneration", "GetGeneration",
+    "GenerationPaused", "GenerationResumed", "GenerationState", "GenerationChanged",
     "TraceRow", "SessionOpened", "SessionFinished", "SessionDropped", "Stats", "DeliveredEpisode", "EpisodesDelivered",
     "WorkerToBroker", "BrokerToWorker", "TrainerToBroker", "BrokerToTrainer",
     "encode", "frame_encoder",
@@ -154,15 +163,15 @@ def logprobs_array(values: Iterable[float] = ()) -> array:
 WorkerToBroker = OpenTurn | CommitTurn | AbortTurn | GetTurn | Heartbeat | RequestFinish | GetMetrics
 BrokerToWorker = (
     TurnOpened | TurnReplayed | TurnCommitted | TurnAborted | TurnFound | SessionsEnded | FinishAccepted | Refused
-    | MetricsText
+    | MetricsText | GenerationChanged
 )
 TrainerToBroker = (
     OpenSession | FinishSession | DropSession | GetStats | RequestFinish | FetchEpisodes | GetMetrics | SetWeightVersion
-    | SetEngines
+    | SetEngines | PauseGeneration | ResumeGeneration | GetGeneration
 )
 BrokerToTrainer = (
     SessionOpened | SessionFinished | SessionDropped | Stats | FinishAccepted | EpisodesDelivered | Refused
-    | MetricsText | WeightVersionSet | EnginesSet
+    | MetricsText | WeightVersionSet | EnginesSet | GenerationPaused | GenerationResumed | GenerationState
 )
 
 

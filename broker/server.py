@@ -147,6 +147,8 @@ class BrokerServer:
                     # Only with the worker socket drained: a heartbeat waiting behind a backlog is not silence.
                     self._turns.abandon_silent_workers(now)
                 self._send_all(state.expired(now))
+                if state.to_workers:
+                    workers_ready = self._tell_workers() or workers_ready
                 if self._control_sent:  # replies to parked requests went out since the control socket was asked
                     control_ready = control_ready or waiting([(control, POLLIN)])
                     self._control_sent = False
@@ -234,6 +236,17 @@ class BrokerServer:
                 self.state.durable.commit()
         for envelope, reply in replies:
             self._send(self._control, envelope, reply)
+
+    def _tell_workers(self) -> bool:
+        """What workers are told unasked (a pause or its end), after the log holds it; whether frames may wait on
+        the worker socket (a send may take the command that announced one)."""
+        assert self._workers is not None
+        if self.state.durable is not None:
+            self.state.durable.commit()
+        told, self.state.to_workers = self.state.to_workers, []
+        for envelope, message in told:
+            self._send(self._workers, envelope, message)
+        return waiting([(self._workers, POLLIN)])
 
     def _send(self, sock: zmq.Socket, envelope: list[bytes], reply: protocol.Message | bytes) -> None:
         frame = self._dispatch.encode(reply)

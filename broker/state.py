@@ -12,12 +12,14 @@ import math
 import time
 from collections import Counter
 
+from broker import protocol
 from broker.config import BrokerConfig
 from broker.durability.store import DurableState
 from broker.episodes.finishes import Finishes
 from broker.episodes.journal import NO_JOURNAL, BrokerJournal
 from broker.episodes.outbox import Outbox, Reply
 from broker.episodes.rows import RowBuilder
+from broker.generation import Generation
 from broker.health import HealthChecker
 from broker.metrics.gateway import GatewayMetrics
 from broker.protocol import ids_array
@@ -70,6 +72,8 @@ class BrokerState:
         self.started = time.monotonic()
         self.durable: DurableState | None = None  # with a state directory, once `open_state` ran
         self.journal: BrokerJournal = NO_JOURNAL
+        self.generation = Generation()  # the pause in force, and the pause requests waiting for idle workers
+        self.to_workers: list[tuple[list[bytes], protocol.Message]] = []  # told unasked, after the log's write
 
     def open_state(self) -> DurableState | None:
         """With `config.state_dir`: lock it and recover its state (before the sockets bind); None without one.
@@ -78,7 +82,7 @@ class BrokerState:
         """
         if self.config.state_dir is None:
             return None
-        durable = DurableState(self.config, self.registry, self.outbox, self.finishes)
+        durable = DurableState(self.config, self.registry, self.outbox, self.finishes, self.generation)
         durable.open()
         assert durable.journal is not None
         self.durable, self.journal = durable, durable.journal
@@ -98,7 +102,8 @@ class BrokerState:
         """Parked finishers get what was committed (drain_timeout) instead of a dead socket. Long polls are
         answered empty: unacknowledged episodes die with an in-memory broker (documented), and wait in a durable
         broker's log for its next start."""
-        return [*self.finishes.shutdown(now), *self.outbox.close()]
+        return [*self.finishes.shutdown(now), *self.outbox.close(), *self.generation.answers(self.workers.heard, now,
+                                                                                              flush=True)]
 
     # --- what the server's loop asks between frames ------------------------------------------------
 
@@ -109,11 +114,15 @@ class BrokerState:
             due = parked.next_deadline()
             if due is not None and due <= now:
                 replies += parked.expire(now)
+        due = self.generation.next_deadline()
+        if due is not None and due <= now:
+            replies += self.generation.answers(self.workers.heard, now)
         return replies
 
     def poll_timeout_ms(self, most_ms: int) -> int:
         """How long the loop may sleep: until the next parked deadline, `most_ms` at most."""
-        due = [d for d in (self.finishes.next_deadline(), self.outbox.next_deadline()) if d is not None]
+        parked = (self.finishes, self.outbox, self.generation)
+        due = [d for d in (p.next_deadline() for p in parked) if d is not None]
         if not due:
             return most_ms
         return max(0, min(most_ms, math.ceil((min(due) - time.monotonic()) * 1000)))

@@ -49,6 +49,7 @@ from gateway_workers.metrics import WorkerMetrics
 from gateway_workers.rendering.renderer import Renderer
 from gateway_workers.rendering.tokenizer import load_tokenizer
 from gateway_workers.turns.captured import LiveReply, ReplySource
+from gateway_workers.turns.gated_engine import GatedEngine
 from gateway_workers.turns.pipeline import TurnPipeline
 from gateway_workers.turns.replay import IDEMPOTENCY_HEADER, RETRY_COUNT_HEADER, retry_key
 from gateway_workers.turns.start import start_turn
@@ -360,7 +361,8 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         renderer = Renderer(tokenizer)
         renderer.prepare_thread()
         backplane.ended_listeners.append(renderer.forget_sessions)
-        pipeline = TurnPipeline(backplane, renderer, parser, engine, config.default_max_tokens,
+        gated = GatedEngine(engine, backplane.generation, config.pause_hold_s)
+        pipeline = TurnPipeline(backplane, renderer, parser, gated, config.default_max_tokens,
                                 config.max_context_tokens)
         bodies = BodyDecoder()
         backplane.ended_listeners += [pipeline.history.forget_sessions, engine.forget_sessions, bodies.forget]

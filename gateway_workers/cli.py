@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("broker", help="the broker alone (flags: see `rollout-gateway broker --help`)", add_help=False)
     sub.add_parser("status", help="a live view of the gateway from its broker (flags: see `rollout-gateway status "
                                   "--help`)", add_help=False)
+    sub.add_parser("pause", help="pause generation around a weight update (flags: see `rollout-gateway pause "
+                                 "--help`)", add_help=False)
+    sub.add_parser("resume", help="resume generation, optionally under a new weight version (flags: see "
+                                  "`rollout-gateway resume --help`)", add_help=False)
     keys = sub.add_parser("keys", help="write CURVE key pairs for the broker, a worker and a trainer into DIR")
     keys.add_argument("directory", metavar="DIR", help="created if missing; existing keys are never overwritten")
     return parser
@@ -209,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "broker", *argv[1:]])
     if argv[:1] == ["status"]:  # blocking trainer-side code: nothing of the workers is loaded
         os.execv(sys.executable, [sys.executable, "-m", "trainer_client.status", *argv[1:]])
+    if argv[:1] in (["pause"], ["resume"]):
+        os.execv(sys.executable, [sys.executable, "-m", "trainer_client.generation_cli", *argv])
     args = _parser().parse_args(argv)
     if args.command == "keys":
         _write_keys(args.directory)

@@ -85,6 +85,10 @@ class WorkerConfig:
         "Anthropic's `bash_*`, Codex's `local_shell`), which the model cannot call through the gateway: `drop` "
         "leaves them out of the prompt and counts them (`rollout_gateway_hosted_tools_dropped_total`); `reject` "
         "answers the request with a 400", choices=("drop", "reject"))
+    pause_hold_s: float = setting(
+        300.0, "while generation is paused (`pause_generation`), how long a turn waits for the resume before it "
+        "gets a retryable 503 with Retry-After, seconds (below the official SDKs' 600 s request timeout)",
+        metavar="S", check=positive)
     access_log: bool = setting(
         False, "one log line per request (route, status, session tag, latency); a 4xx or 5xx is logged at warning "
         "with its error type, code, param and message either way")

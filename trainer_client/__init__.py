@@ -18,12 +18,13 @@ from trainer_client.errors import (
     EpisodeTimeout,
     GatewayError,
     InvalidRequest,
+    PauseTimeout,
     ProtocolMismatch,
     SessionClosed,
     UnknownSession,
 )
 from trainer_client.launcher import launch_gateway
-from trainer_client.records import Episode, TraceRecord
+from trainer_client.records import Episode, PauseReport, TraceRecord
 from trainer_client.subscriber import EpisodeStream
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "EpisodeTimeout",
     "GatewayError",
     "InvalidRequest",
+    "PauseReport",
+    "PauseTimeout",
     "ProtocolMismatch",
     "SessionClosed",
     "TraceRecord",

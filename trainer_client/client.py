@@ -19,16 +19,15 @@ from typing import Any
 
 from broker import curve, protocol
 from trainer_client.control_socket import ControlChannel
-from trainer_client.errors import (
-    InvalidRequest,
-)
-from trainer_client.records import TraceRecord
+from trainer_client.errors import InvalidRequest, PauseTimeout
+from trainer_client.records import PauseReport, TraceRecord
 from trainer_client.subscriber import DEFAULT_LEASE_S, DEFAULT_MAX_PENDING, EpisodeStream
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_WAIT_TIMEOUT_S = 5.0
+DEFAULT_PAUSE_TIMEOUT_S = 60.0
 _MAX_ID_LEN = 256
 
 
@@ -241,6 +240,48 @@ class TrainerClient:
             lambda rid: protocol.SetWeightVersion(rid, version), protocol.WeightVersionSet, self.timeout, resend=True
         )
         return reply.previous
+
+    def pause_generation(self, mode: str, timeout: float = DEFAULT_PAUSE_TIMEOUT_S) -> PauseReport:
+        """Stop generating, around a weight update; returns once every worker has stopped sending to the engines.
+
+        From now on every agent request is accepted and held, its connection open and no engine call made,
+        until `resume_generation` (or its hold bound, `--pause-hold-s`, when it gets a retryable 503). `mode`
+        says what becomes of the generations in flight: "wait" lets them finish (and returns when none is left).
+        Every worker, and one that starts or reconnects meanwhile, applies the pause; a broker with
+        `--state-dir` keeps it through a restart. Pausing while paused changes nothing and waits the same way
+        (`PauseReport.already`). Raises `PauseTimeout` (the pause stays in force) when the workers are not idle
+        within `timeout` seconds.
+
+        Only "wait" is served for now: "abort" and "keep" are refused (`InvalidRequest`)."""
+        if mode not in protocol.PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(protocol.PAUSE_MODES)}, got {mode!r}")
+        if type(timeout) not in (int, float) or not (math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(f"timeout must be finite seconds >= 0 (the broker's --max-wait-timeout at most), "
+                             f"got {timeout!r}")  # fmt: skip
+        reply = self._channel.call(lambda rid: protocol.PauseGeneration(rid, mode, float(timeout)),
+                                   protocol.GenerationPaused, self.timeout + timeout, resend=True)  # fmt: skip
+        report = PauseReport.from_wire(reply)
+        if not reply.idle:
+            raise PauseTimeout(f"generation paused ({mode}), but {reply.engine_calls} engine call(s) were still "
+                               f"running after {timeout:g}s", report)  # fmt: skip
+        return report
+
+    def resume_generation(self, weight_version: int | None = None) -> bool:
+        """End the pause: set `weight_version` first, if given (as `set_weight_version`: the held turns sample
+        under it), then release every held turn. Returns whether generation was paused (False: only the version
+        was set)."""
+        version = -1 if weight_version is None else weight_version
+        if type(version) is not int or not -1 <= version < 2**31:
+            raise ValueError(f"weight_version must be None or an int in [0, 2**31), got {weight_version!r}")
+        reply = self._channel.call(lambda rid: protocol.ResumeGeneration(rid, version), protocol.GenerationResumed,
+                                   self.timeout, resend=True)  # fmt: skip
+        return reply.was_paused
+
+    def generation_paused(self) -> str | None:
+        """The pause in force: its mode ("wait", "abort", "keep"), or None while generating."""
+        reply = self._channel.call(lambda rid: protocol.GetGeneration(rid), protocol.GenerationState, self.timeout,
+                                   resend=True)  # fmt: skip
+        return reply.mode or None
 
     def metrics(self) -> str:
         """The whole gateway's metrics in the Prometheus text format (what any worker's `/metrics` answers)."""

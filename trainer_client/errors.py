@@ -7,6 +7,8 @@ module loads neither zmq nor any asyncio-based code.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class GatewayError(Exception):
     """Base of every trainer-client error. `code` is the broker's refusal code, if there was one."""
@@ -108,6 +110,15 @@ class AuthenticationFailed(GatewayError):
 
     Fix the key directory (`curve_keys`) or the broker's `authorized_trainers/`; retrying as is will not help.
     """
+
+
+class PauseTimeout(GatewayError, TimeoutError):
+    """`pause_generation` ran out of time before every worker went idle; `report` says what was still running.
+    The pause stays in force: call `pause_generation` again to wait longer, or `resume_generation`."""
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message, "pause_timeout")
+        self.report = report
 
 
 class BrokerError(GatewayError):

@@ -130,3 +130,27 @@ class Episode:
             delivery_id=episode.delivery_id,
             _acker=acker,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PauseReport:
+    """What `TrainerClient.pause_generation` found when the workers went idle.
+
+    `mode`: the pause in force. `already`: generation was paused before this call (nothing changed).
+    `seconds_to_idle`: from the pause to this report. `workers`: the live workers that applied it;
+    `turns_held`: agent turns waiting for the resume; `tokens_kept`: tokens sampled before an `abort` that the
+    resumed turns keep. `engine_calls` is 0 here (`PauseTimeout` carries a report where it is not).
+    """
+
+    mode: str
+    already: bool
+    seconds_to_idle: float
+    workers: int
+    turns_held: int
+    tokens_kept: int
+    engine_calls: int = 0
+
+    @classmethod
+    def from_wire(cls, reply: protocol.GenerationPaused) -> PauseReport:
+        return cls(reply.mode, reply.already, reply.seconds_to_idle, reply.workers, reply.turns_held,
+                   reply.tokens_kept, reply.engine_calls)  # fmt: skip

@@ -122,11 +122,21 @@ def summarize(stats: Mapping[str, Any], previous: Mapping[str, Any] | None, seco
         "sessions_moved": stats.get("sessions_moved", 0),
         "durable": stats.get("state_dir") is not None,
         "uptime_s": stats.get("uptime_s", 0.0),
+        "paused": stats.get("generation_paused", ""),
+        "paused_since": stats.get("generation_paused_since", 0.0),
+        "turns_held": stats.get("generation_turns_held", 0),
     }
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{value * 1e3:.1f} ms"
+
+
+def _paused(summary: Mapping[str, Any]) -> str:
+    if not summary.get("paused"):
+        return "generating"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary["paused_since"]))
+    return f"PAUSED ({summary['paused']}) since {since}: {summary['turns_held']} turns held"
 
 
 def render(summary: Mapping[str, Any], endpoint: str) -> str:
@@ -138,6 +148,7 @@ def render(summary: Mapping[str, Any], endpoint: str) -> str:
     lines = [
         f"rollout-gateway at {endpoint}: up {summary['uptime_s']:.0f} s, "
         f"{'durable' if summary['durable'] else 'in memory'}; over the last {summary['interval_s']:.1f} s",
+        _paused(summary),
         "",
         f"sessions    {summary['sessions_open']} open, {summary['sessions_closing']} closing; "
         f"{summary['episodes']} finished (rows per episode {rows if rows is not None else '-'}), "

@@ -44,6 +44,9 @@ class Journal:
     def weight_version_set(self, version: int) -> None:
         self._state(records.VersionRecord(version))
 
+    def generation_changed(self, epoch: int, paused: str, since: float) -> None:
+        self._state(records.PauseRecord(epoch, paused, since))
+
     # --- EpisodeJournal ----------------------------------------------------------------------
 
     def finish_requested(self, msg: protocol.RequestFinish, origin: str) -> None:

@@ -145,6 +145,17 @@ class VersionRecord(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class PauseRecord(Record):
+    """Generation paused or resumed (`broker.generation`): the epoch, the pause's mode ("" once resumed) and
+    when it began (Unix time)."""
+
+    TAG: ClassVar[str] = "generation"
+    epoch: int
+    paused: str
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
 class EpisodeRecord(Record):
     """A finished-by-request session's episode entered the outbox (and the session is over).
 
@@ -204,6 +215,7 @@ class SnapshotHeader(Record):
     answer_request_ids: list[int] = field(default_factory=list)
     answer_frames: list[bytes] = field(default_factory=list)
     weight_version: int = -1  # the policy version in force (`VersionRecord`)
+    generation: list[Any] = field(default_factory=list)  # the pause in force, [epoch, paused, since] (`PauseRecord`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +256,7 @@ class SnapshotTrailer(Record):
 
 LogRecord = (
     OpenRecord | CloseRecord | FinishRecord | DropRecord | EpisodeRecord | LeaseRecord | AckRecord | RequeueRecord
-    | VersionRecord
+    | VersionRecord | PauseRecord
 )
 SnapshotRecord = SnapshotHeader | SessionImage | EpisodeImage | SnapshotTrailer
 

@@ -31,6 +31,7 @@ from broker.durability.snapshots import Snapshot, list_snapshots, read_snapshot,
 from broker.durability.wal import CorruptLog, SegmentReader, list_segments, position, segment_path
 from broker.episodes.answers import AnswerItem, FinishAnswers
 from broker.episodes.outbox import Outbox
+from broker.generation import Generation
 from broker.protocol import session_tag
 from broker.sessions.registry import SessionRegistry
 from broker.sessions.session import FinishOrigin, Refusal
@@ -60,9 +61,10 @@ class Recovered:
 class Replay:
     """Applies a snapshot and then log records, in order, to a fresh registry and outbox."""
 
-    def __init__(self, registry: SessionRegistry, outbox: Outbox, now: float) -> None:
+    def __init__(self, registry: SessionRegistry, outbox: Outbox, now: float, generation: Generation) -> None:
         self.registry = registry
         self.outbox = outbox
+        self.generation = generation
         self.now = now
         self.pending: dict[str, protocol.RequestFinish] = {}
         self.answers = FinishAnswers()  # bounded as the log replays: only the recent ones are kept
@@ -79,6 +81,8 @@ class Replay:
         origins: list[FinishOrigin] = header.finished_origins  # type: ignore[assignment]
         self.registry.restore_finished(list(zip(header.finished_ids, origins, strict=True)))
         self.registry.weight_version = header.weight_version
+        if header.generation:
+            self.generation.restore(*header.generation)
         answers = zip(header.answer_ids, header.answer_request_ids, header.answer_frames, strict=True)
         self.answers.restore(list(answers), self.now)
         for image in snap.sessions:
@@ -195,6 +199,8 @@ class Replay:
                 outbox.restore_requeue(self._episode_ids(record.delivery_ids, pos), record.redelivered)
             case records.VersionRecord():
                 registry.weight_version = record.version
+            case records.PauseRecord():
+                self.generation.restore(record.epoch, record.paused, record.since)
             case _:
                 raise records.RecordError(f"a {type(record).__name__} in the log")
 
@@ -208,9 +214,10 @@ class Replay:
 
 
 def recover(
-    directory: Path, registry: SessionRegistry, outbox: Outbox, *, truncate_corrupt: bool = False
+    directory: Path, registry: SessionRegistry, outbox: Outbox, generation: Generation, *,
+    truncate_corrupt: bool = False,
 ) -> Recovered | None:
-    """Rebuild `registry` and `outbox` (both fresh) from `directory`; None if it holds no state yet.
+    """Rebuild `registry`, `outbox` and `generation` (all fresh) from `directory`; None if it holds no state yet.
 
     Segments and snapshots older than the newest snapshot (left by a cleanup a crash interrupted)
     are deleted; a torn tail is truncated away, so the log continues cleanly in a new segment.
@@ -224,7 +231,7 @@ def recover(
         return None
     seq = snaps[-1]
     snap = read_snapshot(snapshot_path(directory, seq), seq)
-    replay = Replay(registry, outbox, time.monotonic())
+    replay = Replay(registry, outbox, time.monotonic(), generation)
     replay.load(snap)
     result = Recovered(seq, seq, snapshot_bytes=snap.nbytes)
     live = [s for s in segments if s >= seq]

@@ -32,6 +32,7 @@ from broker.durability.snapshots import SnapshotWriter, list_snapshots, snapshot
 from broker.durability.wal import LogWriter, list_segments, position, segment_path
 from broker.episodes.finishes import Finishes
 from broker.episodes.outbox import Outbox
+from broker.generation import Generation
 from broker.sessions.registry import SessionRegistry
 
 logger = logging.getLogger(__name__)
@@ -60,15 +61,19 @@ class DurableState:
     Args:
         config: gives `state_dir`, `fsync`, `fsync_interval_ms`, `wal_segment_bytes`,
             `snapshot_min_bytes`, `snapshot_max_bytes` and `wal_truncate_corrupt`.
-        registry, outbox, finishes: the broker's (fresh) state; recovery fills the first two, and
-            the journal is attached to the outbox and the finishes.
+        registry, outbox, finishes, generation: the broker's (fresh) state; recovery fills the registry, the
+            outbox and the generation, and the journal is attached to the outbox and the finishes.
     """
 
-    def __init__(self, config: BrokerConfig, registry: SessionRegistry, outbox: Outbox, finishes: Finishes) -> None:
+    def __init__(
+        self, config: BrokerConfig, registry: SessionRegistry, outbox: Outbox, finishes: Finishes,
+        generation: Generation,
+    ) -> None:
         assert config.state_dir is not None
         self.directory = Path(config.state_dir)
         self._config = config
         self._registry, self._outbox, self._finishes = registry, outbox, finishes
+        self._generation = generation
         self._lock_fd = -1
         self.writer: LogWriter | None = None
         self.journal: Journal | None = None
@@ -107,7 +112,8 @@ class DurableState:
         gc.disable()
         try:
             recovered = recover(
-                self.directory, self._registry, self._outbox, truncate_corrupt=config.wal_truncate_corrupt
+                self.directory, self._registry, self._outbox, self._generation,
+                truncate_corrupt=config.wal_truncate_corrupt,
             )
             if recovered is None:
                 seq = 0
@@ -158,6 +164,7 @@ class DurableState:
             [sid for sid, _ in finished], [origin for _, origin in finished],
             [sid for sid, _, _ in answers], [rid for _, rid, _ in answers], [frame for _, _, frame in answers],
             self._registry.weight_version,
+            [(g := self._generation).epoch, g.mode, g.since],
         )  # fmt: skip
 
     # --- serving -------------------------------------------------------------------------------

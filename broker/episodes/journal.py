@@ -1,6 +1,6 @@
 """The seam a durable broker logs its changes through, and the journal of a broker that logs nothing.
 
-The handlers (worker frames, opens, drops, weight versions), `Finishes` and `Outbox` call their
+The handlers (worker frames, opens, drops, weight versions, pauses), `Finishes` and `Outbox` call their
 journal right after each change that a restart must not lose (a stored commit, a close by request,
 a finish, an episode handed to the outbox, its leases, acks and requeues). `broker.durability.journal`
 implements `BrokerJournal` by appending log records, which the server writes before it sends any reply;
@@ -58,6 +58,9 @@ class BrokerJournal(EpisodeJournal, Protocol):
     def weight_version_set(self, version: int) -> None:
         """The trainer set the policy version."""
 
+    def generation_changed(self, epoch: int, paused: str, since: float) -> None:
+        """The trainer paused generation (`paused`: its mode) or resumed it ("")."""
+
 
 class NoJournal:
     """The journal of a broker without a state directory: nothing is logged."""
@@ -93,6 +96,9 @@ class NoJournal:
         pass
 
     def weight_version_set(self, version: int) -> None:
+        pass
+
+    def generation_changed(self, epoch: int, paused: str, since: float) -> None:
         pass
 
 

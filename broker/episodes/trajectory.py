@@ -5,7 +5,8 @@ session registry materializes at finish, and `broker.message_keys` (the message 
 turns its rows into wire rows.
 Fidelity rule (docs/design.md): every kept sampled token is trained once, with its float32 logprob, right after
 exactly its turn's prompt_ids -- so a turn joins a row only when the row's ids are a prefix of its prompt.
-Row.weight_versions: each response-region token's policy version (its turn's; -1 for context and unversioned turns).
+Row.weight_versions: each response-region token's policy version (its turn's, or as a pause split it: the turn's
+`weight_versions` runs; -1 for context and unversioned turns).
 Row.metadata: truncated, use_tool, ill_formed (bools); turn_ids (trained here, in order); row_start ("first" |
 "branch": its parent's row went on elsewhere | "realign": the prompt re-rendered its parent's reply | "rewrite":
 the client replayed an earlier reply rewritten | "fork": anything else); parent_turn_id (the turn it continues
@@ -224,8 +225,14 @@ def _materialize(c: _Chain, start: str, parent: _Turn | None, decisions: dict[st
         versions.frombytes(b"\xff" * (gap * versions.itemsize))
         mask.frombytes(b"\x01" * t.keep)
         lps.extend(t.logprobs[: t.keep])
-        versions.frombytes(version.to_bytes(versions.itemsize, sys.byteorder, signed=True) * t.keep)
+        left = t.keep
+        for run_version, count in _version_runs(t.rec.flags, version):
+            n = min(count, left)
+            versions.frombytes(run_version.to_bytes(versions.itemsize, sys.byteorder, signed=True) * n)
+            left -= n
+        versions.frombytes(version.to_bytes(versions.itemsize, sys.byteorder, signed=True) * left)
         pos = len(t.prompt) + t.keep
+    all_versions = [*turn_versions, *(v for t in c.turns for v, _ in _version_runs(t.rec.flags))]
     metadata = {
         "truncated": not c.open,
         "use_tool": any(_has_tool_calls(t.rec.response_message) for t in c.turns),
@@ -234,8 +241,8 @@ def _materialize(c: _Chain, start: str, parent: _Turn | None, decisions: dict[st
         "row_start": start,
         "parent_turn_id": parent.rec.turn_id if parent is not None else None,
         "decisions": dict(decisions),
-        "weight_version_min": min(turn_versions),
-        "weight_version_max": max(turn_versions),
+        "weight_version_min": min(all_versions),
+        "weight_version_max": max(all_versions),
     }
     engine_versions = [(t.rec.flags or {}).get("engine_weight_version") for t in c.turns]
     if any(v is not None for v in engine_versions):  # what the engine said it served, per turn (SGLang reports it)
@@ -247,6 +254,21 @@ def _weight_version(flags: dict[str, Any] | None) -> int:
     """The policy version a turn's commit recorded (`protocol.TurnOpened.weight_version`); -1 if none."""
     version = (flags or {}).get("weight_version", -1)
     return version if type(version) is int and -1 <= version < 2**31 else -1
+
+
+def _version_runs(flags: dict[str, Any] | None, default: int = -1) -> list[tuple[int, int]]:
+    """A turn's per-token policy versions as a pause decided them (`weight_versions`: [[version, count], ...] over
+    its output), or none: its one `weight_version` throughout. Runs that do not read as such are ignored."""
+    runs = (flags or {}).get("weight_versions")
+    if not isinstance(runs, list):
+        return []
+    out = []
+    for run in runs:
+        if not (isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run)):
+            return []
+        version, count = run
+        out.append((version if -1 <= version < 2**31 else default, max(count, 0)))
+    return out
 
 
 def _has_tool_calls(message: Any) -> bool:

@@ -111,6 +111,7 @@ def stats(state: BrokerState) -> dict[str, Any]:
         **state.trimmer.stats(registry.counters["bytes_freed"]),
         "workers_heard": len(state.workers.heard),
         "weight_version": registry.weight_version,
+        **state.generation.stats(time.monotonic()),
         **state.replicas.stats(),
         "workers": worker_stats(state),
         **state.rows.stats(),

@@ -69,6 +69,8 @@ class TurnHandlers(Concern):
             pending=len(session.in_flight) - 1 if linear else 0,
             weight_version=registry.weight_version,
             replica=self._replicas.assign(msg.session_id),
+            generation_epoch=self._state.generation.epoch,
+            paused=self._state.generation.mode,
         )
 
     def abort(self, msg: protocol.AbortTurn, envelope: list[bytes], payload: bytes, side: Side) -> Answer:
@@ -92,9 +94,14 @@ class TurnHandlers(Concern):
 
     def heartbeat(self, msg: protocol.Heartbeat, envelope: list[bytes], payload: bytes, side: Side) -> Answer:
         """Answered only with the sessions that ended since this worker's last beat."""
-        workers = self._state.workers
-        workers.hear(msg.worker_id, time.monotonic())
-        self._state.metrics.heard(msg.worker_id, msg.metrics, workers.heard)
+        state = self._state
+        workers, generation, now = state.workers, state.generation, time.monotonic()
+        workers.hear(msg.worker_id, now)
+        state.metrics.heard(msg.worker_id, msg.metrics, workers.heard)
+        if generation.heard(msg.worker_id, msg.generation, envelope):
+            state.to_workers.append((envelope, generation.changed(self._registry.weight_version)))
+        if generation.parked:
+            self._send_parked(generation.answers(workers.heard, now))
         ended = workers.ended_since(msg.worker_id, self._registry)
         return protocol.SessionsEnded(0, ended) if ended else None
 
@@ -102,7 +109,11 @@ class TurnHandlers(Concern):
         """Give up the in-flight turns of workers unheard for `worker_silence_s` (logged as aborts), and release
         the finishes that waited for them."""
         workers = self._state.workers
-        for worker_id in workers.silent(now):
+        silent = workers.silent(now)
+        if silent:
+            self._state.generation.forget(silent)
+            self._send_parked(self._state.generation.answers(workers.heard, now))
+        for worker_id in silent:
             abandoned = abandon_turns_of(self._registry, worker_id, workers.silence_s)
             for sid, turn_id in abandoned:
                 self._state.journal.turn_abandoned(sid, turn_id)

@@ -104,6 +104,40 @@ class SetWeightVersion(Message):
     version: int
 
 
+# How a pause treats the generations in flight: finish them (wait), stop them and keep what they sampled
+# (abort), or freeze them inside the engines (keep).
+PAUSE_MODES = ("wait", "abort", "keep")
+
+
+@dataclass(frozen=True, slots=True)
+class PauseGeneration(Message):
+    """Stop sending to the engines (around a weight update): every worker holds new turns before their engine
+    call until `ResumeGeneration`, and treats the generations in flight as `mode` says (`PAUSE_MODES`). Answered
+    with `GenerationPaused` once every live worker reports it applied the pause and has no engine call left, or
+    when `timeout` (seconds) runs out, whichever comes first; the pause stays in force either way. A pause while
+    paused changes nothing and waits the same way (`already` says so)."""
+
+    TAG: ClassVar[str] = "pause_generation"
+    mode: str
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeGeneration(Message):
+    """End the pause: set `weight_version` first (>= 0; -1 keeps the one in force), then release every held turn.
+    Answered with `GenerationResumed`; a resume while not paused only sets the version."""
+
+    TAG: ClassVar[str] = "resume_generation"
+    weight_version: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class GetGeneration(Message):
+    """Ask whether generation is paused; answered with `GenerationState`."""
+
+    TAG: ClassVar[str] = "get_generation"
+
+
 @dataclass(frozen=True, slots=True)
 class FetchEpisodes(Message):
     """A subscriber's one request: acknowledge, renew its lease, hand back, and ask for more episodes.
@@ -202,6 +236,45 @@ class WeightVersionSet(Message):
     TAG: ClassVar[str] = "weight_version_set"
     version: int
     previous: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationPaused(Message):
+    """The answer to `PauseGeneration`. `idle`: every live worker applied the pause and has no engine call left
+    (False: the timeout ran out first; the pause is in force). `already`: it was paused before this request.
+    `seconds_to_idle`: from the pause to the answer. `workers`: the live workers counted; `engine_calls`: their
+    engine calls still running; `turns_held`: turns waiting for the resume; `tokens_kept`: sampled tokens kept
+    from aborted generations."""
+
+    TAG: ClassVar[str] = "generation_paused"
+    mode: str
+    idle: bool
+    already: bool
+    seconds_to_idle: float
+    workers: int
+    engine_calls: int
+    turns_held: int
+    tokens_kept: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResumed(Message):
+    """The answer to `ResumeGeneration`: whether it was paused, for how long, and the version now in force."""
+
+    TAG: ClassVar[str] = "generation_resumed"
+    was_paused: bool
+    paused_seconds: float
+    weight_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationState(Message):
+    """The answer to `GetGeneration`. `mode`: the pause's ("" when generating); `since`: when it began (Unix
+    time; 0.0 when generating)."""
+
+    TAG: ClassVar[str] = "generation_state"
+    mode: str
+    since: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,10 @@ class Heartbeat(Message):
     TAG: ClassVar[str] = "heartbeat"
     worker_id: str
     metrics: dict[str, Any] = field(default_factory=dict)
+    # How the worker stands with the pause (`GenerationChanged`): [the generation epoch it applied, its engine
+    # calls in flight, its turns held, the sampled tokens it keeps from aborted generations]; empty from a
+    # worker that does not report it.
+    generation: list[int] = field(default_factory=list)
 
 
 # Broker -> worker
@@ -159,7 +163,8 @@ class TurnOpened(Message):
     one of which may be the turn whose reply this request echoes (re-send the OPEN, same turn id, to ask again).
     `weight_version`: the policy version in force (`SetWeightVersion`; -1: none set), which its commit
     records (`flags["weight_version"]`). `replica`: the engine replica the session is routed to
-    (`broker.sessions.replicas`); "" leaves the choice to the worker.
+    (`broker.sessions.replicas`); "" leaves the choice to the worker. `generation_epoch` and `paused`: the
+    pause in force, as `GenerationChanged` tells it (a worker that missed that message learns it here).
     """
 
     TAG: ClassVar[str] = "turn_opened"
@@ -173,6 +178,8 @@ class TurnOpened(Message):
     pending: int = 0
     weight_version: int = -1
     replica: str = ""
+    generation_epoch: int = 0
+    paused: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,3 +237,16 @@ class SessionsEnded(Message):
 
     TAG: ClassVar[str] = "sessions_ended"
     session_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationChanged(Message):
+    """A pause began or ended (`PauseGeneration`, `ResumeGeneration`), sent unasked on a worker's heartbeat
+    socket (request id 0), and again in answer to any beat that reports an older `epoch`. `epoch` grows with
+    every change; `paused` is the pause's mode, "" when generating. The worker applies it (holds new engine
+    calls, treats those in flight as the mode says) and reports in its next beats (`Heartbeat.generation`)."""
+
+    TAG: ClassVar[str] = "generation_changed"
+    epoch: int
+    paused: str
+    weight_version: int = -1  # the policy version in force: what a turn held through the pause samples under

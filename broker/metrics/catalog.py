@@ -112,6 +112,8 @@ WORKER_METRICS = _catalog(
     Metric("render_bpe_twin", "gauge", "1 while a worker encodes new prompt text with its tiktoken twin"),
     Metric("twin_active", "gauge", "1 while a fast twin is in use on a worker", ("twin", "name")),
     Metric("engine_replica", "gauge", "1 per engine replica a worker sends to", ("replica",)),
+    Metric("pause_holds", "counter", "turns a worker held at its generation gate while paused, by outcome: held "
+           "(all of them), timed_out (held past --pause-hold-s: a 503)", ("outcome",)),
 )
 
 # By the key of `BrokerServer.stats()`: the metric it is a sample of, and that sample's label values.
@@ -209,6 +211,10 @@ BROKER_STATS: dict[str, tuple[Metric, tuple[str, ...]]] = {
     "replies_dropped": (_counter("replies_dropped", "replies the broker could not send (peer gone or full)"), ()),
     "uptime_s": (_gauge("broker_uptime_seconds", "seconds since the broker started"), ()),
     "weight_version": (_gauge("weight_version", "the policy version set last (set_weight_version; -1: none)"), ()),
+    "generation_paused_s": (_gauge("generation_paused_seconds", "how long the pause in force has lasted (0 while "
+                                   "generating)"), ()),
+    "generation_pauses": (_counter("generation_pauses", "pause_generation calls that paused generation"), ()),
+    "generation_turns_held": (_gauge("generation_turns_held", "turns the workers hold for the resume"), ()),
     "sessions_routed": (_ROUTING, ("routed",)),
     "sessions_moved": (_ROUTING, ("moved",)),
     "replicas_down": (

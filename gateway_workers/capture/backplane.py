@@ -36,6 +36,7 @@ import zmq
 from broker import curve, protocol
 from broker.protocol import session_tag
 from gateway_workers.capture.commit_bases import CommitBases
+from gateway_workers.capture.generation import GenerationGate
 from gateway_workers.capture.handshake_log import HandshakeLog
 from gateway_workers.capture.heartbeat import HeartbeatThread
 from gateway_workers.metrics import WorkerMetrics
@@ -131,6 +132,7 @@ class Backplane:
             ("commits_full", "commits_delta", "delta_refused", "sessions_ended"), 0
         )
         self.metrics = metrics if metrics is not None else WorkerMetrics()  # the commits' latency goes there
+        self.generation = GenerationGate()  # the pause as the broker tells it
 
     def start(self, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
         """Start reading replies, and the heartbeats, each carrying `snapshot()` (this worker's metrics)."""
@@ -141,9 +143,10 @@ class Backplane:
         except zmq.Again:
             pass
         self._heartbeats = HeartbeatThread(
-            self._ctx, self.endpoint, self._keys, self.worker_id, HEARTBEAT_INTERVAL_S, self._ended_elsewhere,
-            snapshot,
+            self._ctx, self.endpoint, self._keys, self.worker_id, HEARTBEAT_INTERVAL_S, self._told_elsewhere,
+            snapshot, self.generation.report,
         )
+        self.generation.beat_soon = self._heartbeats.beat_soon
         self._heartbeats.start()
         if self._handshakes is not None:
             self._loop.add_reader(self._handshakes.watch.monitor.FD, self._handshakes.read)
@@ -160,19 +163,26 @@ class Backplane:
             except protocol.ProtocolError:
                 logger.exception("undecodable reply from the broker at %s", self.endpoint)
                 continue
-            if isinstance(reply, protocol.SessionsEnded):
-                self._sessions_ended(reply.session_ids)
+            if isinstance(reply, (protocol.SessionsEnded, protocol.GenerationChanged)):
+                self._told(reply)
                 continue
             future = self._pending.pop(reply.request_id, None)
             if future is not None and not future.done():
                 future.set_result(reply)  # a late reply to a retried request finds no future: fine
 
-    def _ended_elsewhere(self, session_ids: list[str]) -> None:
-        """The heartbeat thread's `on_ended`: hands the ends to the event loop, which owns the caches."""
+    def _told(self, message: protocol.BrokerToWorker) -> None:
+        """What the broker says unasked: the sessions that ended, or a pause or its end."""
+        if isinstance(message, protocol.SessionsEnded):
+            self._sessions_ended(message.session_ids)
+        elif isinstance(message, protocol.GenerationChanged):
+            self.generation.apply(message.epoch, message.paused, message.weight_version)
+
+    def _told_elsewhere(self, message: protocol.BrokerToWorker) -> None:
+        """The heartbeat thread's `on_answer`: hands it to the event loop, which owns the caches and the gate."""
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to free
-                loop.call_soon_threadsafe(self._sessions_ended, session_ids)
+                loop.call_soon_threadsafe(self._told, message)
 
     def _sessions_ended(self, session_ids: list[str]) -> None:
         """Sessions that ended (finished or dropped): drop their commit bases, then tell `ended_listeners`."""

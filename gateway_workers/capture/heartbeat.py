@@ -5,8 +5,10 @@ That must mean the process is gone or frozen, not that its event loop is behind:
 its agents still commits its turns, late, and a finish that gave up on them in the meantime would lose
 turns the agents received. So the beats do not wait for the event loop: a thread sends one every
 `interval_s` (it needs the GIL only for a moment, which the interpreter hands over within milliseconds).
-The broker answers a beat with the sessions that ended since the last one (`SessionsEnded`), which the
-thread hands to `on_ended` (which must be thread-safe). The thread owns its DEALER from creation to
+The broker answers a beat with the sessions that ended since the last one (`SessionsEnded`), and tells a pause
+or its end here unasked (`GenerationChanged`); the thread hands either to `on_answer` (which must be
+thread-safe). Each beat carries the worker's pause report (`generation`), and `beat_soon` sends one within a
+wait slice instead of the interval, for a report a waiting pause needs. The thread owns its DEALER from creation to
 close (a ZeroMQ socket must stay in one thread). A failure on the thread is logged and the beats start
 again on a fresh socket: a worker that serves but does not beat would have its turns given up. Imports
 `broker.protocol` and `broker.curve` only.
@@ -34,8 +36,9 @@ _WAIT_SLICE_S = 0.1
 
 
 class HeartbeatThread:
-    """Sends `Heartbeat(worker_id, snapshot())` to `endpoint` every `interval_s` until `stop()`; passes each
-    `SessionsEnded` answer's session ids to `on_ended`. `snapshot` (the worker's metrics) runs on this thread."""
+    """Sends `Heartbeat(worker_id, snapshot(), generation())` to `endpoint` every `interval_s` until `stop()`;
+    passes each answer (`SessionsEnded`, `GenerationChanged`) to `on_answer`. `snapshot` (the worker's metrics)
+    and `generation` run on this thread."""
 
     def __init__(
         self,
@@ -44,15 +47,18 @@ class HeartbeatThread:
         keys: curve.ClientKeys | None,
         worker_id: str,
         interval_s: float,
-        on_ended: Callable[[list[str]], None],
+        on_answer: Callable[[protocol.BrokerToWorker], None],
         snapshot: Callable[[], dict[str, Any]] | None = None,
+        generation: Callable[[], list[int]] = list,
     ) -> None:
         self._ctx, self._endpoint, self._keys = ctx, endpoint, keys
         self._worker_id = worker_id
         self._snapshot = snapshot
+        self._generation = generation
+        self._soon = threading.Event()
         self._snapshot_failed = False
         self._interval_s = interval_s
-        self._on_ended = on_ended
+        self._on_answer = on_answer
         self._stopping = threading.Event()
         self.restarts = 0  # how often the beats failed and started again
         self._thread = threading.Thread(target=self._run, name="broker-heartbeat", daemon=True)
@@ -61,7 +67,7 @@ class HeartbeatThread:
         self._thread.start()
 
     def _run(self) -> None:
-        # A failure (a socket error, an `on_ended` that raised) must not end the beats while the worker serves:
+        # A failure (a socket error, an `on_answer` that raised) must not end the beats while the worker serves:
         # the broker would give up its turns. So the beats start over on a fresh socket, after a pause.
         while not self._stopping.is_set():
             try:
@@ -81,6 +87,9 @@ class HeartbeatThread:
             sock.connect(self._endpoint)
             next_beat = time.monotonic()  # at once: a restart may follow a long gap
             while not self._stopping.is_set():
+                if self._soon.is_set():
+                    self._soon.clear()
+                    next_beat = time.monotonic()
                 wait = min(next_beat - time.monotonic(), _WAIT_SLICE_S)
                 if wait > 0 and sock.poll(wait * 1000):
                     self._answered(sock.recv())
@@ -96,14 +105,15 @@ class HeartbeatThread:
     def _beat(self) -> bytes:
         """A heartbeat frame with the worker's metrics; without them if taking or encoding them failed (logged
         once): the beat itself, which keeps the worker's turns alive, must go out."""
+        generation = self._generation()
         if self._snapshot is not None:
             try:
-                return protocol.encode(protocol.Heartbeat(0, self._worker_id, self._snapshot()))
+                return protocol.encode(protocol.Heartbeat(0, self._worker_id, self._snapshot(), generation))
             except Exception:
                 if not self._snapshot_failed:
                     logger.exception("this worker's metrics could not be taken; heartbeats go without them")
                     self._snapshot_failed = True
-        return protocol.encode(protocol.Heartbeat(0, self._worker_id))
+        return protocol.encode(protocol.Heartbeat(0, self._worker_id, {}, generation))
 
     def _answered(self, frame: bytes) -> None:
         try:
@@ -111,8 +121,11 @@ class HeartbeatThread:
         except protocol.ProtocolError:
             logger.exception("undecodable answer to a heartbeat from the broker at %s", self._endpoint)
             return
-        if isinstance(answer, protocol.SessionsEnded):
-            self._on_ended(answer.session_ids)
+        self._on_answer(answer)
+
+    def beat_soon(self) -> None:
+        """Send the next beat within a wait slice (thread-safe)."""
+        self._soon.set()
 
     def stop(self) -> None:
         self._stopping.set()

@@ -89,6 +89,9 @@ class EngineResult:
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: str | None = None
+    # The policy version each sampled id was sampled under, as runs of (version, count), when a pause decided it
+    # (the turn waited for a resume); empty: the version its turn opened with, throughout.
+    weight_versions: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,7 @@ class EngineChunk:
     logprobs: list[float]
     finish_reason: FinishReason | None = None
     weight_version: str | None = None
+    weight_versions: tuple[tuple[int, int], ...] = ()  # as `EngineResult`'s, on the last chunk only
 
 
 class Engine(Protocol):

@@ -118,6 +118,7 @@ class LiveTurn:
                 ids += chunk.output_ids
                 logprobs += chunk.logprobs
                 version = chunk.weight_version or version
+                versions = chunk.weight_versions
                 for delta in self._split(self._decoder.feed(chunk.output_ids)):
                     yield delta
                 if chunk.finish_reason is not None:
@@ -131,7 +132,7 @@ class LiveTurn:
         for delta in self._split(self._decoder.flush()):
             yield delta
         t_engine = time.perf_counter()
-        result = EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=finish, weight_version=version)
+        result = EngineResult(ids, logprobs, finish, weight_version=version, weight_versions=versions)
         parsed = self.pipeline.parser.parse(ids, self.prepared.prompt_text, self.request.tools)
         turn = self.pipeline.captured(self.prepared, result, parsed, t_engine)
         turn.created = self.created

@@ -92,10 +92,15 @@ class EarlyRender:
 
 
 def _with_engine_version(flags: dict[str, Any], result: EngineResult) -> dict[str, Any]:
-    """The prepared turn's verdicts, and the engine's own weight version when it reported one."""
-    if result.weight_version is None:
-        return dict(flags)
-    return {**flags, "engine_weight_version": result.weight_version}
+    """The prepared turn's verdicts, the engine's own weight version when it reported one, and the policy
+    versions a pause decided (`EngineResult.weight_versions`), which replace the one the turn opened with."""
+    flags = dict(flags)
+    if result.weight_version is not None:
+        flags["engine_weight_version"] = result.weight_version
+    if result.weight_versions:
+        flags["weight_version"] = result.weight_versions[-1][0]
+        flags["weight_versions"] = [list(run) for run in result.weight_versions]
+    return flags
 
 class TurnPipeline:
     """Runs turns against one backplane, renderer, parser and engine (one per worker)."""
@@ -150,6 +155,7 @@ class TurnPipeline:
             raise
         if isinstance(opened, protocol.TurnReplayed):
             return opened
+        self.backplane.generation.apply(opened.generation_epoch, opened.paused, opened.weight_version)
         try:
             return await self._rendered(session_id, turn_id, request, opened, early, t0)
         except BaseException as e:
@@ -269,6 +275,8 @@ class TurnPipeline:
             ["render_cache", ["miss"], cache.misses],
             ["render_cache", ["forgotten"], cache.forgotten],
             *([["engine_errors", [replica, kind], n] for (replica, kind), n in dict(self.engine.faults).items()]),
+            ["pause_holds", ["held"], self.backplane.generation.counters["held"]],
+            ["pause_holds", ["timed_out"], self.backplane.generation.counters["hold_timeouts"]],
         ]
         gauges: list[list[Any]] = [
             ["worker_sessions_held", ["commit_bases"], len(self.backplane.bases)],

@@ -61,6 +61,7 @@ def test_snapshots_are_written_while_serving_and_a_restart_loads_them(tmp_path, 
     try:
         with TrainerClient(broker.control_endpoint, timeout=10) as client:
             assert client.set_weight_version(7) == -1  # logged in the first segment, which a snapshot replaces
+            assert client.pause_generation("wait", timeout=1).workers == 0  # so is the pause (no worker: idle)
             worker = WorkerPeer(zctx, broker.worker_endpoint)
             for sid in sessions:
                 client.open_session(session_id=sid)
@@ -83,6 +84,7 @@ def test_snapshots_are_written_while_serving_and_a_restart_loads_them(tmp_path, 
         assert again.server.durable.recovered.snapshot_bytes > 0
         with TrainerClient(again.control_endpoint, timeout=10) as client:
             assert client.stats()["weight_version"] == 7  # from the snapshot: the segment that logged it is gone
+            assert client.generation_paused() == "wait" and client.resume_generation() is True
             for sid, turns in sessions.items():
                 assert_linear_rows(client.finish_session(sid), turns)
     finally:

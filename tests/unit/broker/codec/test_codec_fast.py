@@ -143,11 +143,13 @@ def test_frame_encoder_writes_the_frame_of_the_built_message():
         protocol.TurnCommitted(7, "t-1", "stored")
     )
     heads = [["t-1", 2, "ab"]]
-    opened = protocol.TurnOpened(8, "t-2", 3, {"temperature": 0.7}, None, "linear", "fork", heads, 1, 4, "http://e:1")
+    opened = protocol.TurnOpened(
+        8, "t-2", 3, {"temperature": 0.7}, None, "linear", "fork", heads, 1, 4, "http://e:1", 2, "wait"
+    )
     frame = protocol.frame_encoder(protocol.TurnOpened)(
         request_id=8, turn_id="t-2", seq=3, sampling_defaults={"temperature": 0.7}, max_context_tokens=None,
         history_mode="linear", linear_fallback="fork", heads=[["t-1", 2, "ab"]], pending=1, weight_version=4,
-        replica="http://e:1",
+        replica="http://e:1", generation_epoch=2, paused="wait",
     )
     assert frame == protocol.encode(opened)
     aborted = protocol.frame_encoder(protocol.TurnAborted)(request_id=9, turn_id="t-3")

@@ -272,6 +272,23 @@ def test_each_sampled_token_carries_its_turns_weight_version(qwen: Any) -> None:
     assert unversioned.metadata["weight_version_max"] == -1
 
 
+def test_a_turn_a_pause_split_carries_each_runs_version_on_its_tokens(qwen: Any) -> None:
+    """`weight_versions` runs (a generation stopped by a pause and resumed under new weights) set each sampled
+    token's version; tokens past the runs keep the turn's own, and min/max cover the runs."""
+    first, second, last = tool_loop(qwen, reasoning=True)
+    n = len(second.output_ids)
+    split = dataclasses.replace(second, flags={**(second.flags or {}), "weight_version": 4,
+                                               "weight_versions": [[3, 5], [4, n - 7]]})  # fmt: skip
+    turns = [first, split, last]
+    (row,) = build_rows(turns)
+    start = len(split.prompt_ids) - len(first.prompt_ids)
+    assert list(row.weight_versions[start : start + n]) == [3] * 5 + [4] * (n - 5)
+    assert (row.metadata["weight_version_min"], row.metadata["weight_version_max"]) == (-1, 4)
+    garbled = dataclasses.replace(second, flags={"weight_version": 2, "weight_versions": [[3, "x"]]})
+    (plain,) = build_rows([first, garbled, last])
+    assert set(plain.weight_versions[start : start + n]) == {2}  # runs that do not read as such are ignored
+
+
 def test_commits_out_of_order_build_the_same_rows(qwen: Any) -> None:
     turns = tool_loop(qwen, reasoning=True)
     shuffled = [turns[2], turns[0], turns[1]]

@@ -1,0 +1,48 @@
+"""`capture.generation.GenerationGate`: engine calls pass while generating, wait while paused, and count."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway_workers.capture.generation import GenerationGate, HoldTimeout
+
+
+def test_calls_wait_while_paused_and_go_on_at_the_resume_under_its_version() -> None:
+    async def run() -> None:
+        gate, beats = GenerationGate(), []
+        gate.beat_soon = lambda: beats.append(gate.report())
+        assert await gate.enter(1.0) is False and gate.engine_calls == 1  # generating: at once
+        gate.apply(1, "wait", -1)
+        assert beats[-1] == [1, 1, 0, 0]  # the pause applied: told at once
+        waiting = asyncio.ensure_future(gate.enter(5.0))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and gate.turns_held == 1 and gate.report() == [1, 1, 1, 0]
+        gate.leave()
+        assert beats[-1] == [1, 0, 1, 0]  # the last call done while paused: told at once
+        gate.apply(1, "", 3)  # not newer: ignored, but the version of this epoch is taken
+        assert not waiting.done() and gate.weight_version == 3
+        gate.apply(2, "", 4)
+        assert await waiting is True and gate.weight_version == 4 and gate.turns_held == 0
+        gate.leave()
+        assert gate.report() == [2, 0, 0, 0]
+
+    asyncio.run(run())
+
+
+def test_a_call_held_past_its_bound_or_cancelled_leaves_no_count_behind() -> None:
+    async def run() -> None:
+        gate = GenerationGate()
+        gate.apply(1, "wait", -1)
+        with pytest.raises(HoldTimeout):
+            await gate.enter(0.05)
+        assert (gate.turns_held, gate.engine_calls, gate.counters["hold_timeouts"]) == (0, 0, 1)
+        waiting = asyncio.ensure_future(gate.enter(5.0))
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the agent left
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert (gate.turns_held, gate.engine_calls) == (0, 0)
+
+    asyncio.run(run())
