@@ -1,7 +1,8 @@
 """A stand-in inference engine process for tests: vLLM's and SGLang's exact token-in/token-out formats.
 
 `python tests/fake_engine.py --port 0 --tokenizer DIR` prints `FAKE ENGINE READY http://HOST:PORT`.
-Routes: vLLM `POST /inference/v1/generate`, SGLang `POST /generate` + `POST /abort_request`,
+Routes: vLLM `POST /inference/v1/generate` + `POST /abort_requests` (its dev mode's), SGLang `POST /generate` +
+`POST /abort_request` (an aborted generation answers with what it had sampled, at `token_delay` per token),
 and test controls `POST /_fake/config` (delay, per-token delay and the faults of `Fault`: HTTP errors, hangs,
 dropped connections, error events, answers of the wrong kind or shape, a fixed text; scoped to a routing key so
 tests sharing the process do not collide, and to a number of requests) and `GET /_fake/log` (requests, each
@@ -152,6 +153,7 @@ class State:
     aborts: list[dict[str, Any]] = field(default_factory=list)
     disconnects: list[dict[str, Any]] = field(default_factory=list)
     streamed: list[dict[str, Any]] = field(default_factory=list)  # streams sent to their end
+    stopped: list[dict[str, Any]] = field(default_factory=list)  # whole generations aborted: what they had sampled
     running: dict[str, asyncio.Event] = field(default_factory=dict)  # rid -> set on abort
     format: str | None = None  # a tests/fake_formats.py writer; None: the Qwen3 policy below
     weight_version: str = "default"  # what SGLang reports in meta_info (its --weight-version; set by /_fake/config)
@@ -351,17 +353,22 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     if (body.get("stream") or fault.answer == "sse") and fault.answer != "json":
         ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault, key)
         return SseReply(state, api, rid, key, body, prompt, (ids, logprobs, finish), fault)
+    ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault, key)
     state.running[rid] = asyncio.Event()
+    sampled = 0  # at `token_delay` per token after the first delay, as a stream would send them
     try:
         outcome = await _wait_out(state, request, rid, HANG_S if fault.hang else fault.delay)
+        while outcome is None and fault.token_delay > 0 and sampled < len(ids):
+            outcome = await _wait_out(state, request, rid, fault.token_delay)
+            sampled += outcome is None
     finally:
         del state.running[rid]
     if outcome == "disconnect":
         state.disconnects.append({"api": api, "rid": rid, "key": key})
         return Response(status_code=499)
-    ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault, key)
-    if outcome == "abort":
-        ids, logprobs, finish = [], [], "abort"
+    if outcome == "abort":  # what it had sampled when the abort came: the real engines answer it so
+        ids, logprobs, finish = ids[:sampled], logprobs[:sampled], "abort"
+        state.stopped.append({"api": api, "rid": rid, "key": key, "sampled": sampled})
     elif fault.answer == "aborted":
         half = len(ids) // 2
         ids, logprobs, finish = ids[:half], logprobs[:half], "abort"
@@ -577,6 +584,16 @@ def build_app(state: State) -> Starlette:
             state.running[rid].set()
         return Response(status_code=200)
 
+    async def abort_requests(request: Request) -> Response:
+        """vLLM's dev-mode /abort_requests: external request ids (ours under `generate-tokens-`)."""
+        body = await request.json()
+        ids = [str(i).removeprefix("generate-tokens-") for i in body.get("request_ids") or []]
+        for rid in ids:
+            state.aborts.append({"rid": rid, "key": _routing_key(request), "headers": dict(request.headers)})
+            if rid in state.running:
+                state.running[rid].set()
+        return JSONResponse({"status": "aborted", "aborted": len(ids)})
+
     async def configure(request: Request) -> Response:
         body = await request.json()
         if body.get("reset"):
@@ -585,6 +602,7 @@ def build_app(state: State) -> Starlette:
             state.aborts.clear()
             state.disconnects.clear()
             state.streamed.clear()
+            state.stopped.clear()
             state.policies.clear()
         if "tool_rounds" in body:
             state.tool_rounds = int(body["tool_rounds"])
@@ -608,7 +626,7 @@ def build_app(state: State) -> Starlette:
 
         return JSONResponse(
             {"requests": pick(state.requests), "aborts": pick(state.aborts), "disconnects": pick(state.disconnects),
-             "streamed": pick(state.streamed)}
+             "streamed": pick(state.streamed), "stopped": pick(state.stopped)}
         )
 
     async def health(request: Request) -> Response:
@@ -620,6 +638,7 @@ def build_app(state: State) -> Starlette:
             Route("/inference/v1/generate", vllm_generate, methods=["POST"]),
             Route("/generate", sglang_generate, methods=["POST"]),
             Route("/abort_request", abort_request, methods=["POST"]),
+            Route("/abort_requests", abort_requests, methods=["POST"]),
             Route("/_fake/config", configure, methods=["POST"]),
             Route("/_fake/log", log, methods=["GET"]),
         ]

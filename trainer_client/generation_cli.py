@@ -26,7 +26,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
                         "$ROLLOUT_GATEWAY_CURVE_KEYS; none on loopback)")  # fmt: skip
     if command == "pause":
         parser.add_argument("--mode", required=True, choices=protocol.PAUSE_MODES,
-                            help="what becomes of the generations in flight: wait lets them finish")
+                            help="what becomes of the generations in flight: wait lets them finish, abort stops "
+                            "them and keeps their tokens for the resume")
         parser.add_argument("--timeout", type=float, default=DEFAULT_PAUSE_TIMEOUT_S, metavar="S",
                             help="seconds to wait for the workers to go idle (default %(default)s)")
     else:

@@ -19,7 +19,7 @@ from broker.state import BrokerState
 logger = logging.getLogger("broker.server")
 
 # The pause modes this broker and its workers carry out.
-SERVED_MODES = ("wait",)
+SERVED_MODES = ("wait", "abort")
 
 
 class GenerationHandlers(Concern):

@@ -114,6 +114,8 @@ WORKER_METRICS = _catalog(
     Metric("engine_replica", "gauge", "1 per engine replica a worker sends to", ("replica",)),
     Metric("pause_holds", "counter", "turns a worker held at its generation gate while paused, by outcome: held "
            "(all of them), timed_out (held past --pause-hold-s: a 503)", ("outcome",)),
+    Metric("pause_stops", "counter", "generations a pause in mode abort stopped at the engine"),
+    Metric("pause_tokens_kept", "counter", "tokens those generations had sampled, kept for the resume"),
 )
 
 # By the key of `BrokerServer.stats()`: the metric it is a sample of, and that sample's label values.

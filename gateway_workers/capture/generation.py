@@ -3,7 +3,8 @@
 The broker tells a pause and its end (`protocol.GenerationChanged`) on the heartbeat socket, unasked, and in
 every OPEN's answer (`TurnOpened.generation_epoch`, `paused`); whichever arrives first is applied, a change
 being newer when its epoch is higher. While paused, an engine call waits at the gate (`held`) until the
-resume or its hold bound; the calls already past it finish (wait), or are treated as the mode says. The
+resume or its hold bound; the calls already past it finish (wait), or are stopped at the engine (abort: each
+call's `stoppers` entry), keeping what they sampled (`turns.gated_engine`). The
 worker reports [epoch, engine calls, turns held, tokens kept] in every beat, and asks for a beat at once when
 that report matters to a waiting pause (the pause applied, the last engine call done), so the broker sees it
 idle without waiting out a beat interval.
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +33,12 @@ class GenerationGate:
         self.engine_calls = 0
         self.turns_held = 0
         self.tokens_kept = 0
-        self.counters = {"pauses_applied": 0, "held": 0, "hold_timeouts": 0}
+        self.counters = {"pauses_applied": 0, "held": 0, "hold_timeouts": 0, "stopped": 0, "tokens_kept": 0}
         self._open: asyncio.Event | None = None  # set while generating; made on the loop's thread
         self.beat_soon: Callable[[], None] = lambda: None  # set by the backplane: a beat now
+        # The engine calls in flight, by engine request id: what stops each at the engine (a pause in mode abort).
+        self.stoppers: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
 
     def _event(self) -> asyncio.Event:
         if self._open is None:
@@ -56,12 +61,29 @@ class GenerationGate:
             self._event().clear()
             if not was:
                 self.counters["pauses_applied"] += 1
+                self.tokens_kept = 0  # reported per pause
                 logger.info("generation paused (%s): new engine calls wait for the resume", paused)
+            if paused == "abort":
+                self._stop_all()
         else:
             self._event().set()
             if was:
                 logger.info("generation resumed: %d held turns go on", self.turns_held)
         self.beat_soon()
+
+    def _stop_all(self) -> None:
+        """Stop every engine call in flight at the engine; each comes back with what it sampled."""
+        loop = asyncio.get_running_loop()
+        for stop in self.stoppers.values():
+            task = loop.create_task(stop())
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+        self.counters["stopped"] += len(self.stoppers)
+
+    def kept(self, tokens: int) -> None:
+        """A stopped call kept `tokens` sampled before the pause."""
+        self.tokens_kept += tokens
+        self.counters["tokens_kept"] += tokens
 
     def report(self) -> list[int]:
         return [self.epoch, self.engine_calls, self.turns_held, self.tokens_kept]

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -48,6 +48,15 @@ class EngineError(Exception):
         super().__init__(message)
         self.status = status
         self.kind: FaultKind = kind
+
+
+class EngineAborted(Exception):
+    """The engine stopped a generation because `Engine.abort` asked it to: what it had sampled, and had not yet
+    streamed, comes with it (a pause in mode abort keeps those tokens and resubmits the rest). Not a failure."""
+
+    def __init__(self, output_ids: list[int], logprobs: list[float]) -> None:
+        super().__init__(f"stopped after {len(output_ids)} more tokens")
+        self.output_ids, self.logprobs = output_ids, logprobs
 
 
 class EngineTimeout(EngineError):
@@ -127,6 +136,12 @@ class Engine(Protocol):
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]: ...
+
+    async def abort(self, request_id: str, *, session_id: str, replica: str = "") -> None:
+        """Stop the generation `request_id` (in flight on this engine object) at the engine: its pending call then
+        raises `EngineAborted` with what it sampled. Best effort: a failed request is logged, and the call then
+        ends as it would have."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -222,6 +237,10 @@ class HttpEngineBase:
         self._pool: HttpPool | None = None
         self.faults: Counter[tuple[str, FaultKind]] = Counter()
         self.prompt_json = PromptJson()
+        # Generations in flight, and those of them `abort` asked the engine to stop: their abort answer is not a
+        # failure but `EngineAborted`.
+        self.in_flight: set[str] = set()
+        self.stopping: set[str] = set()
 
     def forget_sessions(self, sessions: list[str]) -> None:
         self.prompt_json.forget(sessions)
@@ -231,6 +250,30 @@ class HttpEngineBase:
         own, by rendezvous hashing over its --engine-url list."""
         key = routing_key(session_id)
         return replica or choose_replica(self._urls, key), routing_headers(key)
+
+    async def abort(self, request_id: str, *, session_id: str, replica: str = "") -> None:
+        if request_id not in self.in_flight:
+            return  # ended meanwhile: nothing to stop
+        self.stopping.add(request_id)
+        base, headers = self.route(session_id, replica)
+        try:
+            await self.post(*self.abort_request(base, request_id), headers, timeout=ABORT_TIMEOUT_S)
+        except EngineError as e:
+            logger.warning("the engine at %s did not stop request %s: %s", base, request_id, e)
+
+    def abort_request(self, base: str, request_id: str) -> tuple[str, dict[str, Any]]:
+        """The URL and body that ask the engine to stop a generation (each backend's own)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def tracked(self, request_id: str) -> Iterator[None]:
+        """A call in flight, which `abort` may stop."""
+        self.in_flight.add(request_id)
+        try:
+            yield
+        finally:
+            self.in_flight.discard(request_id)
+            self.stopping.discard(request_id)
 
     def pool(self) -> HttpPool:
         if self._pool is None:

@@ -14,16 +14,19 @@ Must not import the app, adapters or the backplane; the tokenizer is passed in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import random
+import time
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Protocol
 
 from gateway_workers.engines.base import (
+    EngineAborted,
     EngineChunk,
     EngineConfig,
     EngineResult,
@@ -72,6 +75,7 @@ class MockEngine:
         self._tools_cache: OrderedDict[bytes, list[dict[str, Any]]] = OrderedDict()
         self.faults: Counter[tuple[str, FaultKind]] = Counter()  # the mock never fails: always empty
         self.replicas: tuple[str, ...] = ()
+        self._stops: dict[str, asyncio.Event] = {}  # generations in flight, set when `abort` stops one
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
@@ -80,7 +84,15 @@ class MockEngine:
         result = self.reply(ids, params)
         delay = self._config.mock_delay_s + self._config.mock_per_token_s * len(result.output_ids)
         if delay > 0:
-            await asyncio.sleep(delay)
+            started = time.monotonic()
+            with self._stoppable(request_id) as stop:
+                stopped = await _stopped(stop, delay)
+            if stopped:
+                # What it had sampled by now, at its per-token pace (after the first token's delay).
+                per_token = self._config.mock_per_token_s
+                done = (time.monotonic() - started - self._config.mock_delay_s) / per_token if per_token else 0
+                n = min(max(int(done), 0), len(result.output_ids))
+                raise EngineAborted(result.output_ids[:n], result.logprobs[:n])
         return result
 
     async def stream(
@@ -88,15 +100,30 @@ class MockEngine:
     ) -> AsyncIterator[EngineChunk]:
         ids = prompt_ids if isinstance(prompt_ids, array) and prompt_ids.typecode == "i" else array("i", prompt_ids)
         result = self.reply(ids, params)
-        if self._config.mock_delay_s > 0:
-            await asyncio.sleep(self._config.mock_delay_s)
-        last = len(result.output_ids) - 1
-        for i, (token, logprob) in enumerate(zip(result.output_ids, result.logprobs, strict=True)):
-            if self._config.mock_per_token_s > 0:
-                await asyncio.sleep(self._config.mock_per_token_s)
-            yield EngineChunk([token], [logprob], result.finish_reason if i == last else None)
-        if last < 0:
-            yield EngineChunk([], [], result.finish_reason)
+        with self._stoppable(request_id) as stop:
+            if self._config.mock_delay_s > 0 and await _stopped(stop, self._config.mock_delay_s):
+                raise EngineAborted([], [])
+            last = len(result.output_ids) - 1
+            for i, (token, logprob) in enumerate(zip(result.output_ids, result.logprobs, strict=True)):
+                if self._config.mock_per_token_s > 0 and await _stopped(stop, self._config.mock_per_token_s):
+                    raise EngineAborted([], [])
+                yield EngineChunk([token], [logprob], result.finish_reason if i == last else None)
+            if last < 0:
+                yield EngineChunk([], [], result.finish_reason)
+
+    @contextlib.contextmanager
+    def _stoppable(self, request_id: str) -> Iterator[asyncio.Event]:
+        """The event `abort` sets to stop a generation in flight."""
+        stop = self._stops[request_id] = asyncio.Event()
+        try:
+            yield stop
+        finally:
+            self._stops.pop(request_id, None)
+
+    async def abort(self, request_id: str, *, session_id: str, replica: str = "") -> None:
+        stop = self._stops.get(request_id)
+        if stop is not None:
+            stop.set()
 
     def forget_sessions(self, sessions: list[str]) -> None:
         pass  # it keeps nothing per session
@@ -196,3 +223,12 @@ def _call(tool: dict[str, Any], rng: random.Random) -> dict[str, Any]:
         else:
             arguments[name] = rng.choice(_WORDS)
     return {"name": tool["name"], "arguments": arguments}
+
+
+async def _stopped(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep `seconds` (the mock's pace); whether `abort` stopped the generation first."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True

@@ -14,7 +14,8 @@ by default every event is cumulative (all ids and logprobs so far), with
 or a stream closed or failed before its finish, sends {"rid"} to /abort_request (answered with an
 empty 200) with its own short bound, shielded so the cancellation cannot skip it; a failed abort is
 logged. A generation SGLang aborted itself (finish reason `abort`, with its message) or one without a
-finish reason is an EngineError; every failed call is counted against its replica (`faults`).
+finish reason is an EngineError; every failed call is counted against its replica (`faults`). One we asked it
+to stop (`abort`, the same /abort_request) answers with what it sampled: `EngineAborted`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 from gateway_workers.engines.base import (
     ABORT_TIMEOUT_S,
+    EngineAborted,
     EngineChunk,
     EngineError,
     EngineResult,
@@ -70,23 +72,27 @@ class SglangEngine(HttpEngineBase):
             "stream": stream,
         }
 
+    def abort_request(self, base: str, request_id: str) -> tuple[str, dict[str, Any]]:
+        return base + ABORT_PATH, {"rid": request_id}
+
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
         base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
         body = self._body(prompt_ids, params, session_id, request_id, stream=False)
-        try:
-            return parse_answer(url, await self.post_json(url, body, headers))
-        except (asyncio.CancelledError, EngineTimeout) as e:
-            # The engine keeps generating for a request nobody will read: tell it to stop.
-            await self._abort(base, request_id, headers)
-            if isinstance(e, EngineTimeout):
+        with self.tracked(request_id):
+            try:
+                return parse_answer(url, await self.post_json(url, body, headers), request_id in self.stopping)
+            except (asyncio.CancelledError, EngineTimeout) as e:
+                # The engine keeps generating for a request nobody will read: tell it to stop.
+                await self._abort(base, request_id, headers)
+                if isinstance(e, EngineTimeout):
+                    self.count_fault(base, e)
+                raise
+            except EngineError as e:
                 self.count_fault(base, e)
-            raise
-        except EngineError as e:
-            self.count_fault(base, e)
-            raise
+                raise
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
@@ -96,6 +102,7 @@ class SglangEngine(HttpEngineBase):
         body = self._body(prompt_ids, params, session_id, request_id, stream=True)
         have = 0
         finished = False
+        self.in_flight.add(request_id)
         try:
             async with contextlib.aclosing(self.stream_json(url, body, headers)) as events:
                 async for event in events:
@@ -104,16 +111,21 @@ class SglangEngine(HttpEngineBase):
                     if isinstance(event, dict) and "error" in event:
                         message = f"engine {url} failed mid-stream: {str(event['error'])[:300]}"
                         raise EngineError(message, kind="error_event")
-                    chunk = parse_stream_event(url, event, have)
+                    chunk = parse_stream_event(url, event, have, request_id in self.stopping)
                     have += len(chunk.output_ids)
                     finished = chunk.finish_reason is not None
                     yield chunk
             if not finished:
                 raise incomplete(url, "the stream ended without a finish reason")
+        except EngineAborted:
+            finished = True  # stopped as we asked: nothing left to abort
+            raise
         except EngineError as e:
             self.count_fault(base, e)
             raise
         finally:
+            self.in_flight.discard(request_id)
+            self.stopping.discard(request_id)
             if not finished:
                 # Closed early (the agent left), failed or timed out: the engine would keep generating.
                 await self._abort(base, request_id, headers)
@@ -154,8 +166,9 @@ def sampling_body(params: SamplingParams) -> dict[str, Any]:
     return body
 
 
-def parse_answer(url: str, answer: Any) -> EngineResult:
-    """Ids, sampled logprobs and finish reason from a /generate body."""
+def parse_answer(url: str, answer: Any, stopping: bool = False) -> EngineResult:
+    """Ids, sampled logprobs and finish reason from a /generate body (`stopping`: we asked for its abort, which
+    raises EngineAborted with them)."""
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     if not isinstance(meta, dict):
         raise bad_answer(url, "no meta_info")
@@ -166,11 +179,13 @@ def parse_answer(url: str, answer: Any) -> EngineResult:
     output_ids = answer.get("output_ids")
     if output_ids is not None and output_ids != ids:
         raise bad_answer(url, "output_ids disagree with output_token_logprobs")
+    if stopping and _aborted(meta.get("finish_reason")):
+        raise EngineAborted(ids, logprobs)
     return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=_finish(url, meta.get("finish_reason")),
                         weight_version=_weight_version(meta))
 
 
-def parse_stream_event(url: str, event: Any, have: int) -> EngineChunk:
+def parse_stream_event(url: str, event: Any, have: int, stopping: bool = False) -> EngineChunk:
     """The new ids of one streamed event, given that `have` ids came before; cumulative or incremental events."""
     meta = event.get("meta_info") if isinstance(event, dict) else None
     if not isinstance(meta, dict):
@@ -187,8 +202,14 @@ def parse_stream_event(url: str, event: Any, have: int) -> EngineChunk:
         raise bad_answer(url, f"a stream event holds {len(entries)} ids; {have} came before, total {total!r}")
     ids, logprobs = _tokens(url, entries)
     raw = meta.get("finish_reason")
+    if stopping and _aborted(raw):
+        raise EngineAborted(ids, logprobs)
     return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=None if raw is None else _finish(url, raw),
                        weight_version=_weight_version(meta))
+
+
+def _aborted(finish: Any) -> bool:
+    return (finish.get("type") if isinstance(finish, dict) else finish) == "abort"
 
 
 def _weight_version(meta: dict[str, Any]) -> str | None:

@@ -13,7 +13,9 @@ finish reason), then `data: {choices: [], usage}`, `data: [DONE]`; errors arrive
 `data: {"error": {...}}`. The route runs under vLLM's `with_cancellation`: closing the
 connection (a cancelled `generate`, a closed stream, a failed one) aborts the request. `X-Request-Id`
 carries our id, which vLLM prefers. A generation vLLM aborted (finish reason `abort`, or a stream
-without one) is an EngineError; every failed call is counted against its replica (`faults`).
+without one) is an EngineError; every failed call is counted against its replica (`faults`). One we asked it
+to stop (`abort`: `POST /abort_requests {"request_ids": ["generate-tokens-<our id>"]}`, a route of vLLM's RLHF
+dev mode, `entrypoints/serve/dev/rlhf/api_router.py`) answers with what it sampled: `EngineAborted`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from gateway_workers.engines.base import (
+    EngineAborted,
     EngineChunk,
     EngineError,
     EngineResult,
@@ -40,6 +43,8 @@ from gateway_workers.engines.base import (
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/abort_requests"  # vLLM's RLHF dev routes (VLLM_SERVER_DEV_MODE=1), beside /pause and /resume
+REQUEST_ID_PREFIX = "generate-tokens-"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 _REASON_SNIPPET = 200  # characters of an engine's finish reason quoted in our error
 
@@ -61,17 +66,23 @@ class VllmEngine(HttpEngineBase):
             body["model"] = self._config.model
         return body
 
+    def abort_request(self, base: str, request_id: str) -> tuple[str, dict[str, Any]]:
+        # vLLM names a tokens request after our X-Request-Id (`serving_tokens`), and aborts external ids.
+        return base + ABORT_PATH, {"request_ids": [f"{REQUEST_ID_PREFIX}{request_id}"]}
+
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
         base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
         body = self._body(prompt_ids, params, session_id, request_id, stream=False)
-        try:
-            return parse_answer(url, await self.post_json(url, body, {**headers, "X-Request-Id": request_id}))
-        except EngineError as e:
-            self.count_fault(base, e)
-            raise
+        with self.tracked(request_id):
+            try:
+                answer = await self.post_json(url, body, {**headers, "X-Request-Id": request_id})
+                return parse_answer(url, answer, stopping=request_id in self.stopping)
+            except EngineError as e:
+                self.count_fault(base, e)
+                raise
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
@@ -82,32 +93,35 @@ class VllmEngine(HttpEngineBase):
         finished = False
         total = 0
         opened = self.stream_json(url, body, {**headers, "X-Request-Id": request_id})
-        try:
-            # Closed on any exit, so a failed stream's connection closes now, which aborts the request in vLLM.
-            async with contextlib.aclosing(opened) as events:
-                async for event in events:
-                    if not isinstance(event, dict):
-                        raise bad_answer(url, "a stream event is not an object")
-                    if "error" in event:
-                        message = f"engine {url} failed mid-stream: {str(event['error'])[:300]}"
-                        raise EngineError(message, kind="error_event")
-                    for choice in event.get("choices") or ():
-                        if finished:
-                            raise bad_answer(url, "tokens after the finish reason")
-                        chunk = parse_stream_choice(url, choice)
-                        total += len(chunk.output_ids)
-                        finished = chunk.finish_reason is not None
-                        yield chunk
-                    usage = event.get("usage")
-                    if isinstance(usage, dict) and usage.get("completion_tokens") not in (None, total):
-                        count = usage.get("completion_tokens")
-                        raise bad_answer(url, f"usage counts {count} tokens, the stream had {total}")
-            if not finished:
-                # vLLM skips steps without new ids, so a request it aborted ends without a finish reason.
-                raise incomplete(url, "the stream ended without a finish reason")
-        except EngineError as e:
-            self.count_fault(base, e)
-            raise
+        with self.tracked(request_id):
+            try:
+                # Closed on any exit, so a failed stream's connection closes now, which aborts the request in vLLM.
+                async with contextlib.aclosing(opened) as events:
+                    async for event in events:
+                        if not isinstance(event, dict):
+                            raise bad_answer(url, "a stream event is not an object")
+                        if "error" in event:
+                            message = f"engine {url} failed mid-stream: {str(event['error'])[:300]}"
+                            raise EngineError(message, kind="error_event")
+                        for choice in event.get("choices") or ():
+                            if finished:
+                                raise bad_answer(url, "tokens after the finish reason")
+                            chunk = parse_stream_choice(url, choice, stopping=request_id in self.stopping)
+                            total += len(chunk.output_ids)
+                            finished = chunk.finish_reason is not None
+                            yield chunk
+                        usage = event.get("usage")
+                        if isinstance(usage, dict) and usage.get("completion_tokens") not in (None, total):
+                            count = usage.get("completion_tokens")
+                            raise bad_answer(url, f"usage counts {count} tokens, the stream had {total}")
+                if not finished:
+                    # vLLM skips steps without new ids, so a request it aborted ends without a finish reason.
+                    if request_id in self.stopping:
+                        raise EngineAborted([], [])
+                    raise incomplete(url, "the stream ended without a finish reason")
+            except EngineError as e:
+                self.count_fault(base, e)
+                raise
 
 
 def sampling_body(params: SamplingParams) -> dict[str, Any]:
@@ -130,21 +144,27 @@ def sampling_body(params: SamplingParams) -> dict[str, Any]:
     return body
 
 
-def parse_answer(url: str, answer: Any) -> EngineResult:
-    """Ids, sampled logprobs and finish reason from a `GenerateResponse` body."""
+def parse_answer(url: str, answer: Any, stopping: bool = False) -> EngineResult:
+    """Ids, sampled logprobs and finish reason from a `GenerateResponse` body (`stopping`: we asked for its abort,
+    which raises EngineAborted with them)."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise bad_answer(url, "no choices")
     ids, logprobs = _tokens(url, choices[0])
-    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=_finish(url, choices[0].get("finish_reason")))
+    raw = choices[0].get("finish_reason")
+    if stopping and raw == "abort":
+        raise EngineAborted(ids, logprobs)
+    return EngineResult(output_ids=ids, logprobs=logprobs, finish_reason=_finish(url, raw))
 
 
-def parse_stream_choice(url: str, choice: Any) -> EngineChunk:
+def parse_stream_choice(url: str, choice: Any, stopping: bool = False) -> EngineChunk:
     """New ids, their logprobs and the finish reason (None until the last) from a `GenerateStreamResponse` choice."""
     if not isinstance(choice, dict) or choice.get("index", 0) != 0:
         raise bad_answer(url, "a stream choice other than index 0")
     ids, logprobs = _tokens(url, choice)
     raw = choice.get("finish_reason")
+    if stopping and raw == "abort":
+        raise EngineAborted(ids, logprobs)
     return EngineChunk(output_ids=ids, logprobs=logprobs, finish_reason=None if raw is None else _finish(url, raw))
 
 

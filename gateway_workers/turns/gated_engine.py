@@ -1,26 +1,73 @@
-"""The engine as the turns see it: every call passes the worker's generation gate first.
+"""The engine as the turns see it: every call passes the worker's generation gate, and a pause may stop it.
 
 While generation is paused (`capture.generation`), a turn's engine call waits here, its agent's connection
-open and nothing sent to the engine, until the resume; then it samples under the version the resume set, which
-its result says (`EngineResult.weight_versions`). A call held past `hold_s` gets a retryable 503 with
-Retry-After (the turn is aborted by its caller: nothing is recorded); an agent that leaves while held cancels
-the wait like any engine call. Calls past the gate are counted until they end, which is how the broker learns
-that a worker is idle.
+open and nothing sent to the engine, until the resume; then it samples under the version the resume set. A call
+held past `hold_s` gets a retryable 503 with Retry-After (the turn is aborted by its caller: nothing is
+recorded); an agent that leaves while held cancels the wait like any engine call.
+
+A pause in mode abort stops the calls in flight at the engine (`Engine.abort`), which answers each with what it
+had sampled (`EngineAborted`). The call keeps those tokens, waits at the gate like a new one, and at the resume
+asks the same replica for the rest: prompt + the tokens kept as the new prompt, the remaining `max_tokens`. So a
+turn stays one call to the turn path: a whole reply comes once, complete; a stream's chunks go on where they
+stopped. Its result says which version sampled which tokens (`weight_versions`: the version in force when each
+part's call began), since the rest was sampled after the update; it is left empty for a call that neither waited
+nor was stopped, whose tokens carry the version its turn opened with. The rest is sampled after exactly prompt +
+the tokens kept, so the fidelity rule holds as for any turn. (A stop string that would span the two parts is not
+seen by the engine: each part's own stop strings apply.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 from gateway_workers.capture.generation import GenerationGate, HoldTimeout
-from gateway_workers.engines.base import Engine, EngineChunk, EngineResult, FaultKind, SamplingParams
+from gateway_workers.engines.base import (
+    Engine,
+    EngineAborted,
+    EngineChunk,
+    EngineResult,
+    FaultKind,
+    SamplingParams,
+)
 from gateway_workers.http.errors import ApiError
 
 # A held turn's 503 asks the agent's SDK to come back this soon: the pause may end any moment.
 PAUSE_RETRY_AFTER_S = 2
+
+
+@dataclass(slots=True)
+class _Kept:
+    """What the parts of one call sampled so far, and under which versions (runs of (version, count))."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    runs: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, version: int, ids: list[int], logprobs: list[float]) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.counted(version, len(ids))
+
+    def counted(self, version: int, n: int) -> None:
+        if not n:
+            return
+        if self.runs and self.runs[-1][0] == version:
+            self.runs[-1] = (version, self.runs[-1][1] + n)
+        else:
+            self.runs.append((version, n))
+
+    def prompt(self, prompt_ids: Sequence[int]) -> Sequence[int]:
+        if not self.ids:
+            return prompt_ids
+        prompt = array("i", prompt_ids)
+        prompt.extend(self.ids)
+        return prompt
 
 
 class GatedEngine:
@@ -37,8 +84,11 @@ class GatedEngine:
     async def aclose(self) -> None:
         await self.engine.aclose()
 
-    async def _enter(self) -> int:
-        """Pass the gate; the version a held call samples under (-1: it was not held, or no version is set)."""
+    async def abort(self, request_id: str, *, session_id: str, replica: str = "") -> None:
+        await self.engine.abort(request_id, session_id=session_id, replica=replica)
+
+    async def _enter(self) -> tuple[int, bool]:
+        """Pass the gate: (the version in force, whether the call waited for a resume)."""
         try:
             held = await self.gate.enter(self.hold_s)
         except HoldTimeout as e:
@@ -46,35 +96,94 @@ class GatedEngine:
                 503, "unavailable", f"generation is paused for a weight update ({e}); retry later",
                 code="generation_paused", headers={"retry-after": str(PAUSE_RETRY_AFTER_S)},
             ) from None  # fmt: skip
-        return self.gate.weight_version if held else -1
+        return self.gate.weight_version, held
+
+    def _part(self, request_id: str, n: int, session_id: str, replica: str) -> str:
+        """The engine request id of a call's `n`-th part, registered for a pause to stop."""
+        part = request_id if n == 0 else f"{request_id}-{n}"
+        self.gate.stoppers[part] = functools.partial(self.engine.abort, part, session_id=session_id, replica=replica)
+        return part
+
+    def _left(self, part: str) -> None:
+        self.gate.stoppers.pop(part, None)
+        self.gate.leave()
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
-        version = await self._enter()
-        try:
-            result = await self.engine.generate(
-                prompt_ids, params, session_id=session_id, request_id=request_id, replica=replica
-            )
-        finally:
-            self.gate.leave()
-        if version < 0:
-            return result
-        return dataclasses.replace(result, weight_versions=((version, len(result.output_ids)),))
+        kept, held = _Kept(), False
+        for n in range(MAX_PARTS):
+            version, waited = await self._enter()
+            held = held or waited
+            left = params.max_tokens - len(kept.ids)
+            if left <= 0:  # stopped right at its last token: nothing left to sample
+                self.gate.leave()
+                return EngineResult(kept.ids, kept.logprobs, "length", weight_versions=tuple(kept.runs))
+            part = self._part(request_id, n, session_id, replica)
+            try:
+                result = await self.engine.generate(
+                    kept.prompt(prompt_ids), dataclasses.replace(params, max_tokens=left) if kept.ids else params,
+                    session_id=session_id, request_id=part, replica=replica,
+                )  # fmt: skip
+            except EngineAborted as e:
+                kept.add(version, e.output_ids, e.logprobs)
+                self.gate.kept(len(e.output_ids))
+                continue
+            finally:
+                self._left(part)
+            if not held and not kept.ids:
+                return result  # neither waited nor stopped: untouched
+            kept.add(version, result.output_ids, result.logprobs)
+            return EngineResult(kept.ids, kept.logprobs, result.finish_reason, result.weight_version,
+                                tuple(kept.runs))  # fmt: skip
+        raise too_many_parts()
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]:
-        version = await self._enter()
-        try:
-            sampled = 0
-            chunks = self.engine.stream(prompt_ids, params, session_id=session_id, request_id=request_id,
-                                        replica=replica)  # fmt: skip
-            async with contextlib.aclosing(chunks) as opened:  # type: ignore[type-var]
-                async for chunk in opened:
-                    sampled += len(chunk.output_ids)
-                    if chunk.finish_reason is not None and version >= 0:
-                        chunk = dataclasses.replace(chunk, weight_versions=((version, sampled),))
-                    yield chunk
-        finally:
-            self.gate.leave()
+        kept, held = _Kept(), False
+        for n in range(MAX_PARTS):
+            version, waited = await self._enter()
+            held = held or waited
+            left = params.max_tokens - len(kept.ids)
+            if left <= 0:
+                self.gate.leave()
+                yield EngineChunk([], [], "length", weight_versions=tuple(kept.runs))
+                return
+            part = self._part(request_id, n, session_id, replica)
+            sampled, stopped = len(kept.ids), None
+            try:
+                chunks = self.engine.stream(
+                    kept.prompt(prompt_ids), dataclasses.replace(params, max_tokens=left) if kept.ids else params,
+                    session_id=session_id, request_id=part, replica=replica,
+                )  # fmt: skip
+                async with contextlib.aclosing(chunks) as opened:  # type: ignore[type-var]
+                    async for chunk in opened:
+                        if chunk.finish_reason is not None:
+                            if held or kept.ids:
+                                kept.counted(version, len(kept.ids) + len(chunk.output_ids) - sampled)
+                                chunk = dataclasses.replace(chunk, weight_versions=tuple(kept.runs))
+                            yield chunk
+                            return
+                        kept.ids += chunk.output_ids  # what a stop keeps: the next part's prompt
+                        kept.logprobs += chunk.logprobs
+                        yield chunk
+            except EngineAborted as e:
+                kept.counted(version, len(kept.ids) - sampled)
+                kept.add(version, e.output_ids, e.logprobs)
+                self.gate.kept(len(kept.ids) - sampled)
+                stopped = EngineChunk(e.output_ids, e.logprobs) if e.output_ids else None
+            finally:
+                self._left(part)
+            if stopped is not None:
+                yield stopped  # what the engine sampled and had not streamed: the agent sees it too
+        raise too_many_parts()
+
+
+# A call stopped by this many pauses in a row gives up (a trainer pausing in a loop must not hold it forever).
+MAX_PARTS = 64
+
+
+def too_many_parts() -> ApiError:
+    return ApiError(503, "unavailable", f"the generation was stopped by {MAX_PARTS} pauses; retry later",
+                    code="generation_paused", headers={"retry-after": str(PAUSE_RETRY_AFTER_S)})  # fmt: skip

@@ -277,6 +277,8 @@ class TurnPipeline:
             *([["engine_errors", [replica, kind], n] for (replica, kind), n in dict(self.engine.faults).items()]),
             ["pause_holds", ["held"], self.backplane.generation.counters["held"]],
             ["pause_holds", ["timed_out"], self.backplane.generation.counters["hold_timeouts"]],
+            ["pause_stops", [], self.backplane.generation.counters["stopped"]],
+            ["pause_tokens_kept", [], self.backplane.generation.counters["tokens_kept"]],
         ]
         gauges: list[list[Any]] = [
             ["worker_sessions_held", ["commit_bases"], len(self.backplane.bases)],

@@ -1,7 +1,9 @@
 """Pausing generation around a weight update, through a real `serve` (2 workers, a durable broker, the fake vLLM
 engine) with the official SDKs as agents.
 
-`pause_generation("wait")` returns only once the turn in flight has finished, and its agent got its reply; while
+`pause_generation("wait")` returns only once the turn in flight has finished, and its agent got its reply;
+`pause_generation("abort")` stops every generation at once, keeps what each sampled and resubmits the rest at
+the resume (one turn each, its tokens versioned old then new); while
 paused, agents in all three dialects, streamed and not, are held with no engine call made; `resume_generation`
 with a new version releases them, and their tokens carry that version. A turn held past `--pause-hold-s` gets a
 retryable 503 with Retry-After and records nothing, as does one whose agent leaves while held. The pause
@@ -34,6 +36,7 @@ from trainer_client import PauseTimeout
 
 HOLD_S = 4.0  # --pause-hold-s: short, so the hold timeout is tested within seconds
 IN_FLIGHT_S = 1.5  # the engine's delay on the turn a pause waits for
+TOKEN_S = 0.05  # the engine's pace on the generations an abort pause stops
 QUESTION = "What is the capital of Peru?"
 
 
@@ -183,3 +186,48 @@ def test_a_pause_survives_a_broker_kill_and_the_cli_pauses_and_resumes(paused_ga
         assert reply.result(timeout=30)
     (record,) = client.finish_session(sid, wait_timeout=10)
     assert {v for v, m in zip(record.weight_versions, record.loss_mask, strict=True) if m} == {9}
+
+
+def test_an_abort_pause_stops_every_generation_keeps_its_tokens_and_resumes_each_as_one_turn(
+    paused_gateway: Any, qwen3_tokenizer_dir: str
+) -> None:
+    gw, engine = paused_gateway
+    client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
+    client.set_weight_version(6)
+    kinds = [(dialect, stream) for dialect in ("chat", "messages", "responses") for stream in (False, True)]
+    sids = [client.open_session() for _ in kinds]
+    for sid in sids:
+        engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        asked = zip(sids, kinds, strict=True)
+        replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
+        assert wait_until(lambda: all(_requests(engine, sid) == 1 for sid in sids), 10)
+        time.sleep(8 * TOKEN_S)  # a few tokens in
+        started = time.monotonic()
+        report = client.pause_generation("abort", timeout=10)
+        assert time.monotonic() - started < 1.0  # every generation stopped at once, not finished
+        assert (report.mode, report.engine_calls, report.workers) == ("abort", 0, 2)
+        assert report.tokens_kept > 0
+        assert wait_until(lambda: _held(gw) == len(kinds), 10)  # each back at the gate, its tokens kept
+        assert all(_requests(engine, sid) == 1 for sid in sids)  # nothing resubmitted while paused
+        assert not any(f.done() for f in replies)
+        assert client.resume_generation(weight_version=7)
+        assert all(f.result(timeout=30) for f in replies)  # 0 agent errors: one reply each
+    kept = 0
+    for sid in sids:
+        first, rest = engine.log(routing_key(sid))["requests"]  # stopped, then resubmitted on the same replica
+        prompt = first["body"]["token_ids"]
+        partial = rest["body"]["token_ids"][len(prompt) :]
+        assert rest["body"]["token_ids"][: len(prompt)] == prompt and partial  # prompt + the tokens kept
+        budget = first["body"]["sampling_params"]["max_tokens"]
+        assert rest["body"]["sampling_params"]["max_tokens"] == budget - len(partial)
+        sampled, logprobs, _ = policy(prompt, budget)
+        assert partial == sampled[: len(partial)]  # exactly what the engine had sampled
+        tail, tail_logprobs, _ = policy(prompt + partial, budget - len(partial))
+        (record,) = client.finish_session(sid, wait_timeout=10)  # one turn, one row
+        assert record.token_ids == prompt + partial + tail
+        assert record.loss_mask == [1] * (len(partial) + len(tail))
+        assert record.logprobs == pytest.approx(logprobs[: len(partial)] + tail_logprobs, abs=0)
+        assert record.weight_versions == [6] * len(partial) + [7] * len(tail)  # old, then new, per token
+        kept += len(partial)
+    assert kept >= report.tokens_kept  # a stream's kept tokens are counted as it stopped

@@ -1,0 +1,72 @@
+"""`turns.gated_engine.GatedEngine` over the mock engine: a pause in mode abort stops a call in flight, which keeps
+what it sampled, waits for the resume and asks for the rest; the result is one generation whose parts carry the
+versions they were sampled under. A call that neither waited nor was stopped comes back untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from array import array
+from typing import Any
+
+from gateway_workers.capture.generation import GenerationGate
+from gateway_workers.engines import EngineConfig, SamplingParams
+from gateway_workers.engines.mock import MockEngine
+from gateway_workers.turns.gated_engine import GatedEngine
+
+PARAMS = SamplingParams(max_tokens=20, temperature=1.0, seed=5)
+TOKEN_S = 0.01
+
+
+def _gated(tokenizer: Any) -> tuple[GatedEngine, GenerationGate, MockEngine]:
+    mock = MockEngine(EngineConfig(kind="mock", mock_per_token_s=TOKEN_S, mock_output_tokens=20), tokenizer)
+    gate = GenerationGate()
+    gate.apply(1, "", 3)  # generating under version 3
+    return GatedEngine(mock, gate, hold_s=10.0), gate, mock
+
+
+def test_an_abort_pause_splits_a_whole_generation_into_kept_tokens_and_the_rest(builtin_tokenizer: Any) -> None:
+    gated, gate, mock = _gated(builtin_tokenizer)
+    prompt = array("i", builtin_tokenizer.encode("hello there", add_special_tokens=False))
+
+    async def run() -> Any:
+        plain = await gated.generate(prompt, PARAMS, session_id="s", request_id="plain")
+        assert plain.weight_versions == () and gate.report() == [1, 0, 0, 0]  # untouched
+        call = asyncio.ensure_future(gated.generate(prompt, PARAMS, session_id="s", request_id="r"))
+        await asyncio.sleep(6 * TOKEN_S)
+        gate.apply(2, "abort", -1)
+        await asyncio.sleep(0.05)
+        assert gate.engine_calls == 0 and gate.turns_held == 1 and gate.tokens_kept > 0 and not call.done()
+        kept = gate.tokens_kept
+        gate.apply(3, "", 4)
+        return await call, kept
+
+    result, kept = asyncio.run(run())
+    partial = mock.reply(prompt, PARAMS).output_ids[:kept]
+    rest = mock.reply(array("i", [*prompt, *partial]), dataclasses.replace(PARAMS, max_tokens=20 - kept))
+    assert result.output_ids == partial + rest.output_ids
+    assert result.weight_versions == ((3, kept), (4, len(rest.output_ids)))
+    assert gate.counters["stopped"] == 1 and gate.counters["tokens_kept"] == kept
+
+
+def test_an_abort_pause_stops_a_stream_whose_chunks_go_on_after_the_resume(builtin_tokenizer: Any) -> None:
+    gated, gate, mock = _gated(builtin_tokenizer)
+    prompt = array("i", builtin_tokenizer.encode("stream it", add_special_tokens=False))
+
+    async def run() -> list[Any]:
+        chunks = []
+        async for chunk in gated.stream(prompt, PARAMS, session_id="s", request_id="r"):
+            chunks.append(chunk)
+            if sum(len(c.output_ids) for c in chunks) == 5:
+                gate.apply(2, "abort", -1)
+                asyncio.get_running_loop().call_later(0.05, gate.apply, 3, "", 4)
+        return chunks
+
+    chunks = asyncio.run(run())
+    ids = [t for c in chunks for t in c.output_ids]
+    partial = mock.reply(prompt, PARAMS).output_ids[:5]
+    rest = mock.reply(array("i", [*prompt, *partial]), dataclasses.replace(PARAMS, max_tokens=15))
+    assert ids == partial + rest.output_ids  # the agent's deltas go on where they stopped
+    assert [c.finish_reason for c in chunks].count(None) == len(chunks) - 1
+    assert chunks[-1].weight_versions == ((3, 5), (4, len(rest.output_ids)))
+    assert gate.report() == [3, 0, 0, 5]
