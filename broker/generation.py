@@ -144,7 +144,7 @@ class Generation:
         return protocol.GenerationPaused(
             request_id, self.mode, idle and self.paused, already, round(now - self.paused_at, 6), len(live),
             sum(r.engine_calls for r in reports), sum(r.turns_held for r in reports),
-            sum(r.tokens_kept for r in reports),
+            sum(r.tokens_kept for r in reports), not self.paused,
         )  # fmt: skip
 
     def stats(self, now: float) -> dict[str, object]:

@@ -161,7 +161,10 @@ def _announce_when_healthy(base: str, control: str | None) -> None:
             logger.exception("asking %s/healthz failed; asking again", base)
             healthy = False
         if healthy:
-            print(f"GATEWAY READY base_url={base}/v1" + (f" control={control}" if control else ""), flush=True)
+            # One write, newline included (print's unbuffered text and newline are two): the workers' log lines
+            # share this stream and would otherwise land in the middle of the line launchers parse.
+            sys.stdout.write(f"GATEWAY READY base_url={base}/v1" + (f" control={control}" if control else "") + "\n")
+            sys.stdout.flush()
             return
         time.sleep(0.1)
     logger.error("no worker answered %s/healthz within %ss", base, WORKERS_START_TIMEOUT_S)

@@ -263,6 +263,8 @@ class TrainerClient:
         reply = self._channel.call(lambda rid: protocol.PauseGeneration(rid, mode, float(timeout)),
                                    protocol.GenerationPaused, self.timeout + timeout, resend=True)  # fmt: skip
         report = PauseReport.from_wire(reply)
+        if reply.resumed:
+            raise PauseTimeout("a resume_generation ended the pause before every worker was idle", report)
         if not reply.idle:
             raise PauseTimeout(f"generation paused ({mode}), but {reply.engine_calls} engine call(s) were still "
                                f"running after {timeout:g}s", report)  # fmt: skip

@@ -114,7 +114,8 @@ class AuthenticationFailed(GatewayError):
 
 class PauseTimeout(GatewayError, TimeoutError):
     """`pause_generation` ran out of time before every worker went idle; `report` says what was still running.
-    The pause stays in force: call `pause_generation` again to wait longer, or `resume_generation`."""
+    The pause stays in force: call `pause_generation` again to wait longer, or `resume_generation`. (Also raised
+    when another caller's `resume_generation` ended the pause first.)"""
 
     def __init__(self, message: str, report: Any) -> None:
         super().__init__(message, "pause_timeout")

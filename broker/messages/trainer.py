@@ -255,6 +255,7 @@ class GenerationPaused(Message):
     engine_calls: int
     turns_held: int
     tokens_kept: int
+    resumed: bool = False  # a resume ended the pause before the workers were idle
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,7 +175,7 @@ class Backplane:
         if isinstance(message, protocol.SessionsEnded):
             self._sessions_ended(message.session_ids)
         elif isinstance(message, protocol.GenerationChanged):
-            self.generation.apply(message.epoch, message.paused, message.weight_version)
+            self.generation.apply(message.epoch, message.paused, message.weight_version, told=True)
 
     def _told_elsewhere(self, message: protocol.BrokerToWorker) -> None:
         """The heartbeat thread's `on_answer`: hands it to the event loop, which owns the caches and the gate."""

@@ -47,8 +47,11 @@ class GenerationGate:
                 self._open.set()
         return self._open
 
-    def apply(self, epoch: int, paused: str, weight_version: int) -> None:
-        """A change the broker told (or an OPEN's answer showed); older ones are ignored."""
+    def apply(self, epoch: int, paused: str, weight_version: int, told: bool = False) -> None:
+        """A change an OPEN's answer showed (older ones are ignored), or one the broker `told` on the heartbeat
+        socket, taken whatever its epoch: a broker restarted without its state counts from its own start."""
+        if epoch < self.epoch and told:
+            self.epoch = epoch - 1  # taken as new below
         if epoch <= self.epoch:
             if epoch == self.epoch and weight_version >= 0:
                 self.weight_version = weight_version
@@ -77,8 +80,13 @@ class GenerationGate:
         for stop in self.stoppers.values():
             task = loop.create_task(stop())
             self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+            task.add_done_callback(self._stop_done)
         self.counters["stopped"] += len(self.stoppers)
+
+    def _stop_done(self, task: asyncio.Task[None]) -> None:
+        self._stopping.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("stopping a generation for the pause failed", exc_info=task.exception())
 
     def kept(self, tokens: int) -> None:
         """A stopped call kept `tokens` sampled before the pause."""
@@ -98,8 +106,12 @@ class GenerationGate:
             return False
         self.turns_held += 1
         self.counters["held"] += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + hold_s
         try:
-            await asyncio.wait_for(event.wait(), hold_s)
+            # Again after each wake-up: a resume and the next pause may both be applied before it runs.
+            while not event.is_set():
+                await asyncio.wait_for(event.wait(), max(deadline - loop.time(), 0))
         except asyncio.TimeoutError:
             self.counters["hold_timeouts"] += 1
             raise HoldTimeout(hold_s) from None

@@ -39,6 +39,9 @@ FinishReason = Literal["stop", "length"]
 FaultKind = Literal["status", "timeout", "connection", "error_event", "bad_answer", "incomplete"]
 
 ABORT_TIMEOUT_S = 2.0  # bound on the best-effort abort call sent when a generate is cancelled
+# A pause's abort of a generation is asked again this often, this many times, while the call runs.
+ABORT_AGAIN_S = 0.1
+ABORT_TRIES = 20
 
 
 class EngineError(Exception):
@@ -256,10 +259,20 @@ class HttpEngineBase:
             return  # ended meanwhile: nothing to stop
         self.stopping.add(request_id)
         base, headers = self.route(session_id, replica)
-        try:
-            await self.post(*self.abort_request(base, request_id), headers, timeout=ABORT_TIMEOUT_S)
-        except EngineError as e:
-            logger.warning("the engine at %s did not stop request %s: %s", base, request_id, e)
+        url, body = self.abort_request(base, request_id)
+        # Asked again while the call runs: the request may not have reached the engine when the first ask did.
+        for _ in range(ABORT_TRIES):
+            try:
+                await self.post(url, body, headers, timeout=ABORT_TIMEOUT_S)
+            except EngineError as e:
+                logger.warning("the engine at %s did not stop request %s (it runs to its end): %s", base,
+                               request_id, e)  # fmt: skip
+                return
+            await asyncio.sleep(ABORT_AGAIN_S)
+            if request_id not in self.in_flight:
+                return
+        logger.warning("the engine at %s did not stop request %s within %.1fs: it runs to its end", base, request_id,
+                       ABORT_TRIES * ABORT_AGAIN_S)  # fmt: skip
 
     def abort_request(self, base: str, request_id: str) -> tuple[str, dict[str, Any]]:
         """The URL and body that ask the engine to stop a generation (each backend's own)."""

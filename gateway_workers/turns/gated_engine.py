@@ -77,6 +77,7 @@ class GatedEngine:
         self.engine, self.gate, self.hold_s = engine, gate, hold_s
         self.faults: Counter[tuple[str, FaultKind]] = engine.faults  # the same objects: counted by the engine
         self.replicas: tuple[str, ...] = engine.replicas
+        self._stopped: set[str] = set()  # parts a pause stopped, while they are in flight
 
     def forget_sessions(self, sessions: list[str]) -> None:
         self.engine.forget_sessions(sessions)
@@ -101,11 +102,16 @@ class GatedEngine:
     def _part(self, request_id: str, n: int, session_id: str, replica: str) -> str:
         """The engine request id of a call's `n`-th part, registered for a pause to stop."""
         part = request_id if n == 0 else f"{request_id}-{n}"
-        self.gate.stoppers[part] = functools.partial(self.engine.abort, part, session_id=session_id, replica=replica)
+        self.gate.stoppers[part] = functools.partial(self._stop, part, session_id, replica)
         return part
+
+    async def _stop(self, part: str, session_id: str, replica: str) -> None:
+        self._stopped.add(part)  # a stream stops at its next chunk even if the engine never heard of it yet
+        await self.engine.abort(part, session_id=session_id, replica=replica)
 
     def _left(self, part: str) -> None:
         self.gate.stoppers.pop(part, None)
+        self._stopped.discard(part)
         self.gate.leave()
 
     async def generate(
@@ -158,16 +164,21 @@ class GatedEngine:
                     session_id=session_id, request_id=part, replica=replica,
                 )  # fmt: skip
                 async with contextlib.aclosing(chunks) as opened:  # type: ignore[type-var]
+                    # Read to the engine stream's own end, past the finish (its trailer: usage, [DONE]), so its
+                    # connection goes back to the pool.
                     async for chunk in opened:
                         if chunk.finish_reason is not None:
-                            if held or kept.ids:
+                            if held or kept.runs:
                                 kept.counted(version, len(kept.ids) + len(chunk.output_ids) - sampled)
                                 chunk = dataclasses.replace(chunk, weight_versions=tuple(kept.runs))
                             yield chunk
-                            return
+                            continue
                         kept.ids += chunk.output_ids  # what a stop keeps: the next part's prompt
                         kept.logprobs += chunk.logprobs
                         yield chunk
+                        if part in self._stopped:  # closed here: the engine stops (vLLM on the disconnect)
+                            raise EngineAborted([], [])
+                return  # finished: a backend raises for a stream that ends without a finish
             except EngineAborted as e:
                 kept.counted(version, len(kept.ids) - sampled)
                 kept.add(version, e.output_ids, e.logprobs)

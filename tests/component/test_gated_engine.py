@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway_workers.capture.generation import GenerationGate
 from gateway_workers.engines import EngineConfig, SamplingParams
+from gateway_workers.engines.base import EngineChunk
 from gateway_workers.engines.mock import MockEngine
 from gateway_workers.turns.gated_engine import GatedEngine
 
@@ -70,3 +71,33 @@ def test_an_abort_pause_stops_a_stream_whose_chunks_go_on_after_the_resume(built
     assert [c.finish_reason for c in chunks].count(None) == len(chunks) - 1
     assert chunks[-1].weight_versions == ((3, 5), (4, len(rest.output_ids)))
     assert gate.report() == [3, 0, 0, 5]
+
+
+class _TrailedEngine:
+    """An engine whose stream has a trailer after its finish (as vLLM's usage and [DONE]): read or not."""
+
+    faults: Any = None
+    replicas: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.trailer_read = False
+
+    async def stream(self, prompt_ids: Any, params: Any, **kwargs: Any) -> Any:
+        yield EngineChunk([1, 2], [-0.5, -0.25])
+        yield EngineChunk([3], [-0.125], "stop")
+        self.trailer_read = True
+
+
+def test_a_plain_stream_is_untouched_and_read_to_its_trailer() -> None:
+    inner = _TrailedEngine()
+    gate = GenerationGate()
+    gate.apply(1, "", 3)
+    gated = GatedEngine(inner, gate, hold_s=1.0)  # type: ignore[arg-type]
+
+    async def run() -> list[Any]:
+        chunks = [c async for c in gated.stream([5, 6], PARAMS, session_id="s", request_id="r")]
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert [c.output_ids for c in chunks] == [[1, 2], [3]] and chunks[-1].weight_versions == ()
+    assert inner.trailer_read and gate.report() == [1, 0, 0, 0]

@@ -48,7 +48,7 @@ def test_a_deadline_a_resume_or_a_silent_worker_answers_what_waits() -> None:
     gen.heard("w2", [1, 1, 0, 0], [b"hb2"])
     assert gen.resume(now=2.5) == 2.5 and gen.epoch == 2 and not gen.paused
     (resumed,) = _answered(gen.answers(["w2"], 2.5))
-    assert resumed.idle is False  # resumed before it went idle
+    assert resumed.idle is False and resumed.resumed  # resumed before it went idle
     assert gen.resume(now=3.0) is None  # not paused
 
 

@@ -46,3 +46,33 @@ def test_a_call_held_past_its_bound_or_cancelled_leaves_no_count_behind() -> Non
         assert (gate.turns_held, gate.engine_calls) == (0, 0)
 
     asyncio.run(run())
+
+
+def test_a_resume_and_the_next_pause_applied_together_keep_a_held_call_held() -> None:
+    async def run() -> None:
+        gate = GenerationGate()
+        gate.apply(1, "abort", -1)
+        waiting = asyncio.ensure_future(gate.enter(5.0))
+        await asyncio.sleep(0.01)
+        gate.apply(2, "", 4)
+        gate.apply(3, "wait", 4)  # in the same pass of the loop: the waiter wakes into a new pause
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and gate.engine_calls == 0 and gate.turns_held == 1
+        gate.apply(4, "", 4)
+        assert await waiting is True and gate.engine_calls == 1
+
+    asyncio.run(run())
+
+
+def test_an_older_epoch_told_by_a_restarted_broker_is_taken_an_older_open_answer_is_not() -> None:
+    async def run() -> None:
+        gate = GenerationGate()
+        gate.apply(9, "wait", 2)
+        gate.apply(1, "", 3)  # an OPEN's answer from before: ignored
+        assert (gate.epoch, gate.paused) == (9, "wait")
+        gate.apply(0, "", -1, told=True)  # a broker restarted without its state: it counts from 0
+        assert (gate.epoch, gate.paused) == (0, "") and await gate.enter(1.0) is False
+        gate.apply(0, "", 5)  # its OPEN answers now update the version
+        assert gate.weight_version == 5
+
+    asyncio.run(run())
