@@ -36,8 +36,10 @@ class GenerationGate:
         self.counters = {"pauses_applied": 0, "held": 0, "hold_timeouts": 0, "stopped": 0, "tokens_kept": 0}
         self._open: asyncio.Event | None = None  # set while generating; made on the loop's thread
         self.beat_soon: Callable[[], None] = lambda: None  # set by the backplane: a beat now
-        # The engine calls in flight, by engine request id: what stops each at the engine (a pause in mode abort).
-        self.stoppers: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
+        # The engine calls in flight, by engine request id: (session id, replica), what `stop` (set by the gated
+        # engine) needs to stop one at the engine (a pause in mode abort).
+        self.stoppers: dict[str, tuple[str, str]] = {}
+        self.stop: Callable[[str, str, str], Coroutine[Any, Any, None]] | None = None
         self._stopping: set[asyncio.Task[None]] = set()
 
     def _event(self) -> asyncio.Event:
@@ -76,9 +78,11 @@ class GenerationGate:
 
     def _stop_all(self) -> None:
         """Stop every engine call in flight at the engine; each comes back with what it sampled."""
+        if self.stop is None:
+            return
         loop = asyncio.get_running_loop()
-        for stop in self.stoppers.values():
-            task = loop.create_task(stop())
+        for request_id, (session_id, replica) in self.stoppers.items():
+            task = loop.create_task(self.stop(request_id, session_id, replica))
             self._stopping.add(task)
             task.add_done_callback(self._stop_done)
         self.counters["stopped"] += len(self.stoppers)

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -278,15 +278,10 @@ class HttpEngineBase:
         """The URL and body that ask the engine to stop a generation (each backend's own)."""
         raise NotImplementedError
 
-    @contextlib.contextmanager
-    def tracked(self, request_id: str) -> Iterator[None]:
-        """A call in flight, which `abort` may stop."""
-        self.in_flight.add(request_id)
-        try:
-            yield
-        finally:
-            self.in_flight.discard(request_id)
-            self.stopping.discard(request_id)
+    def settled(self, request_id: str) -> None:
+        """A call `abort` could stop (in `in_flight` from its start) is over."""
+        self.in_flight.discard(request_id)
+        self.stopping.discard(request_id)
 
     def pool(self) -> HttpPool:
         if self._pool is None:

@@ -81,18 +81,20 @@ class SglangEngine(HttpEngineBase):
         base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
         body = self._body(prompt_ids, params, session_id, request_id, stream=False)
-        with self.tracked(request_id):
-            try:
-                return parse_answer(url, await self.post_json(url, body, headers), request_id in self.stopping)
-            except (asyncio.CancelledError, EngineTimeout) as e:
-                # The engine keeps generating for a request nobody will read: tell it to stop.
-                await self._abort(base, request_id, headers)
-                if isinstance(e, EngineTimeout):
-                    self.count_fault(base, e)
-                raise
-            except EngineError as e:
+        self.in_flight.add(request_id)
+        try:
+            return parse_answer(url, await self.post_json(url, body, headers), request_id in self.stopping)
+        except (asyncio.CancelledError, EngineTimeout) as e:
+            # The engine keeps generating for a request nobody will read: tell it to stop.
+            await self._abort(base, request_id, headers)
+            if isinstance(e, EngineTimeout):
                 self.count_fault(base, e)
-                raise
+            raise
+        except EngineError as e:
+            self.count_fault(base, e)
+            raise
+        finally:
+            self.settled(request_id)
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
@@ -124,8 +126,7 @@ class SglangEngine(HttpEngineBase):
             self.count_fault(base, e)
             raise
         finally:
-            self.in_flight.discard(request_id)
-            self.stopping.discard(request_id)
+            self.settled(request_id)
             if not finished:
                 # Closed early (the agent left), failed or timed out: the engine would keep generating.
                 await self._abort(base, request_id, headers)

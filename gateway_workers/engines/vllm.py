@@ -76,13 +76,15 @@ class VllmEngine(HttpEngineBase):
         base, headers = self.route(session_id, replica)
         url = base + GENERATE_PATH
         body = self._body(prompt_ids, params, session_id, request_id, stream=False)
-        with self.tracked(request_id):
-            try:
-                answer = await self.post_json(url, body, {**headers, "X-Request-Id": request_id})
-                return parse_answer(url, answer, stopping=request_id in self.stopping)
-            except EngineError as e:
-                self.count_fault(base, e)
-                raise
+        self.in_flight.add(request_id)
+        try:
+            answer = await self.post_json(url, body, {**headers, "X-Request-Id": request_id})
+            return parse_answer(url, answer, stopping=request_id in self.stopping)
+        except EngineError as e:
+            self.count_fault(base, e)
+            raise
+        finally:
+            self.settled(request_id)
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
@@ -93,35 +95,37 @@ class VllmEngine(HttpEngineBase):
         finished = False
         total = 0
         opened = self.stream_json(url, body, {**headers, "X-Request-Id": request_id})
-        with self.tracked(request_id):
-            try:
-                # Closed on any exit, so a failed stream's connection closes now, which aborts the request in vLLM.
-                async with contextlib.aclosing(opened) as events:
-                    async for event in events:
-                        if not isinstance(event, dict):
-                            raise bad_answer(url, "a stream event is not an object")
-                        if "error" in event:
-                            message = f"engine {url} failed mid-stream: {str(event['error'])[:300]}"
-                            raise EngineError(message, kind="error_event")
-                        for choice in event.get("choices") or ():
-                            if finished:
-                                raise bad_answer(url, "tokens after the finish reason")
-                            chunk = parse_stream_choice(url, choice, stopping=request_id in self.stopping)
-                            total += len(chunk.output_ids)
-                            finished = chunk.finish_reason is not None
-                            yield chunk
-                        usage = event.get("usage")
-                        if isinstance(usage, dict) and usage.get("completion_tokens") not in (None, total):
-                            count = usage.get("completion_tokens")
-                            raise bad_answer(url, f"usage counts {count} tokens, the stream had {total}")
-                if not finished:
-                    # vLLM skips steps without new ids, so a request it aborted ends without a finish reason.
-                    if request_id in self.stopping:
-                        raise EngineAborted([], [])
-                    raise incomplete(url, "the stream ended without a finish reason")
-            except EngineError as e:
-                self.count_fault(base, e)
-                raise
+        self.in_flight.add(request_id)
+        try:
+            # Closed on any exit, so a failed stream's connection closes now, which aborts the request in vLLM.
+            async with contextlib.aclosing(opened) as events:
+                async for event in events:
+                    if not isinstance(event, dict):
+                        raise bad_answer(url, "a stream event is not an object")
+                    if "error" in event:
+                        message = f"engine {url} failed mid-stream: {str(event['error'])[:300]}"
+                        raise EngineError(message, kind="error_event")
+                    for choice in event.get("choices") or ():
+                        if finished:
+                            raise bad_answer(url, "tokens after the finish reason")
+                        chunk = parse_stream_choice(url, choice, stopping=request_id in self.stopping)
+                        total += len(chunk.output_ids)
+                        finished = chunk.finish_reason is not None
+                        yield chunk
+                    usage = event.get("usage")
+                    if isinstance(usage, dict) and usage.get("completion_tokens") not in (None, total):
+                        count = usage.get("completion_tokens")
+                        raise bad_answer(url, f"usage counts {count} tokens, the stream had {total}")
+            if not finished:
+                # vLLM skips steps without new ids, so a request it aborted ends without a finish reason.
+                if request_id in self.stopping:
+                    raise EngineAborted([], [])
+                raise incomplete(url, "the stream ended without a finish reason")
+        except EngineError as e:
+            self.count_fault(base, e)
+            raise
+        finally:
+            self.settled(request_id)
 
 
 def sampling_body(params: SamplingParams) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -78,6 +77,7 @@ class GatedEngine:
         self.faults: Counter[tuple[str, FaultKind]] = engine.faults  # the same objects: counted by the engine
         self.replicas: tuple[str, ...] = engine.replicas
         self._stopped: set[str] = set()  # parts a pause stopped, while they are in flight
+        gate.stop = self._stop
 
     def forget_sessions(self, sessions: list[str]) -> None:
         self.engine.forget_sessions(sessions)
@@ -90,22 +90,21 @@ class GatedEngine:
 
     async def _enter(self) -> tuple[int, bool]:
         """Pass the gate: (the version in force, whether the call waited for a resume)."""
+        gate = self.gate
+        if not gate.paused:  # generating: no wait (the hot path pays a count)
+            gate.engine_calls += 1
+            return gate.weight_version, False
         try:
-            held = await self.gate.enter(self.hold_s)
+            held = await gate.enter(self.hold_s)
         except HoldTimeout as e:
             raise ApiError(
                 503, "unavailable", f"generation is paused for a weight update ({e}); retry later",
                 code="generation_paused", headers={"retry-after": str(PAUSE_RETRY_AFTER_S)},
             ) from None  # fmt: skip
-        return self.gate.weight_version, held
-
-    def _part(self, request_id: str, n: int, session_id: str, replica: str) -> str:
-        """The engine request id of a call's `n`-th part, registered for a pause to stop."""
-        part = request_id if n == 0 else f"{request_id}-{n}"
-        self.gate.stoppers[part] = functools.partial(self._stop, part, session_id, replica)
-        return part
+        return gate.weight_version, held
 
     async def _stop(self, part: str, session_id: str, replica: str) -> None:
+        """The gate's way to stop a part in flight (a pause in mode abort)."""
         self._stopped.add(part)  # a stream stops at its next chunk even if the engine never heard of it yet
         await self.engine.abort(part, session_id=session_id, replica=replica)
 
@@ -125,7 +124,8 @@ class GatedEngine:
             if left <= 0:  # stopped right at its last token: nothing left to sample
                 self.gate.leave()
                 return EngineResult(kept.ids, kept.logprobs, "length", weight_versions=tuple(kept.runs))
-            part = self._part(request_id, n, session_id, replica)
+            part = request_id if n == 0 else f"{request_id}-{n}"
+            self.gate.stoppers[part] = (session_id, replica)
             try:
                 result = await self.engine.generate(
                     kept.prompt(prompt_ids), dataclasses.replace(params, max_tokens=left) if kept.ids else params,
@@ -156,11 +156,13 @@ class GatedEngine:
                 self.gate.leave()
                 yield EngineChunk([], [], "length", weight_versions=tuple(kept.runs))
                 return
-            part = self._part(request_id, n, session_id, replica)
-            sampled, stopped = len(kept.ids), None
+            part = request_id if n == 0 else f"{request_id}-{n}"
+            self.gate.stoppers[part] = (session_id, replica)
+            ids, logprobs, stopped_parts = kept.ids, kept.logprobs, self._stopped
+            sampled, stopped = len(ids), None
             try:
                 chunks = self.engine.stream(
-                    kept.prompt(prompt_ids), dataclasses.replace(params, max_tokens=left) if kept.ids else params,
+                    kept.prompt(prompt_ids), dataclasses.replace(params, max_tokens=left) if ids else params,
                     session_id=session_id, request_id=part, replica=replica,
                 )  # fmt: skip
                 async with contextlib.aclosing(chunks) as opened:  # type: ignore[type-var]
@@ -169,20 +171,20 @@ class GatedEngine:
                     async for chunk in opened:
                         if chunk.finish_reason is not None:
                             if held or kept.runs:
-                                kept.counted(version, len(kept.ids) + len(chunk.output_ids) - sampled)
+                                kept.counted(version, len(ids) + len(chunk.output_ids) - sampled)
                                 chunk = dataclasses.replace(chunk, weight_versions=tuple(kept.runs))
                             yield chunk
                             continue
-                        kept.ids += chunk.output_ids  # what a stop keeps: the next part's prompt
-                        kept.logprobs += chunk.logprobs
+                        ids += chunk.output_ids  # what a stop keeps: the next part's prompt
+                        logprobs += chunk.logprobs
                         yield chunk
-                        if part in self._stopped:  # closed here: the engine stops (vLLM on the disconnect)
+                        if part in stopped_parts:  # closed here: the engine stops (vLLM on the disconnect)
                             raise EngineAborted([], [])
                 return  # finished: a backend raises for a stream that ends without a finish
             except EngineAborted as e:
-                kept.counted(version, len(kept.ids) - sampled)
+                kept.counted(version, len(ids) - sampled)
                 kept.add(version, e.output_ids, e.logprobs)
-                self.gate.kept(len(kept.ids) - sampled)
+                self.gate.kept(len(ids) - sampled)
                 stopped = EngineChunk(e.output_ids, e.logprobs) if e.output_ids else None
             finally:
                 self._left(part)
