@@ -120,7 +120,9 @@ class Generation:
         self.parked.append(ParkedPause(envelope, request_id, now + timeout, already))
 
     def next_deadline(self) -> float | None:
-        return min((p.deadline for p in self.parked), default=None)
+        if not self.parked:
+            return None
+        return min(p.deadline for p in self.parked)
 
     def answers(
         self, live: Collection[str], now: float, flush: bool = False

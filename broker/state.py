@@ -114,15 +114,17 @@ class BrokerState:
             due = parked.next_deadline()
             if due is not None and due <= now:
                 replies += parked.expire(now)
-        due = self.generation.next_deadline()
-        if due is not None and due <= now:
-            replies += self.generation.answers(self.workers.heard, now)
+        if self.generation.parked:
+            due = self.generation.next_deadline()
+            if due is not None and due <= now:
+                replies += self.generation.answers(self.workers.heard, now)
         return replies
 
     def poll_timeout_ms(self, most_ms: int) -> int:
         """How long the loop may sleep: until the next parked deadline, `most_ms` at most."""
-        parked = (self.finishes, self.outbox, self.generation)
-        due = [d for d in (p.next_deadline() for p in parked) if d is not None]
+        due = [d for d in (self.finishes.next_deadline(), self.outbox.next_deadline()) if d is not None]
+        if self.generation.parked:  # rare: a pause waiting for idle workers
+            due += [d for d in (self.generation.next_deadline(),) if d is not None]
         if not due:
             return most_ms
         return max(0, min(most_ms, math.ceil((min(due) - time.monotonic()) * 1000)))
