@@ -34,7 +34,7 @@ from test_serve_durability import RESTART_WITHIN_S, broker_pid
 from gateway_workers.engines.routing import routing_key
 from trainer_client import PauseTimeout
 
-HOLD_S = 4.0  # --pause-hold-s: short, so the hold timeout is tested within seconds
+HOLD_S = 15.0  # --pause-hold-s: short, so the hold timeout is tested within seconds, and past a broker restart
 IN_FLIGHT_S = 1.5  # the engine's delay on the turn a pause waits for
 TOKEN_S = 0.05  # the engine's pace on the generations an abort pause stops
 QUESTION = "What is the capital of Peru?"
@@ -231,3 +231,41 @@ def test_an_abort_pause_stops_every_generation_keeps_its_tokens_and_resumes_each
         assert record.weight_versions == [6] * len(partial) + [7] * len(tail)  # old, then new, per token
         kept += len(partial)
     assert kept >= report.tokens_kept  # a stream's kept tokens are counted as it stopped
+
+
+def test_an_abort_pause_outlives_a_broker_kill_and_a_stopped_turn_whose_agent_leaves_records_nothing(
+    paused_gateway: Any,
+) -> None:
+    gw, engine = paused_gateway
+    client = gw.client
+    client.set_weight_version(2)
+    kinds = [("chat", False), ("messages", True)]
+    sids, gone = [client.open_session() for _ in kinds], client.open_session()
+    for sid in [*sids, gone]:
+        engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": QUESTION}]}
+    with ThreadPoolExecutor(len(kinds) + 1) as pool:
+        asked = zip(sids, kinds, strict=True)
+        replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
+        leaving = pool.submit(httpx.post, f"{gw.base_url}/chat/completions", json=body, timeout=3.0,
+                              headers={"authorization": f"Bearer {gone}"})  # fmt: skip
+        assert wait_until(lambda: all(_requests(engine, sid) == 1 for sid in [*sids, gone]), 10)
+        time.sleep(8 * TOKEN_S)
+        assert client.pause_generation("abort", timeout=10).engine_calls == 0
+        with pytest.raises(httpx.ReadTimeout):  # it leaves while its stopped turn waits for the resume
+            leaving.result(timeout=30)
+        first = broker_pid(gw.process.pid)
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: broker_pid(gw.process.pid) not in (None, first), timeout=RESTART_WITHIN_S)
+        assert wait_until(lambda: client.generation_paused() == "abort", timeout=RESTART_WITHIN_S)
+        assert wait_until(lambda: _held(gw) == len(kinds), 10)  # still held, their tokens kept, through it
+        assert client.resume_generation(weight_version=3)
+        assert all(f.result(timeout=30) for f in replies)
+    for sid in sids:
+        (record,) = client.finish_session(sid, wait_timeout=10)
+        sampled = [v for v, m in zip(record.weight_versions, record.loss_mask, strict=True) if m]
+        assert sampled == sorted(sampled) and set(sampled) == {2, 3}  # old, then new
+        assert len(engine.log(routing_key(sid))["requests"]) == 2
+    assert client.finish_session(gone, wait_timeout=10) == []  # the agent left: nothing recorded
+    assert _requests(engine, gone) == 1  # and nothing resubmitted for it

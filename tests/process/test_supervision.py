@@ -158,7 +158,11 @@ def test_a_launch_interrupted_before_ready_leaves_nothing_running() -> None:
     try:
         assert wait_until(lambda: _serve_pid(marker) is not None, timeout=30)
         serve = _serve_pid(marker)
-        trainer.send_signal(signal.SIGINT)  # at once: serve takes seconds to be ready
+        assert serve is not None
+        # Frozen, so it cannot become ready first on a loaded machine (it takes a second or two); a SIGKILL still
+        # ends a stopped process.
+        os.killpg(serve, signal.SIGSTOP)
+        trainer.send_signal(signal.SIGINT)
         assert trainer.stdout is not None and trainer.stdout.readline() == "INTERRUPTED\n"  # while it waited
         assert serve is not None and wait_until(lambda: not _group(serve), timeout=GONE_WITHIN_S), _group(serve)
         assert trainer.poll() is None  # serve went with the interrupt, not with the trainer
