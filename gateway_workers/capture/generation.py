@@ -1,13 +1,14 @@
 """The pause as this worker knows it: the gate every engine call passes, and what the worker reports of it.
 
 The broker tells a pause and its end (`protocol.GenerationChanged`) on the heartbeat socket, unasked, and in
-every OPEN's answer (`TurnOpened.generation_epoch`, `paused`); whichever arrives first is applied, a change
-being newer when its epoch is higher. While paused, an engine call waits at the gate (`held`) until the
+every OPEN's answer (`TurnOpened.generation_epoch`, `paused`); whichever arrives first is applied. An OPEN's
+answer counts only when its epoch is higher; what the broker tells is taken as it is (a broker restarted without
+its state counts epochs from zero again). While paused, an engine call waits at the gate (`held`) until the
 resume or its hold bound; the calls already past it finish (wait), or are stopped at the engine (abort: each
-call's `stoppers` entry), keeping what they sampled (`turns.gated_engine`). The
-worker reports [epoch, engine calls, turns held, tokens kept] in every beat, and asks for a beat at once when
-that report matters to a waiting pause (the pause applied, the last engine call done), so the broker sees it
-idle without waiting out a beat interval.
+call's `stoppers` entry), keeping what they sampled (`turns.gated_engine`). The worker reports [epoch, engine
+calls, turns held, tokens kept] in every beat, and asks for a beat at once when that report matters to a
+waiting pause (the pause applied, the last engine call done), so the broker sees it idle without waiting out
+a beat interval.
 
 The event loop's thread only, except `report`, which the heartbeat thread reads (four ints; a report one
 change late is corrected by the next beat). Imports the stdlib only.
