@@ -116,15 +116,15 @@ def launch_gateway(
         got_ready.set()  # EOF: the process is gone
 
     reader = threading.Thread(target=pump, name="gateway-output", daemon=True)
-    reader.start()
-    deadline = time.monotonic() + ready_timeout
-    try:
+    try:  # from the moment serve exists: an interrupt while the reader starts must not leave it running
+        reader.start()
+        deadline = time.monotonic() + ready_timeout
         while not ready and time.monotonic() < deadline and proc.poll() is None:
             got_ready.wait(0.1)
         if ready:
             client = TrainerClient(ready[0][1], timeout=client_timeout, curve_keys=curve_keys)
     except BaseException:  # a bad client argument, or an interrupt while waiting (Ctrl-C, a test's timeout)
-        _kill_group(proc, reader)
+        _kill_group(proc, reader if reader.ident is not None else None)
         raise
     if not ready:
         _kill_group(proc, reader)
