@@ -145,7 +145,10 @@ def test_a_launch_interrupted_before_ready_leaves_nothing_running() -> None:
     than serving on, unseen, with its ports."""
     marker = f"interrupted-launch-{os.getpid()}-{time.monotonic_ns()}"
     script = (
-        "import sys, time\nfrom trainer_client import launch_gateway\ntry:\n"
+        # Ctrl-C raises KeyboardInterrupt even where the test runs with SIGINT ignored (a background job's
+        # children inherit that).
+        "import signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from trainer_client import launch_gateway\ntry:\n"
         "    with launch_gateway(workers=1, engine_kind='mock', extra_args=['--model-name', sys.argv[1]]):\n"
         "        print('LAUNCHED', flush=True)\n"
         "except KeyboardInterrupt:\n"
