@@ -4,9 +4,12 @@ requests waiting for the workers to go idle.
 A pause is one number and one mode: `epoch` grows with every pause and resume, and `mode` is the pause's
 ("" when generating). The broker tells every worker at once (`GenerationChanged` on its heartbeat socket), tells
 again any worker whose beat reports an older epoch (a worker that started, or reconnected, during the pause),
-and every OPEN's answer carries both. Each worker reports in its beats the epoch it applied and its engine calls
+and every OPEN's answer carries both. Each worker reports in its beats the epoch it was told and its engine calls
 still running; a pause request is answered once every live worker applied this epoch with none left, or at its
-deadline. With a state directory the pause is logged, so a restarted broker is still paused.
+deadline. In mode keep the engines' own pause holds the calls in flight where they are: the workers call it, each
+on its share of the replicas (`GenerationChanged.engine_pausers`), and a pause is idle once every live worker was
+told it and every replica's pause answered. With a state directory the pause is logged, so a restarted broker is
+still paused.
 
 Pure bookkeeping on the server's clock: no sockets; imports the stdlib and `broker.protocol` only.
 """
@@ -30,11 +33,12 @@ class WorkerReport:
     engine_calls: int
     turns_held: int
     tokens_kept: int
+    engines_pausing: int
 
 
 def read_report(values: list[int]) -> WorkerReport | None:
-    """A beat's report, or None when it has none (or not the four ints it should)."""
-    if len(values) != 4 or not all(type(v) is int for v in values):
+    """A beat's report, or None when it has none (or not the five ints it should)."""
+    if len(values) != 5 or not all(type(v) is int for v in values):
         return None
     return WorkerReport(*values)
 
@@ -61,6 +65,9 @@ class Generation:
         self.envelopes: dict[str, Envelope] = {}  # each worker's heartbeat socket: where a change is told
         self.parked: list[ParkedPause] = []
         self.pauses = self.resumes = 0
+        # The engines' own pause is in use: from a pause in mode keep until the next pause (its resume, and any
+        # worker told it late, must resume the engines).
+        self.engines_held = False
 
     @property
     def paused(self) -> bool:
@@ -70,6 +77,7 @@ class Generation:
         """The pause a log or snapshot recorded (its time paused counts from now on the server's clock)."""
         self.epoch, self.mode, self.since = epoch, mode, since
         self.paused_at = time.monotonic()
+        self.engines_held = mode == "keep"
 
     def pause(self, mode: str, now: float) -> bool:
         """Pause in `mode`; False (nothing changes) when already paused."""
@@ -77,6 +85,7 @@ class Generation:
             return False
         self.epoch += 1
         self.mode, self.since, self.paused_at = mode, time.time(), now
+        self.engines_held = mode == "keep"
         self.pauses += 1
         return True
 
@@ -90,7 +99,8 @@ class Generation:
         return now - self.paused_at
 
     def changed(self, weight_version: int) -> protocol.GenerationChanged:
-        return protocol.GenerationChanged(0, self.epoch, self.mode, weight_version)
+        pausers = sorted(self.envelopes) if self.engines_held else []
+        return protocol.GenerationChanged(0, self.epoch, self.mode, weight_version, pausers)
 
     def heard(self, worker_id: str, values: list[int], envelope: Envelope) -> bool:
         """Take a beat's report; whether the worker must be told the pause again (it reports another epoch)."""
@@ -101,18 +111,24 @@ class Generation:
         self.reports[worker_id] = report
         return report.epoch != self.epoch
 
-    def forget(self, worker_ids: Collection[str]) -> None:
-        """Workers given up for silent: they no longer count for idle."""
+    def forget(self, worker_ids: Collection[str]) -> bool:
+        """Workers given up for silent: they no longer count for idle. Whether the others must be told again (the
+        engines' pause is in use, and the lost workers' replicas go to those left)."""
+        lost = False
         for worker_id in worker_ids:
             self.reports.pop(worker_id, None)
-            self.envelopes.pop(worker_id, None)
+            lost |= self.envelopes.pop(worker_id, None) is not None
+        return lost and self.engines_held
 
     def idle(self, live: Collection[str]) -> bool:
-        """Whether every live worker applied this epoch and has no engine call left."""
-        reports = self.reports
+        """Whether every live worker applied this epoch and has no engine call left (in mode keep: the engines
+        hold those, and every replica's pause answered)."""
+        reports, keep = self.reports, self.mode == "keep"
         for worker_id in live:
             report = reports.get(worker_id)
-            if report is None or report.epoch != self.epoch or report.engine_calls:
+            if report is None or report.epoch != self.epoch:
+                return False
+            if report.engines_pausing if keep else report.engine_calls:
                 return False
         return True
 

@@ -2,7 +2,11 @@
 
 `python tests/fake_engine.py --port 0 --tokenizer DIR` prints `FAKE ENGINE READY http://HOST:PORT`.
 Routes: vLLM `POST /inference/v1/generate` + `POST /abort_requests` (its dev mode's), SGLang `POST /generate` +
-`POST /abort_request` (an aborted generation answers with what it had sampled, at `token_delay` per token),
+`POST /abort_request` (an aborted generation answers with what it had sampled, at `token_delay` per token), each
+engine's own pause and resume (vLLM's dev-mode `POST /pause?mode=abort|wait|keep`, `POST /resume`, `GET /is_paused`;
+SGLang's `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`,
+`POST /update_weight_version {"new_version", "abort_all_requests"}`, which aborts everything unless told not to): a
+paused engine samples nothing, and every token's `resumes` (the resumes before it was sampled) is logged per request,
 and test controls `POST /_fake/config` (delay, per-token delay and the faults of `Fault`: HTTP errors, hangs,
 dropped connections, error events, answers of the wrong kind or shape, a fixed text; scoped to a routing key so
 tests sharing the process do not collide, and to a number of requests) and `GET /_fake/log` (requests, each
@@ -155,6 +159,11 @@ class State:
     streamed: list[dict[str, Any]] = field(default_factory=list)  # streams sent to their end
     stopped: list[dict[str, Any]] = field(default_factory=list)  # whole generations aborted: what they had sampled
     running: dict[str, asyncio.Event] = field(default_factory=dict)  # rid -> set on abort
+    paused: bool = False  # its own pause (keep, in_place, retract): nothing is sampled until the resume
+    unpaused: asyncio.Event = field(default_factory=asyncio.Event)  # set while not paused
+    resumes: int = 0  # resumes so far: a token sampled after the n-th one has `resumes` n in the log
+    sampled_at: dict[str, dict[str, Any]] = field(default_factory=dict)  # rid -> {key, resumes: per token}
+    controls: list[dict[str, Any]] = field(default_factory=list)  # pause, resume and version calls, in order
     format: str | None = None  # a tests/fake_formats.py writer; None: the Qwen3 policy below
     weight_version: str = "default"  # what SGLang reports in meta_info (its --weight-version; set by /_fake/config)
     healthy: bool = True  # GET /health answers 200, else 503 (set by /_fake/config)
@@ -356,11 +365,19 @@ async def _generate(state: State, request: Request, api: str) -> Response:
     ids, logprobs, finish = _sampled(state, prompt, int(params.get(max_key, 16)), fault, key)
     state.running[rid] = asyncio.Event()
     sampled = 0  # at `token_delay` per token after the first delay, as a stream would send them
+    log = _sampling_log(state, rid, key)
     try:
         outcome = await _wait_out(state, request, rid, HANG_S if fault.hang else fault.delay)
         while outcome is None and fault.token_delay > 0 and sampled < len(ids):
             outcome = await _wait_out(state, request, rid, fault.token_delay)
-            sampled += outcome is None
+            if outcome is None:
+                outcome = await _unpaused(state, state.running[rid], None)
+            if outcome is None:
+                sampled += 1
+                log.append(state.resumes)
+        if outcome is None and sampled < len(ids):  # sampled at once, after the delay
+            outcome = await _unpaused(state, state.running[rid], None)
+            log += [state.resumes] * (len(ids) - sampled)
     finally:
         del state.running[rid]
     if outcome == "disconnect":
@@ -488,7 +505,7 @@ class SseReply(Response):
             ids, lps, reason = self.result
             fault = self.fault
             finish = None if fault.answer == "no_finish" else reason
-            sent = 0
+            sent, log = 0, _sampling_log(self.state, self.rid, self.key)
             while outcome is None and sent < len(ids):
                 if sent == fault.error_after:
                     error = {"error": {"message": "injected mid-stream failure", "type": "InternalServerError",
@@ -510,7 +527,10 @@ class SseReply(Response):
                     break
                 outcome = await _pause(aborted, gone, fault.token_delay)
                 if outcome is None:
+                    outcome = await _unpaused(self.state, aborted, gone)
+                if outcome is None:
                     sent += 1
+                    log.append(self.state.resumes)
                     await self._send_chunk(send, sent - 1, sent, finish if sent == len(ids) else None)
             if outcome == "disconnect":
                 self.state.disconnects.append({"api": self.api, "rid": self.rid, "key": self.key, "sent": sent})
@@ -549,6 +569,30 @@ class SseReply(Response):
             final = {"request_id": f"generate-tokens-{self.rid}", "choices": [], "usage": usage}
             tail = b"data: " + json.dumps(final).encode() + b"\n\n"
         return tail + b"data: [DONE]\n\n"
+
+
+def _sampling_log(state: State, rid: str, key: str | None) -> list[int]:
+    """The list a generation logs each token's `resumes` in, as it samples it."""
+    entry = state.sampled_at[rid] = {"rid": rid, "key": key, "resumes": []}
+    return entry["resumes"]
+
+
+async def _unpaused(state: State, aborted: asyncio.Event, gone: asyncio.Event | None) -> str | None:
+    """Wait while the engine is paused; 'abort' or 'disconnect' if either happens first."""
+    while state.paused:
+        waits = {asyncio.ensure_future(state.unpaused.wait()), asyncio.ensure_future(aborted.wait())}
+        if gone is not None:
+            waits.add(asyncio.ensure_future(gone.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if aborted.is_set():
+            return "abort"
+        if gone is not None and gone.is_set():
+            return "disconnect"
+    return None
 
 
 async def _pause(aborted: asyncio.Event, gone: asyncio.Event, seconds: float) -> str | None:
@@ -594,6 +638,68 @@ def build_app(state: State) -> Starlette:
                 state.running[rid].set()
         return JSONResponse({"status": "aborted", "aborted": len(ids)})
 
+    def control(request: Request, call: str, **what: Any) -> None:
+        state.controls.append({"call": call, "key": _routing_key(request), "at": time.time(), **what})
+
+    def abort_all() -> int:
+        for event in state.running.values():
+            event.set()
+        return len(state.running)
+
+    async def pause(mode: str) -> None:
+        if mode == "abort":
+            abort_all()
+        elif mode == "wait":
+            while state.running:
+                await asyncio.sleep(DISCONNECT_POLL_S)
+        state.paused = True
+        state.unpaused.clear()
+
+    def resume() -> None:
+        if state.paused:
+            state.resumes += 1
+        state.paused = False
+        state.unpaused.set()
+
+    async def vllm_pause(request: Request) -> Response:
+        mode = request.query_params.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            return JSONResponse({"error": f"bad mode {mode!r}"}, status_code=400)
+        control(request, "pause", api="vllm", mode=mode)
+        await pause(mode)
+        return JSONResponse({"status": "paused"})
+
+    async def vllm_resume(request: Request) -> Response:
+        control(request, "resume", api="vllm")
+        resume()
+        return JSONResponse({"status": "resumed"})
+
+    async def vllm_is_paused(request: Request) -> Response:
+        return JSONResponse({"is_paused": state.paused})
+
+    async def sglang_pause(request: Request) -> Response:
+        mode = (await request.json()).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return JSONResponse({"error": f"Invalid mode: {mode!r}"}, status_code=400)
+        control(request, "pause", api="sglang", mode=mode)
+        await pause("abort" if mode == "abort" else "keep")
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def sglang_continue(request: Request) -> Response:
+        control(request, "resume", api="sglang")
+        resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def sglang_version(request: Request) -> Response:
+        body = await request.json()
+        aborting = body.get("abort_all_requests", True)
+        control(request, "version", api="sglang", version=str(body.get("new_version")), aborted=aborting)
+        if aborting:
+            abort_all()
+        state.weight_version = str(body.get("new_version"))
+        return JSONResponse({"success": True, "message": f"Weight version updated to {state.weight_version}",
+                             "new_version": state.weight_version})
+
     async def configure(request: Request) -> Response:
         body = await request.json()
         if body.get("reset"):
@@ -604,6 +710,8 @@ def build_app(state: State) -> Starlette:
             state.streamed.clear()
             state.stopped.clear()
             state.policies.clear()
+            state.sampled_at.clear()
+            state.controls.clear()
         if "tool_rounds" in body:
             state.tool_rounds = int(body["tool_rounds"])
         if "weight_version" in body:
@@ -626,7 +734,8 @@ def build_app(state: State) -> Starlette:
 
         return JSONResponse(
             {"requests": pick(state.requests), "aborts": pick(state.aborts), "disconnects": pick(state.disconnects),
-             "streamed": pick(state.streamed), "stopped": pick(state.stopped)}
+             "streamed": pick(state.streamed), "stopped": pick(state.stopped),
+             "sampled": pick(list(state.sampled_at.values())), "controls": state.controls, "paused": state.paused}
         )
 
     async def health(request: Request) -> Response:
@@ -639,6 +748,12 @@ def build_app(state: State) -> Starlette:
             Route("/generate", sglang_generate, methods=["POST"]),
             Route("/abort_request", abort_request, methods=["POST"]),
             Route("/abort_requests", abort_requests, methods=["POST"]),
+            Route("/pause", vllm_pause, methods=["POST"]),
+            Route("/resume", vllm_resume, methods=["POST"]),
+            Route("/is_paused", vllm_is_paused, methods=["GET"]),
+            Route("/pause_generation", sglang_pause, methods=["POST"]),
+            Route("/continue_generation", sglang_continue, methods=["POST"]),
+            Route("/update_weight_version", sglang_version, methods=["POST"]),
             Route("/_fake/config", configure, methods=["POST"]),
             Route("/_fake/log", log, methods=["GET"]),
         ]

@@ -248,13 +248,14 @@ class TrainerClient:
         until `resume_generation` (or its hold bound, `--pause-hold-s`, when it gets a retryable 503). `mode`
         says what becomes of the generations in flight: "wait" lets them finish (and returns when none is left);
         "abort" stops them at the engines at once, keeps the tokens each sampled, and at the resume asks the same
-        replica for the rest (the agent gets one reply; its tokens carry the old version, then the new one).
+        replica for the rest (the agent gets one reply; its tokens carry the old version, then the new one);
+        "keep" uses the engines' own pause (vLLM `mode=keep`, SGLang `in_place`), which holds them inside the engine
+        with their KV cache until the resume (returns once every replica's pause answered; which tokens carry which
+        version: `TraceRecord.weight_versions`, -1 and the row flagged where the engine cannot tell).
         Every worker, and one that starts or reconnects meanwhile, applies the pause; a broker with
         `--state-dir` keeps it through a restart. Pausing while paused changes nothing and waits the same way
         (`PauseReport.already`). Raises `PauseTimeout` (the pause stays in force) when the workers are not idle
-        within `timeout` seconds.
-
-        "keep" (the engines' own in-place pause) is not served yet: it is refused (`InvalidRequest`)."""
+        within `timeout` seconds."""
         if mode not in protocol.PAUSE_MODES:
             raise ValueError(f"mode must be one of {', '.join(protocol.PAUSE_MODES)}, got {mode!r}")
         if type(timeout) not in (int, float) or not (math.isfinite(timeout) and timeout >= 0):

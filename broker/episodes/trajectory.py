@@ -11,7 +11,8 @@ Row.metadata: truncated, use_tool, ill_formed (bools); turn_ids (trained here, i
 "branch": its parent's row went on elsewhere | "realign": the prompt re-rendered its parent's reply | "rewrite":
 the client replayed an earlier reply rewritten | "fork": anything else); parent_turn_id (the turn it continues
 per the message tree, or None); decisions (session-wide: each turn counted once as clean, a row_start, empty or
-dropped); weight_version_min / _max (over its turns); engine_weight_versions (per turn, when the engine reported it).
+dropped); weight_version_min / _max (over its turns); engine_weight_versions (per turn, when the engine reported it);
+weight_versions_unknown (when an engine pause held a turn whose engine cannot say which tokens came after it).
 """
 
 from __future__ import annotations
@@ -244,6 +245,8 @@ def _materialize(c: _Chain, start: str, parent: _Turn | None, decisions: dict[st
         "weight_version_min": min(all_versions),
         "weight_version_max": max(all_versions),
     }
+    if any((t.rec.flags or {}).get("weight_versions_unknown") for t in c.turns):
+        metadata["weight_versions_unknown"] = True  # some tokens' version no one could tell: -1 in weight_versions
     engine_versions = [(t.rec.flags or {}).get("engine_weight_version") for t in c.turns]
     if any(v is not None for v in engine_versions):  # what the engine said it served, per turn (SGLang reports it)
         metadata["engine_weight_versions"] = engine_versions

@@ -18,9 +18,6 @@ from broker.state import BrokerState
 
 logger = logging.getLogger("broker.server")
 
-# The pause modes this broker and its workers carry out.
-SERVED_MODES = ("wait", "abort")
-
 
 class GenerationHandlers(Concern):
     ROUTES: ClassVar[dict[type, str]] = {
@@ -32,9 +29,9 @@ class GenerationHandlers(Concern):
     def pause(self, msg: protocol.PauseGeneration, envelope: list[bytes], payload: bytes, side: Side) -> Answer:
         state = self._state
         limit = state.config.max_wait_timeout
-        if msg.mode not in SERVED_MODES:
-            raise Refusal("bad_request", f"a pause's mode is one of {', '.join(SERVED_MODES)} (of "
-                          f"{', '.join(protocol.PAUSE_MODES)}, the others are not served yet), not {msg.mode!r}")
+        if msg.mode not in protocol.PAUSE_MODES:
+            modes = ", ".join(protocol.PAUSE_MODES)
+            raise Refusal("bad_request", f"a pause's mode is one of {modes}, not {msg.mode!r}")
         if not (isinstance(msg.timeout, float) and math.isfinite(msg.timeout) and 0 <= msg.timeout <= limit):
             raise Refusal("bad_request", f"a pause's timeout is seconds in [0, {limit:g}], not {msg.timeout!r}")
         generation, now = state.generation, time.monotonic()

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from broker import protocol
 from broker.handlers.base import Answer, Concern, SendParked, Side
+from broker.handlers.generation import tell_workers
 from broker.sessions.workers import abandon_turns_of
 from broker.state import BrokerState
 
@@ -48,7 +49,7 @@ class TurnHandlers(Concern):
         # Its worker is heard by its heartbeats (the first goes out before any OPEN on the same socket).
         registry = self._registry
         if msg.retry:
-            replayed = registry.repeated_turn(msg.session_id, msg.request_digest)
+            replayed = registry.repeated_turn(msg.session_id, msg.request_digest, msg.turn_id)
             if replayed is not None:
                 return protocol.TurnReplayed(
                     msg.request_id, replayed.turn_id, replayed.prompt_ids, replayed.output_ids,
@@ -111,7 +112,8 @@ class TurnHandlers(Concern):
         workers = self._state.workers
         silent = workers.silent(now)
         if silent:
-            self._state.generation.forget(silent)
+            if self._state.generation.forget(silent):
+                tell_workers(self._state)  # the lost workers' engine replicas go to those left
             self._send_parked(self._state.generation.answers(workers.heard, now))
         for worker_id in silent:
             abandoned = abandon_turns_of(self._registry, worker_id, workers.silence_s)

@@ -143,9 +143,9 @@ class Heartbeat(Message):
     TAG: ClassVar[str] = "heartbeat"
     worker_id: str
     metrics: dict[str, Any] = field(default_factory=dict)
-    # How the worker stands with the pause (`GenerationChanged`): [the generation epoch it applied, its engine
-    # calls in flight, its turns held, the sampled tokens it keeps from aborted generations]; empty from a
-    # worker that does not report it.
+    # How the worker stands with the pause (`GenerationChanged`): [the generation epoch it was told, its engine
+    # calls in flight, its turns held, the sampled tokens it keeps from aborted generations, the engine replicas
+    # it was told to pause whose pause has not answered yet]; empty from a worker that does not report it.
     generation: list[int] = field(default_factory=list)
 
 
@@ -244,9 +244,15 @@ class GenerationChanged(Message):
     """A pause began or ended (`PauseGeneration`, `ResumeGeneration`), sent unasked on a worker's heartbeat
     socket (request id 0), and again in answer to any beat that reports an older `epoch`. `epoch` grows with
     every change; `paused` is the pause's mode, "" when generating. The worker applies it (holds new engine
-    calls, treats those in flight as the mode says) and reports in its next beats (`Heartbeat.generation`)."""
+    calls, treats those in flight as the mode says) and reports in its next beats (`Heartbeat.generation`).
+
+    `engine_pausers`, when the engines' own pause is used (mode keep, and the resume that ends it), are the workers
+    that call it, in order: the i-th pauses, and at the resume resumes, the engine replicas whose index in its
+    --engine-url list is i modulo their number, so each replica is called once. Told again, same epoch, when that
+    list changes during the pause (a worker lost: another takes its replicas)."""
 
     TAG: ClassVar[str] = "generation_changed"
     epoch: int
     paused: str
     weight_version: int = -1  # the policy version in force: what a turn held through the pause samples under
+    engine_pausers: list[str] = field(default_factory=list)

@@ -133,6 +133,7 @@ class Backplane:
         )
         self.metrics = metrics if metrics is not None else WorkerMetrics()  # the commits' latency goes there
         self.generation = GenerationGate()  # the pause as the broker tells it
+        self.generation.worker_id = self.worker_id
 
     def start(self, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
         """Start reading replies, and the heartbeats, each carrying `snapshot()` (this worker's metrics)."""
@@ -175,7 +176,7 @@ class Backplane:
         if isinstance(message, protocol.SessionsEnded):
             self._sessions_ended(message.session_ids)
         elif isinstance(message, protocol.GenerationChanged):
-            self.generation.apply(message.epoch, message.paused, message.weight_version, told=True)
+            self.generation.apply(message.epoch, message.paused, message.weight_version, True, message.engine_pausers)
 
     def _told_elsewhere(self, message: protocol.BrokerToWorker) -> None:
         """The heartbeat thread's `on_answer`: hands it to the event loop, which owns the caches and the gate."""

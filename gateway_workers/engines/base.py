@@ -39,6 +39,7 @@ FinishReason = Literal["stop", "length"]
 FaultKind = Literal["status", "timeout", "connection", "error_event", "bad_answer", "incomplete"]
 
 ABORT_TIMEOUT_S = 2.0  # bound on the best-effort abort call sent when a generate is cancelled
+CONTROL_TIMEOUT_S = 30.0  # bound on one call of an engine's own pause or resume
 # A pause's abort of a generation is asked again this often, this many times, while the call runs.
 ABORT_AGAIN_S = 0.1
 ABORT_TRIES = 20
@@ -92,6 +93,9 @@ def shared_sampling(params: SamplingParams) -> Mapping[str, Any]:
     return params.more or {}
 
 
+UNKNOWN_VERSION = -2
+
+
 @dataclass(frozen=True, slots=True)
 class EngineResult:
     """One generation: the sampled ids, one logprob per id, and why it ended; `weight_version`: the weights the
@@ -102,7 +106,8 @@ class EngineResult:
     finish_reason: FinishReason
     weight_version: str | None = None
     # The policy version each sampled id was sampled under, as runs of (version, count), when a pause decided it
-    # (the turn waited for a resume); empty: the version its turn opened with, throughout.
+    # (the turn waited for a resume); empty: the version its turn opened with, throughout. UNKNOWN_VERSION: ids an
+    # engine pause held whose version the engine does not say.
     weight_versions: tuple[tuple[int, int], ...] = ()
 
 
@@ -144,6 +149,16 @@ class Engine(Protocol):
         """Stop the generation `request_id` (in flight on this engine object) at the engine: its pending call then
         raises `EngineAborted` with what it sampled. Best effort: a failed request is logged, and the call then
         ends as it would have."""
+        ...
+
+    async def pause_replica(self, replica: str) -> None:
+        """The engine's own pause on `replica` (vLLM `/pause?mode=keep`, SGLang `in_place`): its generations stay
+        where they are, KV cache and all, until `resume_replica`. Raises EngineError when it does not answer."""
+        ...
+
+    async def resume_replica(self, replica: str, weight_version: int | None) -> None:
+        """End `pause_replica`; `weight_version`, when the pause changed it, is told first where the engine reports
+        one per output (SGLang's, so each chunk after the resume names the new version)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -277,6 +292,22 @@ class HttpEngineBase:
     def abort_request(self, base: str, request_id: str) -> tuple[str, dict[str, Any]]:
         """The URL and body that ask the engine to stop a generation (each backend's own)."""
         raise NotImplementedError
+
+    def pause_requests(self, base: str) -> list[tuple[str, dict[str, Any]]]:
+        """The URLs and bodies, in order, of the engine's own pause (each backend's own)."""
+        raise NotImplementedError
+
+    def resume_requests(self, base: str, weight_version: int | None) -> list[tuple[str, dict[str, Any]]]:
+        """The URLs and bodies, in order, that end it (each backend's own)."""
+        raise NotImplementedError
+
+    async def pause_replica(self, replica: str) -> None:
+        for url, body in self.pause_requests(replica):
+            await self.post(url, body, {}, timeout=CONTROL_TIMEOUT_S)
+
+    async def resume_replica(self, replica: str, weight_version: int | None) -> None:
+        for url, body in self.resume_requests(replica, weight_version):
+            await self.post(url, body, {}, timeout=CONTROL_TIMEOUT_S)
 
     def settled(self, request_id: str) -> None:
         """A call `abort` could stop (in `in_flight` from its start) is over."""

@@ -76,6 +76,7 @@ class MockEngine:
         self.faults: Counter[tuple[str, FaultKind]] = Counter()  # the mock never fails: always empty
         self.replicas: tuple[str, ...] = ()
         self._stops: dict[str, asyncio.Event] = {}  # generations in flight, set when `abort` stops one
+        self._running: asyncio.Event | None = None  # cleared while paused (`pause_replica`); made on first use
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
@@ -93,6 +94,8 @@ class MockEngine:
                 done = (time.monotonic() - started - self._config.mock_delay_s) / per_token if per_token else 0
                 n = min(max(int(done), 0), len(result.output_ids))
                 raise EngineAborted(result.output_ids[:n], result.logprobs[:n])
+        if self._running is not None:  # its own pause holds a whole generation before its answer
+            await self._running.wait()
         return result
 
     async def stream(
@@ -107,6 +110,8 @@ class MockEngine:
             for i, (token, logprob) in enumerate(zip(result.output_ids, result.logprobs, strict=True)):
                 if self._config.mock_per_token_s > 0 and await _stopped(stop, self._config.mock_per_token_s):
                     raise EngineAborted([], [])
+                if self._running is not None:  # its own pause holds it at its next token
+                    await self._running.wait()
                 yield EngineChunk([token], [logprob], result.finish_reason if i == last else None)
             if last < 0:
                 yield EngineChunk([], [], result.finish_reason)
@@ -124,6 +129,15 @@ class MockEngine:
         stop = self._stops.get(request_id)
         if stop is not None:
             stop.set()
+
+    async def pause_replica(self, replica: str) -> None:
+        if self._running is None:
+            self._running = asyncio.Event()
+        self._running.clear()
+
+    async def resume_replica(self, replica: str, weight_version: int | None) -> None:
+        if self._running is not None:
+            self._running.set()
 
     def forget_sessions(self, sessions: list[str]) -> None:
         pass  # it keeps nothing per session

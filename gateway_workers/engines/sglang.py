@@ -15,7 +15,11 @@ or a stream closed or failed before its finish, sends {"rid"} to /abort_request 
 empty 200) with its own short bound, shielded so the cancellation cannot skip it; a failed abort is
 logged. A generation SGLang aborted itself (finish reason `abort`, with its message) or one without a
 finish reason is an EngineError; every failed call is counted against its replica (`faults`). One we asked it
-to stop (`abort`, the same /abort_request) answers with what it sampled: `EngineAborted`.
+to stop (`abort`, the same /abort_request) answers with what it sampled: `EngineAborted`. Its own pause
+(`POST /pause_generation {"mode": "in_place"}`, io_struct `PauseGenerationReqInput`) holds the running requests
+with their KV cache until `POST /continue_generation`; a resume that changed the weight version first sets it with
+`POST /update_weight_version {"new_version", "abort_all_requests": false}` (left out, some versions abort every
+request), so each output processed after it reports the new version in `meta_info.weight_version`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort_request"
+PAUSE_PATH = "/pause_generation"
+CONTINUE_PATH = "/continue_generation"
+VERSION_PATH = "/update_weight_version"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 _ENTRY = frozenset([list, tuple])  # [logprob, token_id, text]
 _REASON_SNIPPET = 200  # characters of an engine's finish reason quoted in our error
@@ -74,6 +81,15 @@ class SglangEngine(HttpEngineBase):
 
     def abort_request(self, base: str, request_id: str) -> tuple[str, dict[str, Any]]:
         return base + ABORT_PATH, {"rid": request_id}
+
+    def pause_requests(self, base: str) -> list[tuple[str, dict[str, Any]]]:
+        return [(base + PAUSE_PATH, {"mode": "in_place"})]
+
+    def resume_requests(self, base: str, weight_version: int | None) -> list[tuple[str, dict[str, Any]]]:
+        told = [] if weight_version is None else [
+            (base + VERSION_PATH, {"new_version": str(weight_version), "abort_all_requests": False})
+        ]  # fmt: skip
+        return [*told, (base + CONTINUE_PATH, {})]
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""

@@ -15,7 +15,10 @@ connection (a cancelled `generate`, a closed stream, a failed one) aborts the re
 carries our id, which vLLM prefers. A generation vLLM aborted (finish reason `abort`, or a stream
 without one) is an EngineError; every failed call is counted against its replica (`faults`). One we asked it
 to stop (`abort`: `POST /abort_requests {"request_ids": ["generate-tokens-<our id>"]}`, a route of vLLM's RLHF
-dev mode, `entrypoints/serve/dev/rlhf/api_router.py`) answers with what it sampled: `EngineAborted`.
+dev mode, `entrypoints/serve/dev/rlhf/api_router.py`) answers with what it sampled: `EngineAborted`. The same
+routes pause and resume the engine (`POST /pause?mode=keep`: the scheduler stops, its requests frozen in place,
+answered once it has; `POST /resume`); vLLM reports no weight version, so the tokens of a generation held across
+such a pause cannot be told apart by version (`turns.gated_engine` flags them).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from gateway_workers.engines.base import (
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
-ABORT_PATH = "/abort_requests"  # vLLM's RLHF dev routes (VLLM_SERVER_DEV_MODE=1), beside /pause and /resume
+ABORT_PATH = "/abort_requests"  # vLLM's RLHF dev routes (VLLM_SERVER_DEV_MODE=1), as are these two
+PAUSE_PATH = "/pause?mode=keep"
+RESUME_PATH = "/resume"
 REQUEST_ID_PREFIX = "generate-tokens-"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 _REASON_SNIPPET = 200  # characters of an engine's finish reason quoted in our error
@@ -69,6 +74,12 @@ class VllmEngine(HttpEngineBase):
     def abort_request(self, base: str, request_id: str) -> tuple[str, dict[str, Any]]:
         # vLLM names a tokens request after our X-Request-Id (`serving_tokens`), and aborts external ids.
         return base + ABORT_PATH, {"request_ids": [f"{REQUEST_ID_PREFIX}{request_id}"]}
+
+    def pause_requests(self, base: str) -> list[tuple[str, dict[str, Any]]]:
+        return [(base + PAUSE_PATH, {})]
+
+    def resume_requests(self, base: str, weight_version: int | None) -> list[tuple[str, dict[str, Any]]]:
+        return [(base + RESUME_PATH, {})]
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""

@@ -14,6 +14,15 @@ part's call began), since the rest was sampled after the update; it is left empt
 nor was stopped, whose tokens carry the version its turn opened with. The rest is sampled after exactly prompt +
 the tokens kept, so the fidelity rule holds as for any turn. (A stop string that would span the two parts is not
 seen by the engine: each part's own stop strings apply.)
+
+A pause in mode keep leaves the calls in flight to the engines' own pause (`capture.generation`): they stop
+sampling where they are and go on at the resume, under the new weights. Which of their tokens are old is known
+this way: nothing is sampled while the engines are paused, and no engine is resumed before every worker applied
+the pause (the trainer's pause returns only then), so every token this worker received before it applied the
+pause is old. Of those received after it, each SGLang stream output says the version it was sampled under (the
+resume sets it: `engines.sglang`); vLLM's say nothing, nor does a whole generation's answer of its tokens but
+the last, so those are flagged unknown (`UNKNOWN_VERSION`, unless the resume left the version as it was) rather
+than guessed. A call that ends while the engines are still paused waits for the resume to know it.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 
 from gateway_workers.capture.generation import GenerationGate, HoldTimeout
 from gateway_workers.engines.base import (
+    UNKNOWN_VERSION,
     Engine,
     EngineAborted,
     EngineChunk,
@@ -61,6 +71,10 @@ class _Kept:
         else:
             self.runs.append((version, n))
 
+    def extend(self, ids: list[int], logprobs: list[float]) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+
     def prompt(self, prompt_ids: Sequence[int]) -> Sequence[int]:
         if not self.ids:
             return prompt_ids
@@ -78,6 +92,7 @@ class GatedEngine:
         self.replicas: tuple[str, ...] = engine.replicas
         self._stopped: set[str] = set()  # parts a pause stopped, while they are in flight
         gate.stop = self._stop
+        gate.replicas, gate.pause_engine, gate.resume_engine = engine.replicas, self.pause_replica, self.resume_replica
 
     def forget_sessions(self, sessions: list[str]) -> None:
         self.engine.forget_sessions(sessions)
@@ -87,6 +102,12 @@ class GatedEngine:
 
     async def abort(self, request_id: str, *, session_id: str, replica: str = "") -> None:
         await self.engine.abort(request_id, session_id=session_id, replica=replica)
+
+    async def pause_replica(self, replica: str) -> None:
+        await self.engine.pause_replica(replica)
+
+    async def resume_replica(self, replica: str, weight_version: int | None) -> None:
+        await self.engine.resume_replica(replica, weight_version)
 
     async def _enter(self) -> tuple[int, bool]:
         """Pass the gate: (the version in force, whether the call waited for a resume)."""
@@ -113,19 +134,34 @@ class GatedEngine:
         self._stopped.discard(part)
         self.gate.leave()
 
+    async def _held_by_engine(
+        self, kept: _Kept, version: int, before: int, after: list[tuple[str | None, int]], whole: bool = False
+    ) -> None:
+        """Count the versions of a part an engine pause held: `before` tokens received before this worker applied
+        the pause (old), then `after`, as (the version the engine said, tokens) per output received since (a
+        `whole` generation's says only its last token's)."""
+        kept.counted(version, before)
+        gate = self.gate
+        if gate.paused == "keep":  # the resume's version is not known yet
+            await gate.resumed(self.hold_s)
+        end = gate.weight_version if gate.paused != "keep" else None
+        for said, n in after:
+            kept.counted(_sampled_under(said, version, end, whole), n)
+
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
-        kept, held = _Kept(), False
+        kept, held, gate = _Kept(), False, self.gate
         for n in range(MAX_PARTS):
             version, waited = await self._enter()
             held = held or waited
             left = params.max_tokens - len(kept.ids)
             if left <= 0:  # stopped right at its last token: nothing left to sample
-                self.gate.leave()
+                gate.leave()
                 return EngineResult(kept.ids, kept.logprobs, "length", weight_versions=tuple(kept.runs))
             part = request_id if n == 0 else f"{request_id}-{n}"
-            self.gate.stoppers[part] = (session_id, replica)
+            gate.stoppers[part] = (session_id, replica)
+            keeps = gate.keep_pauses
             try:
                 result = await self.engine.generate(
                     kept.prompt(prompt_ids), dataclasses.replace(params, max_tokens=left) if kept.ids else params,
@@ -133,13 +169,18 @@ class GatedEngine:
                 )  # fmt: skip
             except EngineAborted as e:
                 kept.add(version, e.output_ids, e.logprobs)
-                self.gate.kept(len(e.output_ids))
+                gate.kept(len(e.output_ids))
                 continue
             finally:
                 self._left(part)
-            if not held and not kept.ids:
+            if gate.keep_pauses != keeps:  # an engine pause held it: which tokens came before is not known
+                said = [(result.weight_version, len(result.output_ids))]
+                await self._held_by_engine(kept, version, 0, said, whole=True)
+                kept.extend(result.output_ids, result.logprobs)
+            elif not held and not kept.ids:
                 return result  # neither waited nor stopped: untouched
-            kept.add(version, result.output_ids, result.logprobs)
+            else:
+                kept.add(version, result.output_ids, result.logprobs)
             return EngineResult(kept.ids, kept.logprobs, result.finish_reason, result.weight_version,
                                 tuple(kept.runs))  # fmt: skip
         raise too_many_parts()
@@ -147,19 +188,20 @@ class GatedEngine:
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]:
-        kept, held = _Kept(), False
+        kept, held, gate = _Kept(), False, self.gate
         for n in range(MAX_PARTS):
             version, waited = await self._enter()
             held = held or waited
             left = params.max_tokens - len(kept.ids)
             if left <= 0:
-                self.gate.leave()
+                gate.leave()
                 yield EngineChunk([], [], "length", weight_versions=tuple(kept.runs))
                 return
             part = request_id if n == 0 else f"{request_id}-{n}"
-            self.gate.stoppers[part] = (session_id, replica)
+            gate.stoppers[part] = (session_id, replica)
             ids, logprobs, stopped_parts = kept.ids, kept.logprobs, self._stopped
-            sampled, stopped = len(ids), None
+            sampled, stopped, keeps = len(ids), None, gate.keep_pauses
+            before, after = 0, None  # an engine pause: this part's tokens received before it, and the outputs since
             try:
                 chunks = self.engine.stream(
                     kept.prompt(prompt_ids), dataclasses.replace(params, max_tokens=left) if ids else params,
@@ -169,8 +211,15 @@ class GatedEngine:
                     # Read to the engine stream's own end, past the finish (its trailer: usage, [DONE]), so its
                     # connection goes back to the pool.
                     async for chunk in opened:
+                        if gate.keep_pauses != keeps:
+                            if after is None:
+                                before, after = len(ids) - sampled, []
+                            after.append((chunk.weight_version, len(chunk.output_ids)))
                         if chunk.finish_reason is not None:
-                            if held or kept.runs:
+                            if after is not None:
+                                await self._held_by_engine(kept, version, before, after)
+                                chunk = dataclasses.replace(chunk, weight_versions=tuple(kept.runs))
+                            elif held or kept.runs:
                                 kept.counted(version, len(ids) + len(chunk.output_ids) - sampled)
                                 chunk = dataclasses.replace(chunk, weight_versions=tuple(kept.runs))
                             yield chunk
@@ -182,15 +231,35 @@ class GatedEngine:
                             raise EngineAborted([], [])
                 return  # finished: a backend raises for a stream that ends without a finish
             except EngineAborted as e:
-                kept.counted(version, len(ids) - sampled)
-                kept.add(version, e.output_ids, e.logprobs)
-                self.gate.kept(len(ids) - sampled)
+                if after is not None:  # held by an engine pause, then stopped by a pause in mode abort
+                    await self._held_by_engine(kept, version, before, [*after, (None, len(e.output_ids))])
+                else:
+                    kept.counted(version, len(ids) - sampled + len(e.output_ids))
+                kept.extend(e.output_ids, e.logprobs)
+                gate.kept(len(ids) - sampled)
                 stopped = EngineChunk(e.output_ids, e.logprobs) if e.output_ids else None
             finally:
                 self._left(part)
             if stopped is not None:
                 yield stopped  # what the engine sampled and had not streamed: the agent sees it too
         raise too_many_parts()
+
+
+def _sampled_under(said: str | None, version: int, end: int | None, whole: bool) -> int:
+    """The policy version of tokens an engine pause held, sampled under `version` or after the resume to `end`
+    (None: not known yet), from the version the engine said (SGLang: as the resume set it) of them all, or of the
+    last of them (`whole`: a later version than `version` leaves the split unknown)."""
+    if end == version:
+        return version
+    if said is None or end is None:
+        return UNKNOWN_VERSION
+    try:
+        told = int(said)
+    except ValueError:
+        return version  # not one a resume set: from before it
+    if not version < told <= end:
+        return version
+    return UNKNOWN_VERSION if whole else told
 
 
 # A call stopped by this many pauses in a row gives up (a trainer pausing in a loop must not hold it forever).

@@ -27,6 +27,7 @@ from broker.protocol import session_tag
 from gateway_workers.capture.backplane import Backplane, BrokerUnavailable, TurnRefused
 from gateway_workers.engines.base import (
     SHARED_SAMPLING,
+    UNKNOWN_VERSION,
     Engine,
     EngineError,
     EngineResult,
@@ -98,8 +99,12 @@ def _with_engine_version(flags: dict[str, Any], result: EngineResult) -> dict[st
     if result.weight_version is not None:
         flags["engine_weight_version"] = result.weight_version
     if result.weight_versions:
-        flags["weight_version"] = result.weight_versions[-1][0]
-        flags["weight_versions"] = [list(run) for run in result.weight_versions]
+        known = [version for version, _ in result.weight_versions if version != UNKNOWN_VERSION]
+        if known:
+            flags["weight_version"] = known[-1]
+        if len(known) < len(result.weight_versions):  # the engine could not say: -1, flagged, never guessed
+            flags["weight_versions_unknown"] = True
+        flags["weight_versions"] = [[max(version, -1), n] for version, n in result.weight_versions]
     return flags
 
 class TurnPipeline:

@@ -22,7 +22,7 @@ TOKEN_S = 0.01
 def _gated(tokenizer: Any) -> tuple[GatedEngine, GenerationGate, MockEngine]:
     mock = MockEngine(EngineConfig(kind="mock", mock_per_token_s=TOKEN_S, mock_output_tokens=20), tokenizer)
     gate = GenerationGate()
-    gate.apply(1, "", 3)  # generating under version 3
+    gate.apply(1, "", 3, told=True)  # generating under version 3
     return GatedEngine(mock, gate, hold_s=10.0), gate, mock
 
 
@@ -32,14 +32,14 @@ def test_an_abort_pause_splits_a_whole_generation_into_kept_tokens_and_the_rest(
 
     async def run() -> Any:
         plain = await gated.generate(prompt, PARAMS, session_id="s", request_id="plain")
-        assert plain.weight_versions == () and gate.report() == [1, 0, 0, 0]  # untouched
+        assert plain.weight_versions == () and gate.report() == [1, 0, 0, 0, 0]  # untouched
         call = asyncio.ensure_future(gated.generate(prompt, PARAMS, session_id="s", request_id="r"))
         await asyncio.sleep(6 * TOKEN_S)
-        gate.apply(2, "abort", -1)
+        gate.apply(2, "abort", -1, told=True)
         await asyncio.sleep(0.05)
         assert gate.engine_calls == 0 and gate.turns_held == 1 and gate.tokens_kept > 0 and not call.done()
         kept = gate.tokens_kept
-        gate.apply(3, "", 4)
+        gate.apply(3, "", 4, told=True)
         return await call, kept
 
     result, kept = asyncio.run(run())
@@ -59,8 +59,8 @@ def test_an_abort_pause_stops_a_stream_whose_chunks_go_on_after_the_resume(built
         async for chunk in gated.stream(prompt, PARAMS, session_id="s", request_id="r"):
             chunks.append(chunk)
             if sum(len(c.output_ids) for c in chunks) == 5:
-                gate.apply(2, "abort", -1)
-                asyncio.get_running_loop().call_later(0.05, gate.apply, 3, "", 4)
+                gate.apply(2, "abort", -1, told=True)
+                asyncio.get_running_loop().call_later(0.05, gate.apply, 3, "", 4, True)
         return chunks
 
     chunks = asyncio.run(run())
@@ -70,7 +70,7 @@ def test_an_abort_pause_stops_a_stream_whose_chunks_go_on_after_the_resume(built
     assert ids == partial + rest.output_ids  # the agent's deltas go on where they stopped
     assert [c.finish_reason for c in chunks].count(None) == len(chunks) - 1
     assert chunks[-1].weight_versions == ((3, 5), (4, len(rest.output_ids)))
-    assert gate.report() == [3, 0, 0, 5]
+    assert gate.report() == [3, 0, 0, 5, 0]
 
 
 class _TrailedEngine:
@@ -91,7 +91,7 @@ class _TrailedEngine:
 def test_a_plain_stream_is_untouched_and_read_to_its_trailer() -> None:
     inner = _TrailedEngine()
     gate = GenerationGate()
-    gate.apply(1, "", 3)
+    gate.apply(1, "", 3, told=True)
     gated = GatedEngine(inner, gate, hold_s=1.0)  # type: ignore[arg-type]
 
     async def run() -> list[Any]:
@@ -100,4 +100,4 @@ def test_a_plain_stream_is_untouched_and_read_to_its_trailer() -> None:
 
     chunks = asyncio.run(run())
     assert [c.output_ids for c in chunks] == [[1, 2], [3]] and chunks[-1].weight_versions == ()
-    assert inner.trailer_read and gate.report() == [1, 0, 0, 0]
+    assert inner.trailer_read and gate.report() == [1, 0, 0, 0, 0]

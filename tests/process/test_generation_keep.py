@@ -1,0 +1,110 @@
+"""A pause in mode keep through a real `serve` (2 workers, 2 fake replicas of vLLM, then of SGLang) with the
+official SDKs in all three dialects, streamed and not, as agents.
+
+`pause_generation("keep")` calls each replica's own pause exactly once (vLLM `/pause?mode=keep`, SGLang
+`/pause_generation {"mode": "in_place"}`) and returns once each answered, with the generations in flight still
+held inside the engines; nothing is sampled and no engine call is made until the resume, which sets SGLang's
+version (without aborting anything) and resumes each replica once. Every agent gets its one reply, every turn
+is one turn with exact fidelity, and each token's version is the one the fake engine sampled it under: exact on
+SGLang, which says so per output; on vLLM, which does not, the tokens after the pause are -1 and the row is
+flagged, never given a guessed version.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from assets import FakeEngine, wait_until
+from dialects import fake_policy
+from processes import launch_gateway
+from test_generation_pause import _ask, _held
+
+from gateway_workers.engines.routing import routing_key
+
+TOKEN_S = 0.04  # the engines' pace: the pause catches every generation a few tokens in
+KINDS = [(dialect, stream) for dialect in ("chat", "messages", "responses") for stream in (False, True)]
+OLD, NEW = 4, 5
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def keep_gateway(request: Any, qwen3_tokenizer_dir: str) -> Any:
+    extra = ["--log-level", "warning"]
+    with FakeEngine(qwen3_tokenizer_dir) as e1, FakeEngine(qwen3_tokenizer_dir) as e2, launch_gateway(
+        workers=2, engine_kind=request.param, engine_urls=[e1.url, e2.url], tokenizer=qwen3_tokenizer_dir,
+        extra_args=extra,
+    ) as gw:  # fmt: skip
+        yield gw, (e1, e2), request.param
+
+
+def _log(engines: tuple[FakeEngine, ...], sid: str) -> dict[str, list[dict[str, Any]]]:
+    """Both replicas' logs for one session (it is routed to one of them)."""
+    logs = [engine.log(routing_key(sid)) for engine in engines]
+    return {part: [entry for log in logs for entry in log[part]] for part in ("requests", "sampled")}
+
+
+def _sampled(engines: tuple[FakeEngine, ...]) -> int:
+    return sum(len(s["resumes"]) for engine in engines for s in engine.log()["sampled"])
+
+
+def test_a_keep_pause_holds_generations_in_the_engines_and_versions_each_token_as_the_engine_can_tell(
+    keep_gateway: Any, qwen3_tokenizer_dir: str
+) -> None:
+    gw, engines, kind = keep_gateway
+    client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
+    client.set_weight_version(OLD)
+    sids, held = [client.open_session() for _ in KINDS], [client.open_session() for _ in KINDS]
+    for engine in engines:
+        engine.configure(reset=True)
+        for sid in sids:
+            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    with ThreadPoolExecutor(2 * len(KINDS)) as pool:
+        asked = zip(sids, KINDS, strict=True)
+        replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
+        assert wait_until(lambda: all(len(_log(engines, sid)["requests"]) == 1 for sid in sids), 10)
+        time.sleep(6 * TOKEN_S)
+        started = time.monotonic()
+        report = client.pause_generation("keep", timeout=10)
+        assert time.monotonic() - started < 1.0  # the engines' pauses answered: nothing waited to finish
+        assert (report.mode, report.workers, report.engine_calls) == ("keep", 2, len(KINDS))  # held in the engines
+        controls = [engine.log()["controls"] for engine in engines]
+        mode = "keep" if kind == "vllm" else "in_place"
+        assert [[(c["call"], c["mode"]) for c in log] for log in controls] == [[("pause", mode)]] * 2  # once each
+        sampled = _sampled(engines)
+        asked = zip(held, KINDS, strict=True)
+        later = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
+        assert wait_until(lambda: _held(gw) == len(KINDS), 10)
+        time.sleep(10 * TOKEN_S)
+        assert _sampled(engines) == sampled  # nothing sampled while paused
+        assert all(not _log(engines, sid)["requests"] for sid in held)  # and no engine call made
+        assert not any(f.done() for f in replies + later)
+        assert client.resume_generation(weight_version=NEW)
+        assert all(f.result(timeout=60) for f in replies + later)  # 0 agent errors
+    for log in (engine.log()["controls"] for engine in engines):
+        calls = [(c["call"], c.get("version"), c.get("aborted")) for c in log[1:]]
+        assert calls == ([("resume", None, None)] if kind == "vllm" else [("version", str(NEW), False),
+                                                                          ("resume", None, None)])  # fmt: skip
+    unknown = 0
+    for sid, (_, stream) in zip(sids, KINDS, strict=True):
+        log = _log(engines, sid)
+        (request,), (sampling,) = log["requests"], log["sampled"]  # one engine call: held, never resubmitted
+        body, params = request["body"], request["body"]["sampling_params"]
+        prompt = body.get("token_ids") or body["input_ids"]
+        ids, logprobs, _ = policy(prompt, params.get("max_tokens", params.get("max_new_tokens")))
+        (record,) = client.finish_session(sid, wait_timeout=10)  # one turn, one row
+        assert record.token_ids == prompt + ids and record.logprobs == pytest.approx(logprobs, abs=0)
+        truth = [OLD if resumes == 0 else NEW for resumes in sampling["resumes"]]
+        assert len(truth) == len(ids) and OLD in truth and NEW in truth  # held across the update
+        said = record.weight_versions
+        assert all(v in (t, -1) for v, t in zip(said, truth, strict=True)), (said, truth)  # never a wrong one
+        assert (-1 in said) == bool(record.metadata.get("weight_versions_unknown"))  # flagged where unknown
+        unknown += said.count(-1)
+        if kind == "sglang" and stream:
+            assert said == truth  # SGLang says which version each streamed output came from: exact
+    if kind == "vllm":
+        assert unknown > 0  # vLLM cannot say: flagged rather than guessed
+    for sid in held:
+        (record,) = client.finish_session(sid, wait_timeout=10)
+        assert set(record.weight_versions) == {NEW} and "weight_versions_unknown" not in record.metadata
