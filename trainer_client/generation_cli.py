@@ -27,7 +27,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
     if command == "pause":
         parser.add_argument("--mode", required=True, choices=protocol.PAUSE_MODES,
                             help="what becomes of the generations in flight: wait lets them finish, abort stops "
-                            "them and keeps their tokens for the resume")
+                            "them and keeps their tokens for the resume, keep uses the engines' own pause")
         parser.add_argument("--timeout", type=float, default=DEFAULT_PAUSE_TIMEOUT_S, metavar="S",
                             help="seconds to wait for the workers to go idle (default %(default)s)")
     else:
