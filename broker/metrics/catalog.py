@@ -116,6 +116,9 @@ WORKER_METRICS = _catalog(
            "(all of them), timed_out (held past --pause-hold-s: a 503)", ("outcome",)),
     Metric("pause_stops", "counter", "generations a pause in mode abort stopped at the engine"),
     Metric("pause_tokens_kept", "counter", "tokens those generations had sampled, kept for the resume"),
+    Metric("pause_resubmits", "counter", "engine calls that asked for the rest of a generation a pause stopped (or "
+           "whose replica died): per stopped generation, the resubmits per turn"),
+    Metric("pause_failovers", "counter", "generations a pause held that went on at another replica, theirs dead"),
 )
 
 # By the key of `BrokerServer.stats()`: the metric it is a sample of, and that sample's label values.

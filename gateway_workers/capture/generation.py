@@ -45,7 +45,9 @@ class GenerationGate:
         self.engine_calls = 0
         self.turns_held = 0
         self.tokens_kept = 0
-        self.counters = {"pauses_applied": 0, "held": 0, "hold_timeouts": 0, "stopped": 0, "tokens_kept": 0}
+        self.counters = dict.fromkeys(
+            ("pauses_applied", "held", "hold_timeouts", "stopped", "tokens_kept", "resubmits", "failovers"), 0
+        )
         self._open: asyncio.Event | None = None  # set while generating; made on the loop's thread
         self.beat_soon: Callable[[], None] = lambda: None  # set by the backplane: a beat now
         # The engine calls in flight, by engine request id: (session id, replica), what `stop` (set by the gated

@@ -23,12 +23,17 @@ pause is old. Of those received after it, each SGLang stream output says the ver
 resume sets it: `engines.sglang`); vLLM's say nothing, nor does a whole generation's answer of its tokens but
 the last, so those are flagged unknown (`UNKNOWN_VERSION`, unless the resume left the version as it was) rather
 than guessed. A call that ends while the engines are still paused waits for the resume to know it.
+
+A replica that dies during a pause (its connection fails) does not fail the calls the pause touched (held at
+the gate, stopped, or held by the engine): each keeps what it received and asks another replica for the rest,
+after the resume; with none left, the engine's error stands (a 502).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -40,11 +45,15 @@ from gateway_workers.engines.base import (
     Engine,
     EngineAborted,
     EngineChunk,
+    EngineError,
     EngineResult,
     FaultKind,
     SamplingParams,
 )
+from gateway_workers.engines.routing import choose_replica, routing_key
 from gateway_workers.http.errors import ApiError
+
+logger = logging.getLogger(__name__)
 
 # A held turn's 503 asks the agent's SDK to come back this soon: the pause may end any moment.
 PAUSE_RETRY_AFTER_S = 2
@@ -129,6 +138,21 @@ class GatedEngine:
         self._stopped.add(part)  # a stream stops at its next chunk even if the engine never heard of it yet
         await self.engine.abort(part, session_id=session_id, replica=replica)
 
+    def _elsewhere(self, e: EngineError, session_id: str, replica: str, dead: set[str], touched: bool) -> str:
+        """The replica a call the pause `touched` goes on at, now that its own failed with `e`; raises `e` when the
+        call was not touched, the replica did not die (its connection failed), or none is left."""
+        if not touched or e.kind != "connection" or not self.replicas:
+            raise e
+        key = routing_key(session_id)
+        dead.add(replica or choose_replica(self.replicas, key))
+        left = [r for r in self.replicas if r not in dead]
+        if not left:
+            raise e
+        moved = choose_replica(left, key)
+        self.gate.counters["failovers"] += 1
+        logger.warning("a generation held by the pause lost its engine replica (%s); it goes on at %s", e, moved)
+        return moved
+
     def _left(self, part: str) -> None:
         self.gate.stoppers.pop(part, None)
         self._stopped.discard(part)
@@ -151,7 +175,7 @@ class GatedEngine:
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> EngineResult:
-        kept, held, gate = _Kept(), False, self.gate
+        kept, held, gate, dead = _Kept(), False, self.gate, set[str]()
         for n in range(MAX_PARTS):
             version, waited = await self._enter()
             held = held or waited
@@ -161,6 +185,7 @@ class GatedEngine:
                 return EngineResult(kept.ids, kept.logprobs, "length", weight_versions=tuple(kept.runs))
             part = request_id if n == 0 else f"{request_id}-{n}"
             gate.stoppers[part] = (session_id, replica)
+            gate.counters["resubmits"] += n > 0
             keeps = gate.keep_pauses
             try:
                 result = await self.engine.generate(
@@ -170,6 +195,9 @@ class GatedEngine:
             except EngineAborted as e:
                 kept.add(version, e.output_ids, e.logprobs)
                 gate.kept(len(e.output_ids))
+                continue
+            except EngineError as e:  # nothing of a whole generation arrived: it is sampled again elsewhere
+                replica = self._elsewhere(e, session_id, replica, dead, held or n > 0 or gate.keep_pauses != keeps)
                 continue
             finally:
                 self._left(part)
@@ -188,7 +216,7 @@ class GatedEngine:
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]:
-        kept, held, gate = _Kept(), False, self.gate
+        kept, held, gate, dead = _Kept(), False, self.gate, set[str]()
         for n in range(MAX_PARTS):
             version, waited = await self._enter()
             held = held or waited
@@ -199,6 +227,7 @@ class GatedEngine:
                 return
             part = request_id if n == 0 else f"{request_id}-{n}"
             gate.stoppers[part] = (session_id, replica)
+            gate.counters["resubmits"] += n > 0
             ids, logprobs, stopped_parts = kept.ids, kept.logprobs, self._stopped
             sampled, stopped, keeps = len(ids), None, gate.keep_pauses
             before, after = 0, None  # an engine pause: this part's tokens received before it, and the outputs since
@@ -230,7 +259,11 @@ class GatedEngine:
                         if part in stopped_parts:  # closed here: the engine stops (vLLM on the disconnect)
                             raise EngineAborted([], [])
                 return  # finished: a backend raises for a stream that ends without a finish
-            except EngineAborted as e:
+            except (EngineAborted, EngineError) as e:
+                if isinstance(e, EngineError):  # what it streamed is kept; the rest comes from another replica
+                    touched = held or n > 0 or gate.keep_pauses != keeps
+                    replica = self._elsewhere(e, session_id, replica, dead, touched)
+                    e = EngineAborted([], [])
                 if after is not None:  # held by an engine pause, then stopped by a pause in mode abort
                     await self._held_by_engine(kept, version, before, [*after, (None, len(e.output_ids))])
                 else:

@@ -284,6 +284,8 @@ class TurnPipeline:
             ["pause_holds", ["timed_out"], self.backplane.generation.counters["hold_timeouts"]],
             ["pause_stops", [], self.backplane.generation.counters["stopped"]],
             ["pause_tokens_kept", [], self.backplane.generation.counters["tokens_kept"]],
+            ["pause_resubmits", [], self.backplane.generation.counters["resubmits"]],
+            ["pause_failovers", [], self.backplane.generation.counters["failovers"]],
         ]
         gauges: list[list[Any]] = [
             ["worker_sessions_held", ["commit_bases"], len(self.backplane.bases)],

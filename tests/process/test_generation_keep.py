@@ -108,3 +108,46 @@ def test_a_keep_pause_holds_generations_in_the_engines_and_versions_each_token_a
     for sid in held:
         (record,) = client.finish_session(sid, wait_timeout=10)
         assert set(record.weight_versions) == {NEW} and "weight_versions_unknown" not in record.metadata
+
+
+def test_a_replica_killed_during_a_keep_pause_loses_no_turn_each_goes_on_at_the_other(
+    keep_gateway: Any, qwen3_tokenizer_dir: str
+) -> None:
+    gw, (dying, living), kind = keep_gateway
+    client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
+    sids, held = [client.open_session() for _ in KINDS], [client.open_session() for _ in KINDS]
+    for engine in (dying, living):
+        engine.configure(reset=True)
+        for sid in sids:
+            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    with ThreadPoolExecutor(2 * len(KINDS)) as pool:
+        asked = zip(sids, KINDS, strict=True)
+        replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
+        assert wait_until(lambda: all(len(_log((dying, living), sid)["requests"]) == 1 for sid in sids), 10)
+        time.sleep(6 * TOKEN_S)
+        client.pause_generation("keep", timeout=10)
+        on_dying = {sid: r[0]["body"] for sid in sids if (r := dying.log(routing_key(sid))["requests"])}
+        asked = zip(held, KINDS, strict=True)
+        later = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
+        assert wait_until(lambda: _held(gw) == len(KINDS), 10)
+        dying.process.kill()  # kill -9, its generations held inside it
+        dying.process.wait(10)
+        assert client.resume_generation(weight_version=NEW + 1)
+        assert all(f.result(timeout=60) for f in replies + later)  # 0 agent errors
+    assert on_dying and len(on_dying) < len(sids)  # some turns were on each replica
+    for sid in sids:
+        (request,) = living.log(routing_key(sid))["requests"]  # the rest, or all of it, from the replica left
+        (record,) = client.finish_session(sid, wait_timeout=10)  # one turn, one row
+        body, params = request["body"], request["body"]["sampling_params"]
+        prompt = body.get("token_ids") or body["input_ids"]
+        rest, _, _ = policy(prompt, params.get("max_tokens", params.get("max_new_tokens")))
+        assert record.token_ids == prompt + rest  # the replica left sampled after exactly what the row holds
+        if sid in on_dying:  # what the dead replica streamed before it died is kept, the rest asked for
+            first = on_dying[sid].get("token_ids") or on_dying[sid]["input_ids"]
+            partial = prompt[len(first) :]
+            assert prompt[: len(first)] == first
+            limit = on_dying[sid]["sampling_params"]
+            assert partial == policy(first, limit.get("max_tokens", limit.get("max_new_tokens")))[0][: len(partial)]
+    for sid in held:
+        (record,) = client.finish_session(sid, wait_timeout=10)
+        assert set(record.weight_versions) == {NEW + 1} and living.log(routing_key(sid))["requests"]
