@@ -20,6 +20,7 @@ from gateway_workers.adapters import request_fields
 from gateway_workers.adapters.anthropic_blocks import canonical_messages, clears, text_blocks
 from gateway_workers.adapters.base import no_history
 from gateway_workers.adapters.common import (
+    KEEPALIVE,
     BlockEvent,
     bad,
     block_events,
@@ -270,6 +271,8 @@ async def stream_events(live: LiveReply, request: MessagesRequest, model: str) -
                     else {"type": "text_delta", "text": event.text}
                 )
                 yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+            elif event.action == "keepalive":
+                yield KEEPALIVE
             else:
                 if event.kind == "reasoning":
                     delta = {"type": "signature_delta", "signature": SIGNATURE}

@@ -227,7 +227,7 @@ def sse(data: Any, event: str | None = None) -> bytes:
 class BlockEvent:
     """A block boundary or a piece of a block: what the Anthropic and Responses streams are made of."""
 
-    action: Literal["open", "delta", "close"]
+    action: Literal["open", "delta", "close", "keepalive"]
     index: int  # the block's position in the reply (an Anthropic content index, a Responses output index)
     kind: DeltaKind
     text: str = ""
@@ -235,11 +235,18 @@ class BlockEvent:
     call_index: int = 0  # a tool call's position among the reply's tool calls (its wire id)
 
 
+# What a stream sends while it waits: an SSE comment, which the official SDKs skip.
+KEEPALIVE = b": keep-alive\n\n"
+
+
 async def block_events(deltas: AsyncIterator[LiveDelta]) -> AsyncIterator[BlockEvent]:
     """Group deltas into blocks: consecutive text of one kind is one block; each tool call is its own."""
     index, calls = -1, 0
     open_kind: DeltaKind | None = None
     async for delta in deltas:
+        if delta.kind == "keepalive":
+            yield BlockEvent("keepalive", index, "keepalive")
+            continue
         if open_kind is not None and (delta.kind == "tool_call" or delta.kind != open_kind):
             yield BlockEvent("close", index, open_kind)
             open_kind = None

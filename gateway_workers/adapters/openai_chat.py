@@ -19,6 +19,7 @@ from gateway_workers.adapters import request_fields
 from gateway_workers.adapters.base import no_history
 from gateway_workers.adapters.chat_messages import canonical_message
 from gateway_workers.adapters.common import (
+    KEEPALIVE,
     OpenCalls,
     arguments_json,
     bad,
@@ -262,6 +263,8 @@ async def stream_events(live: LiveReply, chat: ChatRequest, model: str) -> Async
                 yield chunk({"reasoning_content": delta.text})
             elif delta.kind == "content":
                 yield chunk({"content": delta.text})
+            elif delta.kind == "keepalive":
+                yield KEEPALIVE
             else:
                 assert delta.call is not None
                 wire = _wire_call(live.turn_id, calls, delta.call, chat.toolset)

@@ -24,6 +24,7 @@ import orjson
 from broker.protocol import TurnFound
 from gateway_workers.adapters import request_fields
 from gateway_workers.adapters.common import (
+    KEEPALIVE,
     BlockEvent,
     arguments_json,
     bad,
@@ -327,6 +328,9 @@ async def stream_events(live: LiveReply, request: ResponsesRequest, model: str) 
     text = ""
     try:
         async for block in block_events(live.deltas()):
+            if block.action == "keepalive":
+                yield KEEPALIVE
+                continue
             ids = {"item_id": _item(block, turn_id, "", False, toolset)["id"], "output_index": block.index}
             if block.action == "open":
                 text = ""

@@ -66,7 +66,9 @@ class LiveSplitter(Protocol):
     def feed(self, text: str) -> list[LiveDelta]: ...
 
 
-DeltaKind = Literal["reasoning", "content", "tool_call"]
+# "keepalive": nothing new, while a stream waits (a pause holds it): the dialects send an SSE comment, so neither
+# the agent's SDK nor a proxy takes the quiet for a dead connection.
+DeltaKind = Literal["reasoning", "content", "tool_call", "keepalive"]
 
 
 @dataclass(frozen=True, slots=True)

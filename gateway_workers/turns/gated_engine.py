@@ -24,6 +24,10 @@ resume sets it: `engines.sglang`); vLLM's say nothing, nor does a whole generati
 the last, so those are flagged unknown (`UNKNOWN_VERSION`, unless the resume left the version as it was) rather
 than guessed. A call that ends while the engines are still paused waits for the resume to know it.
 
+A stream the agent has begun to receive is not cut by the hold bound: stopped by a pause, it waits for the
+resume as long as the pause lasts (up to `MAX_STARTED_HOLD_S`), yielding an empty chunk every `keepalive_s`,
+which the dialects send as an SSE comment, so the agent's SDK (its read timeout) and proxies keep it open.
+
 A replica that dies during a pause (its connection fails) does not fail the calls the pause touched (held at
 the gate, stopped, or held by the engine): each keeps what it received and asks another replica for the rest,
 after the resume; with none left, the engine's error stands (a 502).
@@ -31,6 +35,7 @@ after the resume; with none left, the engine's error stands (a 502).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -57,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 # A held turn's 503 asks the agent's SDK to come back this soon: the pause may end any moment.
 PAUSE_RETRY_AFTER_S = 2
+# A stream the agent has begun to receive, stopped by a pause, sends a keep-alive this often while it waits, for
+# at most this long (then the hold bound applies again).
+KEEPALIVE_S = 15.0
+MAX_STARTED_HOLD_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -95,8 +104,8 @@ class _Kept:
 class GatedEngine:
     """`engine`, its calls gated by `gate` (an `engines.base.Engine` itself)."""
 
-    def __init__(self, engine: Engine, gate: GenerationGate, hold_s: float) -> None:
-        self.engine, self.gate, self.hold_s = engine, gate, hold_s
+    def __init__(self, engine: Engine, gate: GenerationGate, hold_s: float, keepalive_s: float = KEEPALIVE_S) -> None:
+        self.engine, self.gate, self.hold_s, self.keepalive_s = engine, gate, hold_s, keepalive_s
         self.faults: Counter[tuple[str, FaultKind]] = engine.faults  # the same objects: counted by the engine
         self.replicas: tuple[str, ...] = engine.replicas
         self._stopped: set[str] = set()  # parts a pause stopped, while they are in flight
@@ -152,6 +161,20 @@ class GatedEngine:
         self.gate.counters["failovers"] += 1
         logger.warning("a generation held by the pause lost its engine replica (%s); it goes on at %s", e, moved)
         return moved
+
+    async def _kept_open(self) -> AsyncIterator[EngineChunk]:
+        """Wait for the resume, an empty chunk every `keepalive_s` (counted as a held turn meanwhile)."""
+        gate = self.gate
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MAX_STARTED_HOLD_S
+        gate.turns_held += 1
+        try:
+            while gate.paused and loop.time() < deadline:
+                await gate.resumed(self.keepalive_s)
+                if gate.paused:
+                    yield EngineChunk([], [])
+        finally:
+            gate.turns_held -= 1
 
     def _left(self, part: str) -> None:
         self.gate.stoppers.pop(part, None)
@@ -216,8 +239,11 @@ class GatedEngine:
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
     ) -> AsyncIterator[EngineChunk]:
-        kept, held, gate, dead = _Kept(), False, self.gate, set[str]()
+        kept, held, gate, dead, started = _Kept(), False, self.gate, set[str](), False
         for n in range(MAX_PARTS):
+            if started and gate.paused:  # the agent has part of the reply: no 503 now, keep-alives instead
+                async for keepalive in self._kept_open():
+                    yield keepalive
             version, waited = await self._enter()
             held = held or waited
             left = params.max_tokens - len(kept.ids)
@@ -255,6 +281,7 @@ class GatedEngine:
                             continue
                         ids += chunk.output_ids  # what a stop keeps: the next part's prompt
                         logprobs += chunk.logprobs
+                        started = True
                         yield chunk
                         if part in stopped_parts:  # closed here: the engine stops (vLLM on the disconnect)
                             raise EngineAborted([], [])
@@ -274,6 +301,7 @@ class GatedEngine:
             finally:
                 self._left(part)
             if stopped is not None:
+                started = True
                 yield stopped  # what the engine sampled and had not streamed: the agent sees it too
         raise too_many_parts()
 

@@ -30,6 +30,7 @@ from gateway_workers.turns.pipeline import TurnPipeline, engine_error
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0  # bound on closing an engine stream (an SGLang abort call included)
+KEEPALIVE = LiveDelta("keepalive")
 
 
 async def start_live_turn(pipeline: TurnPipeline, prepared: PreparedTurn, connection: AgentConnection) -> LiveTurn:
@@ -121,6 +122,8 @@ class LiveTurn:
                 versions = chunk.weight_versions
                 for delta in self._split(self._decoder.feed(chunk.output_ids)):
                     yield delta
+                if not chunk.output_ids and chunk.finish_reason is None:
+                    yield KEEPALIVE  # the engine seam says it waits: the agent hears it is not dropped
                 if chunk.finish_reason is not None:
                     finish = chunk.finish_reason
                     break

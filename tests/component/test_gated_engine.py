@@ -101,3 +101,29 @@ def test_a_plain_stream_is_untouched_and_read_to_its_trailer() -> None:
     chunks = asyncio.run(run())
     assert [c.output_ids for c in chunks] == [[1, 2], [3]] and chunks[-1].weight_versions == ()
     assert inner.trailer_read and gate.report() == [1, 0, 0, 0, 0]
+
+
+def test_a_started_stream_stopped_by_a_pause_outlasts_the_hold_bound_with_keepalives(builtin_tokenizer: Any) -> None:
+    mock = MockEngine(EngineConfig(kind="mock", mock_per_token_s=TOKEN_S, mock_output_tokens=20), builtin_tokenizer)
+    gate = GenerationGate()
+    gate.apply(1, "", 3, told=True)
+    gated = GatedEngine(mock, gate, hold_s=0.1, keepalive_s=0.05)
+    prompt = array("i", builtin_tokenizer.encode("keep me open", add_special_tokens=False))
+
+    async def run() -> list[Any]:
+        chunks: list[Any] = []
+        async for chunk in gated.stream(prompt, PARAMS, session_id="s", request_id="r"):
+            chunks.append(chunk)
+            if sum(len(c.output_ids) for c in chunks) == 3 and not gate.paused and gate.epoch == 1:
+                gate.apply(2, "abort", -1, told=True)
+                asyncio.get_running_loop().call_later(0.4, gate.apply, 3, "", 4, True)  # 4 hold bounds later
+        return chunks
+
+    chunks = asyncio.run(run())
+    waits = [c for c in chunks if not c.output_ids and c.finish_reason is None]
+    assert len(waits) >= 4  # keep-alives while it waited, where a new request would have had its 503
+    ids = [t for c in chunks for t in c.output_ids]
+    partial = mock.reply(prompt, PARAMS).output_ids[:3]
+    rest = mock.reply(array("i", [*prompt, *partial]), dataclasses.replace(PARAMS, max_tokens=17))
+    assert ids == partial + rest.output_ids and chunks[-1].weight_versions == ((3, 3), (4, len(rest.output_ids)))
+    assert gate.turns_held == 0 and gate.counters["hold_timeouts"] == 0

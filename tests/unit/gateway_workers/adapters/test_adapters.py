@@ -372,3 +372,25 @@ def test_responses_event_sequence_numbers_every_event():
     final = events[-1]["response"]
     assert [i["type"] for i in final["output"]] == ["reasoning", "message", "function_call"]
     assert final["output"][1]["content"][0]["text"] == "Checking." and final["usage"]["output_tokens"] == 3
+
+
+@pytest.mark.parametrize("dialect", ["chat", "messages", "responses"])
+def test_a_keepalive_is_an_sse_comment_that_changes_no_event(dialect: str) -> None:
+    deltas = [LiveDelta("reasoning", "Need "), LiveDelta("reasoning", "a lookup."), LiveDelta("content", "Checking.")]
+    waiting = [*deltas[:1], LiveDelta("keepalive"), LiveDelta("keepalive"), *deltas[1:]]
+
+    def stream(items: list[LiveDelta]) -> Any:
+        live = _live(items, PARSED)
+        if dialect == "chat":
+            request = openai_chat.parse_request({"messages": [{"role": "user", "content": "x"}], "stream": True})
+            return openai_chat.stream_events(live, request, "m")
+        if dialect == "messages":
+            return anthropic_messages.stream_events(live, None, "m")  # type: ignore[arg-type]
+        return openai_responses.stream_events(live, openai_responses.parse_request({"input": "x"}), "m")
+
+    async def raw(items: list[LiveDelta]) -> list[bytes]:
+        return [chunk async for chunk in stream(items)]
+
+    sent = asyncio.run(raw(waiting))
+    assert sent.count(b": keep-alive\n\n") == 2  # a comment line: the SDKs' SSE decoders skip it
+    assert _events(stream(waiting)) == _events(stream(deltas))  # the block it came in stays open
