@@ -7,7 +7,8 @@ the resume (one turn each, its tokens versioned old then new); while
 paused, agents in all three dialects, streamed and not, are held with no engine call made; `resume_generation`
 with a new version releases them, and their tokens carry that version. A turn held past `--pause-hold-s` gets a
 retryable 503 with Retry-After and records nothing, as does one whose agent leaves while held. The pause
-survives the broker's `kill -9`, and the CLI pauses and resumes like the client.
+survives the broker's `kill -9`, and the CLI pauses and resumes like the client. A worker killed with turns
+held loses them (never trained on); its agents' SDK retries are held again until the resume.
 """
 
 from __future__ import annotations
@@ -269,3 +270,32 @@ def test_an_abort_pause_outlives_a_broker_kill_and_a_stopped_turn_whose_agent_le
         assert len(engine.log(routing_key(sid))["requests"]) == 2
     assert client.finish_session(gone, wait_timeout=10) == []  # the agent left: nothing recorded
     assert _requests(engine, gone) == 1  # and nothing resubmitted for it
+
+
+def test_a_worker_killed_with_turns_held_loses_them_and_its_agents_retries_are_held_until_the_resume(
+    paused_gateway: Any,
+) -> None:
+    from process.test_worker_loss import _worker_pids
+
+    gw, engine = paused_gateway
+    client = gw.client
+    client.pause_generation("wait", timeout=10)
+    sids = [client.open_session() for _ in range(4)]
+    try:
+        with ThreadPoolExecutor(len(sids)) as pool:
+            replies = [pool.submit(_ask, gw, sid, "chat", False) for sid in sids]  # retries on: 2
+            assert wait_until(lambda: _held(gw) == len(sids), 10)
+            workers = _worker_pids(gw.process.pid)
+            assert len(workers) == 2
+            os.kill(workers[0], signal.SIGKILL)  # its held turns go with it (its agents see a lost connection)
+            assert wait_until(lambda: len(set(_worker_pids(gw.process.pid)) - set(workers)) == 1, 60)
+            time.sleep(3.0)  # the successor is up, told the pause at its first beat; the retries are held again
+            assert all(_requests(engine, sid) == 0 for sid in sids)  # no engine call while paused, on any worker
+            assert not any(f.done() for f in replies)
+            assert client.resume_generation()
+            assert all(f.result(timeout=60) for f in replies)  # 0 agent errors: their SDKs retried
+    finally:
+        client.resume_generation()
+    for sid in sids:
+        assert len(client.finish_session(sid, wait_timeout=30)) == 1  # one turn each: the lost one never trained
+        assert _requests(engine, sid) == 1
