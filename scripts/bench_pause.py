@@ -8,14 +8,17 @@ streamed). Once every generation has been running for --mid-s, the trainer pause
 
   pause_s        pause_generation's time to return (every worker idle)
   errors         agent requests that ended in an exception (the target: 0)
-  kept           tokens sampled before the pause that the episodes keep (abort: all of them)
+  kept           tokens sampled before the pause that the episodes keep (abort: all of them; keep: those known to
+                 be, received before the pause; the engine keeps every token either way)
   resampled      tokens sampled twice: 0 here by construction; an abort at the engine with the agents' SDKs
                  retrying the 5xx (the only alternative without the gateway's help) samples every token sampled
                  before the pause again, which is what `kept` counts for it
   added_s        the agents' median turn time less the unpaused round's: what one update cost an agent (abort:
                  about the time to idle plus the update; wait: the turns in flight lose nothing)
   version_split  whether every row's tokens carry version 0 before the pause and 1 after it (abort), or one
-                 version throughout (wait: the turns in flight finish under 0, those held sample under 1)
+                 version throughout (wait: the turns in flight finish under 0, those held sample under 1), or
+                 (keep, whose mock engine, like vLLM, does not say) 0 then -1 where unknown, those rows flagged
+  flagged        rows flagged `weight_versions_unknown` (keep: the turns the engines held)
 
 Medians over --reps. Writes --out (JSON) and the markdown beside it, and prints the markdown.
 
@@ -42,7 +45,7 @@ from bench_report import write_results  # noqa: E402
 
 from trainer_client import launch_gateway  # noqa: E402
 
-MODES = ("wait", "abort")
+MODES = ("wait", "abort", "keep")
 
 
 async def _agent(agent: openai.AsyncOpenAI, stream: bool, max_tokens: int) -> tuple[float, bool]:
@@ -96,16 +99,21 @@ def _run(gw: Any, mode: str | None, args: argparse.Namespace) -> dict[str, Any]:
     thread.start()
     results = asyncio.run(agents())
     thread.join()
-    kept = split = 0
+    kept = split = flagged = 0
     for sid in sids:
         for record in client.finish_session(sid, wait_timeout=30):
             sampled = [v for v, m in zip(record.weight_versions, record.loss_mask, strict=True) if m]
-            kept += sampled.count(0) if mode == "abort" else 0
+            kept += sampled.count(0) if mode in ("abort", "keep") else 0
             runs = [v for k, v in enumerate(sampled) if k == 0 or sampled[k - 1] != v]
-            split += runs in ([0, 1], [0], [1]) if mode is not None else runs == [0]
+            unknown = bool(record.metadata.get("weight_versions_unknown"))
+            flagged += unknown
+            if mode == "keep":
+                split += runs in ([0, -1], [-1], [1]) and unknown == (-1 in runs)
+            else:
+                split += runs in ([0, 1], [0], [1]) if mode is not None else runs == [0]
     times = sorted(t for t, _ in results)
     return {"turn_s": statistics.median(times), "errors": sum(failed for _, failed in results), "kept": kept,
-            "version_split": split == len(sids), **timings}  # fmt: skip
+            "version_split": split == len(sids), "flagged": flagged, **timings}  # fmt: skip
 
 
 def main() -> None:
@@ -134,14 +142,15 @@ def main() -> None:
         rows.append({"mode": mode, "pause_s": statistics.median(r["pause_s"] for r in runs),
                      "errors": sum(r["errors"] for r in runs), "kept": kept,
                      "resampled": 0, "retry_resampled": kept if mode == "abort" else 0, "added_s": added,
-                     "version_split": all(r["version_split"] for r in runs)})  # fmt: skip
+                     "version_split": all(r["version_split"] for r in runs),
+                     "flagged": statistics.median(r["flagged"] for r in runs)})  # fmt: skip
     table = [f"{args.agents} agents, {args.tokens} tokens at {args.token_s * 1000:g} ms each, pause at "
              f"{args.mid_s:g} s, update {args.update_s:g} s; unpaused turn {base:.2f} s; medians of {args.reps}",
              "", "| mode | pause returns (s) | agent errors | tokens kept | re-sampled | re-sampled by abort-and-retry "
-             "| added agent latency (s) | versions exact |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| added agent latency (s) | versions exact | rows flagged |", "|---" * 9 + "|"]  # fmt: skip
     for r in rows:
         table.append(f"| {r['mode']} | {r['pause_s']:.3f} | {r['errors']} | {r['kept']:.0f} | {r['resampled']} | "
-                     f"{r['retry_resampled']:.0f} | {r['added_s']:.3f} | {r['version_split']} |")
+                     f"{r['retry_resampled']:.0f} | {r['added_s']:.3f} | {r['version_split']} | {r['flagged']:.0f} |")
     write_results(args.out, {"args": vars(args), "unpaused_turn_s": base, "modes": rows, "rounds": rounds},
                   "\n".join(table) + "\n")
 
