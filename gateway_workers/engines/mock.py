@@ -77,6 +77,8 @@ class MockEngine:
         self.replicas: tuple[str, ...] = ()
         self._stops: dict[str, asyncio.Event] = {}  # generations in flight, set when `abort` stops one
         self._running: asyncio.Event | None = None  # cleared while paused (`pause_replica`); made on first use
+        self._paused_s = 0.0  # seconds its own pause lasted, those ended
+        self._paused_at = 0.0
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str, request_id: str, replica: str = ""
@@ -85,16 +87,22 @@ class MockEngine:
         result = self.reply(ids, params)
         delay = self._config.mock_delay_s + self._config.mock_per_token_s * len(result.output_ids)
         if delay > 0:
-            started = time.monotonic()
+            started, paused_before = time.monotonic(), self._paused_s
             with self._stoppable(request_id) as stop:
                 stopped = await _stopped(stop, delay)
+                # Its own pause samples nothing: the time a pause held it is added to its pace.
+                owed = 0.0 if stopped else await self._held_since(paused_before)
+                while owed > 0 and not stopped:
+                    paused_before += owed
+                    stopped = await _stopped(stop, owed)
+                    owed = 0.0 if stopped else await self._held_since(paused_before)
             if stopped:
                 # What it had sampled by now, at its per-token pace (after the first token's delay).
                 per_token = self._config.mock_per_token_s
-                done = (time.monotonic() - started - self._config.mock_delay_s) / per_token if per_token else 0
-                n = min(max(int(done), 0), len(result.output_ids))
+                sampling = time.monotonic() - started - (self._paused_s - paused_before) - self._config.mock_delay_s
+                n = min(max(int(sampling / per_token if per_token else 0), 0), len(result.output_ids))
                 raise EngineAborted(result.output_ids[:n], result.logprobs[:n])
-        if self._running is not None:  # its own pause holds a whole generation before its answer
+        elif self._running is not None:  # its own pause holds a whole generation before its answer
             await self._running.wait()
         return result
 
@@ -130,13 +138,22 @@ class MockEngine:
         if stop is not None:
             stop.set()
 
+    async def _held_since(self, paused_before: float) -> float:
+        """Seconds its own pause held it since `paused_before` (the pauses ended; one in force is waited out)."""
+        if self._running is not None:
+            await self._running.wait()
+        return self._paused_s - paused_before
+
     async def pause_replica(self, replica: str) -> None:
         if self._running is None:
             self._running = asyncio.Event()
+        if self._running.is_set() or not self._paused_at:
+            self._paused_at = time.monotonic()
         self._running.clear()
 
     async def resume_replica(self, replica: str, weight_version: int | None) -> None:
-        if self._running is not None:
+        if self._running is not None and not self._running.is_set():
+            self._paused_s += time.monotonic() - self._paused_at
             self._running.set()
 
     def forget_sessions(self, sessions: list[str]) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from array import array
 from typing import Any
 
 from gateway_workers.capture.generation import GenerationGate
 from gateway_workers.engines import EngineConfig, SamplingParams
-from gateway_workers.engines.base import EngineChunk
+from gateway_workers.engines.base import UNKNOWN_VERSION, EngineChunk
 from gateway_workers.engines.mock import MockEngine
 from gateway_workers.turns.gated_engine import GatedEngine
 
@@ -127,3 +128,29 @@ def test_a_started_stream_stopped_by_a_pause_outlasts_the_hold_bound_with_keepal
     rest = mock.reply(array("i", [*prompt, *partial]), dataclasses.replace(PARAMS, max_tokens=17))
     assert ids == partial + rest.output_ids and chunks[-1].weight_versions == ((3, 3), (4, len(rest.output_ids)))
     assert gate.turns_held == 0 and gate.counters["hold_timeouts"] == 0
+
+
+def test_a_keep_pause_holds_calls_in_the_engine_and_flags_what_it_cannot_version(builtin_tokenizer: Any) -> None:
+    gated, gate, mock = _gated(builtin_tokenizer)
+    gate.worker_id = "w"
+    prompt = array("i", builtin_tokenizer.encode("hold me", add_special_tokens=False))
+    pause_s = 0.3
+
+    async def run() -> tuple[list[Any], Any, float]:
+        chunks: list[Any] = []
+        whole = asyncio.ensure_future(gated.generate(prompt, PARAMS, session_id="s", request_id="w"))
+        started = time.monotonic()
+        async for chunk in gated.stream(prompt, PARAMS, session_id="s", request_id="r"):
+            chunks.append(chunk)
+            if sum(len(c.output_ids) for c in chunks) == 4 and gate.epoch == 1:
+                gate.apply(2, "keep", -1, told=True, engine_pausers=["w"])  # the mock is this worker's own
+                asyncio.get_running_loop().call_later(pause_s, gate.apply, 3, "", 4, True, ["w"])
+        return chunks, await whole, time.monotonic() - started
+
+    chunks, whole, took = asyncio.run(run())
+    reply = mock.reply(prompt, PARAMS)
+    assert [t for c in chunks for t in c.output_ids] == reply.output_ids  # one generation, held in place
+    assert chunks[-1].weight_versions == ((3, 4), (UNKNOWN_VERSION, len(reply.output_ids) - 4))  # the mock can't say
+    assert whole.output_ids == reply.output_ids and whole.weight_versions == ((UNKNOWN_VERSION, 20),)
+    assert took >= 20 * TOKEN_S + pause_s  # nothing sampled while paused: the pause adds to its pace
+    assert gate.keep_pauses == 1 and gate.engines_paused == set() and gate.report() == [3, 0, 0, 0, 0]
