@@ -1,5 +1,9 @@
-"""A pause in mode keep through a real `serve` (2 workers, 2 fake replicas of vLLM, then of SGLang) with the
-official SDKs in all three dialects, streamed and not, as agents.
+"""Each pause mode through a real `serve` (2 workers, 2 fake replicas of vLLM, then of SGLang) with the official
+SDKs in all three dialects, streamed and not, as agents.
+
+`wait` lets the generations in flight finish and holds the rest; `abort` stops each at its replica, which
+answers with what it sampled (each engine in its own way), and resubmits the rest to the same replica at the
+resume: one turn each, old then new version per token. (The replica-kill test comes last: it leaves one.)
 
 `pause_generation("keep")` calls each replica's own pause exactly once (vLLM `/pause?mode=keep`, SGLang
 `/pause_generation {"mode": "in_place"}`) and returns once each answered, with the generations in flight still
@@ -30,7 +34,7 @@ OLD, NEW = 4, 5
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
-def keep_gateway(request: Any, qwen3_tokenizer_dir: str) -> Any:
+def two_replicas(request: Any, qwen3_tokenizer_dir: str) -> Any:
     extra = ["--log-level", "warning"]
     with FakeEngine(qwen3_tokenizer_dir) as e1, FakeEngine(qwen3_tokenizer_dir) as e2, launch_gateway(
         workers=2, engine_kind=request.param, engine_urls=[e1.url, e2.url], tokenizer=qwen3_tokenizer_dir,
@@ -50,9 +54,9 @@ def _sampled(engines: tuple[FakeEngine, ...]) -> int:
 
 
 def test_a_keep_pause_holds_generations_in_the_engines_and_versions_each_token_as_the_engine_can_tell(
-    keep_gateway: Any, qwen3_tokenizer_dir: str
+    two_replicas: Any, qwen3_tokenizer_dir: str
 ) -> None:
-    gw, engines, kind = keep_gateway
+    gw, engines, kind = two_replicas
     client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
     client.set_weight_version(OLD)
     sids, held = [client.open_session() for _ in KINDS], [client.open_session() for _ in KINDS]
@@ -110,10 +114,54 @@ def test_a_keep_pause_holds_generations_in_the_engines_and_versions_each_token_a
         assert set(record.weight_versions) == {NEW} and "weight_versions_unknown" not in record.metadata
 
 
-def test_a_replica_killed_during_a_keep_pause_loses_no_turn_each_goes_on_at_the_other(
-    keep_gateway: Any, qwen3_tokenizer_dir: str
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_wait_and_abort_on_two_replicas_give_every_agent_one_exact_turn(
+    two_replicas: Any, qwen3_tokenizer_dir: str, mode: str
 ) -> None:
-    gw, (dying, living), kind = keep_gateway
+    gw, engines, kind = two_replicas
+    client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
+    client.set_weight_version(OLD)
+    sids = [client.open_session() for _ in KINDS]
+    for engine in engines:
+        engine.configure(reset=True)
+        for sid in sids:
+            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    with ThreadPoolExecutor(len(KINDS)) as pool:
+        asked = zip(sids, KINDS, strict=True)
+        replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
+        assert wait_until(lambda: all(len(_log(engines, sid)["requests"]) == 1 for sid in sids), 10)
+        time.sleep(6 * TOKEN_S)
+        report = client.pause_generation(mode, timeout=30)
+        assert (report.mode, report.engine_calls, report.workers) == (mode, 0, 2)
+        assert all(f.done() for f in replies) == (mode == "wait")  # finished, or stopped and held
+        assert client.resume_generation(weight_version=NEW)
+        assert all(f.result(timeout=60) for f in replies)  # 0 agent errors
+    assert all(not engine.log()["controls"] for engine in engines)  # the engines' own pause is not used
+    for sid in sids:
+        (record,) = client.finish_session(sid, wait_timeout=10)  # one turn, one row
+        per_engine = [engine.log(routing_key(sid))["requests"] for engine in engines]
+        (requests,) = [r for r in per_engine if r]  # every part on the same replica
+        first, last = requests[0]["body"], requests[-1]["body"]
+        prompt, params = first.get("token_ids") or first["input_ids"], first["sampling_params"]
+        budget = params.get("max_tokens", params.get("max_new_tokens"))
+        sampled, logprobs, _ = policy(prompt, budget)
+        if mode == "wait":
+            assert len(requests) == 1 and record.token_ids == prompt + sampled
+            assert record.weight_versions == [OLD] * len(sampled)
+            continue
+        assert len(requests) == 2  # stopped, then the rest asked for
+        partial = (last.get("token_ids") or last["input_ids"])[len(prompt) :]
+        assert partial and partial == sampled[: len(partial)]  # exactly what the replica had sampled
+        tail, tail_logprobs, _ = policy(prompt + partial, budget - len(partial))
+        assert record.token_ids == prompt + partial + tail
+        assert record.logprobs == pytest.approx(logprobs[: len(partial)] + tail_logprobs, abs=0)
+        assert record.weight_versions == [OLD] * len(partial) + [NEW] * len(tail)
+
+
+def test_a_replica_killed_during_a_keep_pause_loses_no_turn_each_goes_on_at_the_other(
+    two_replicas: Any, qwen3_tokenizer_dir: str
+) -> None:
+    gw, (dying, living), kind = two_replicas
     client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
     sids, held = [client.open_session() for _ in KINDS], [client.open_session() for _ in KINDS]
     for engine in (dying, living):
