@@ -16,6 +16,8 @@ flagged, never given a guessed version.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,6 +27,7 @@ from assets import FakeEngine, wait_until
 from dialects import fake_policy
 from processes import launch_gateway
 from test_generation_pause import _ask, _held
+from test_serve_durability import RESTART_WITHIN_S, broker_pid
 
 from gateway_workers.engines.routing import routing_key
 
@@ -34,8 +37,9 @@ OLD, NEW = 4, 5
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
-def two_replicas(request: Any, qwen3_tokenizer_dir: str) -> Any:
-    extra = ["--log-level", "warning"]
+def two_replicas(request: Any, tmp_path_factory: Any, qwen3_tokenizer_dir: str) -> Any:
+    state = tmp_path_factory.mktemp("engines") / "state"
+    extra = ["--log-level", "warning", "--state-dir", str(state)]
     with FakeEngine(qwen3_tokenizer_dir) as e1, FakeEngine(qwen3_tokenizer_dir) as e2, launch_gateway(
         workers=2, engine_kind=request.param, engine_urls=[e1.url, e2.url], tokenizer=qwen3_tokenizer_dir,
         extra_args=extra,
@@ -157,6 +161,31 @@ def test_wait_and_abort_on_two_replicas_give_every_agent_one_exact_turn(
         assert record.token_ids == prompt + partial + tail
         assert record.logprobs == pytest.approx(logprobs[: len(partial)] + tail_logprobs, abs=0)
         assert record.weight_versions == [OLD] * len(partial) + [NEW] * len(tail)
+
+
+def test_a_keep_pause_outlives_a_broker_kill_and_its_resume_resumes_every_replica(two_replicas: Any) -> None:
+    gw, engines, kind = two_replicas
+    client = gw.client
+    sids = [client.open_session() for _ in range(4)]
+    for engine in engines:
+        engine.configure(reset=True)
+        for sid in sids:
+            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    with ThreadPoolExecutor(len(sids)) as pool:
+        replies = [pool.submit(_ask, gw, sid, "chat", k % 2 == 1) for k, sid in enumerate(sids)]
+        assert wait_until(lambda: all(len(_log(engines, sid)["requests"]) == 1 for sid in sids), 10)
+        client.pause_generation("keep", timeout=10)
+        first = broker_pid(gw.process.pid)
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: broker_pid(gw.process.pid) not in (None, first), timeout=RESTART_WITHIN_S)
+        assert wait_until(lambda: client.generation_paused() == "keep", timeout=RESTART_WITHIN_S)  # logged
+        assert all(engine.log()["paused"] for engine in engines)
+        assert client.resume_generation(weight_version=NEW + 2)
+        assert all(f.result(timeout=60) for f in replies)  # 0 agent errors
+    assert not any(engine.log()["paused"] for engine in engines)  # every replica resumed
+    for sid in sids:
+        assert len(client.finish_session(sid, wait_timeout=10)) == 1
 
 
 def test_a_replica_killed_during_a_keep_pause_loses_no_turn_each_goes_on_at_the_other(
