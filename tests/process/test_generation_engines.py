@@ -53,6 +53,23 @@ def _log(engines: tuple[FakeEngine, ...], sid: str) -> dict[str, list[dict[str, 
     return {part: [entry for log in logs for entry in log[part]] for part in ("requests", "sampled")}
 
 
+def _paced(engines: tuple[FakeEngine, ...], sids: list[str]) -> None:
+    """Fresh logs on every replica, and each session's generation paced at TOKEN_S a token."""
+    for engine in engines:
+        engine.configure(reset=True)
+        for sid in sids:
+            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+
+
+def _start(pool: ThreadPoolExecutor, gw: Any, engines: tuple[FakeEngine, ...], sids: list[str]) -> list[Any]:
+    """Each session's agent asks in its dialect (KINDS); returns once every generation is a few tokens in."""
+    asked = zip(sids, KINDS, strict=True)
+    replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
+    assert wait_until(lambda: all(len(_log(engines, sid)["requests"]) == 1 for sid in sids), 10)
+    time.sleep(6 * TOKEN_S)
+    return replies
+
+
 def _sampled(engines: tuple[FakeEngine, ...]) -> int:
     return sum(len(s["resumes"]) for engine in engines for s in engine.log()["sampled"])
 
@@ -64,15 +81,9 @@ def test_a_keep_pause_holds_generations_in_the_engines_and_versions_each_token_a
     client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
     client.set_weight_version(OLD)
     sids, held = [client.open_session() for _ in KINDS], [client.open_session() for _ in KINDS]
-    for engine in engines:
-        engine.configure(reset=True)
-        for sid in sids:
-            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    _paced(engines, sids)
     with ThreadPoolExecutor(2 * len(KINDS)) as pool:
-        asked = zip(sids, KINDS, strict=True)
-        replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
-        assert wait_until(lambda: all(len(_log(engines, sid)["requests"]) == 1 for sid in sids), 10)
-        time.sleep(6 * TOKEN_S)
+        replies = _start(pool, gw, engines, sids)
         started = time.monotonic()
         report = client.pause_generation("keep", timeout=10)
         assert time.monotonic() - started < 1.0  # the engines' pauses answered: nothing waited to finish
@@ -126,15 +137,9 @@ def test_wait_and_abort_on_two_replicas_give_every_agent_one_exact_turn(
     client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
     client.set_weight_version(OLD)
     sids = [client.open_session() for _ in KINDS]
-    for engine in engines:
-        engine.configure(reset=True)
-        for sid in sids:
-            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    _paced(engines, sids)
     with ThreadPoolExecutor(len(KINDS)) as pool:
-        asked = zip(sids, KINDS, strict=True)
-        replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
-        assert wait_until(lambda: all(len(_log(engines, sid)["requests"]) == 1 for sid in sids), 10)
-        time.sleep(6 * TOKEN_S)
+        replies = _start(pool, gw, engines, sids)
         report = client.pause_generation(mode, timeout=30)
         assert (report.mode, report.engine_calls, report.workers) == (mode, 0, 2)
         if mode == "abort":
@@ -167,10 +172,7 @@ def test_a_keep_pause_outlives_a_broker_kill_and_its_resume_resumes_every_replic
     gw, engines, kind = two_replicas
     client = gw.client
     sids = [client.open_session() for _ in range(4)]
-    for engine in engines:
-        engine.configure(reset=True)
-        for sid in sids:
-            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    _paced(engines, sids)
     with ThreadPoolExecutor(len(sids)) as pool:
         replies = [pool.submit(_ask, gw, sid, "chat", k % 2 == 1) for k, sid in enumerate(sids)]
         assert wait_until(lambda: all(len(_log(engines, sid)["requests"]) == 1 for sid in sids), 10)
@@ -194,15 +196,9 @@ def test_a_replica_killed_during_a_keep_pause_loses_no_turn_each_goes_on_at_the_
     gw, (dying, living), kind = two_replicas
     client, policy = gw.client, fake_policy(qwen3_tokenizer_dir)
     sids, held = [client.open_session() for _ in KINDS], [client.open_session() for _ in KINDS]
-    for engine in (dying, living):
-        engine.configure(reset=True)
-        for sid in sids:
-            engine.configure(fault={"key": routing_key(sid), "token_delay": TOKEN_S})
+    _paced((dying, living), sids)
     with ThreadPoolExecutor(2 * len(KINDS)) as pool:
-        asked = zip(sids, KINDS, strict=True)
-        replies = [pool.submit(_ask, gw, sid, dialect, stream) for sid, (dialect, stream) in asked]
-        assert wait_until(lambda: all(len(_log((dying, living), sid)["requests"]) == 1 for sid in sids), 10)
-        time.sleep(6 * TOKEN_S)
+        replies = _start(pool, gw, (dying, living), sids)
         client.pause_generation("keep", timeout=10)
         on_dying = {sid: r[0]["body"] for sid in sids if (r := dying.log(routing_key(sid))["requests"])}
         asked = zip(held, KINDS, strict=True)
