@@ -355,7 +355,9 @@ def create_app(config: WorkerConfig) -> GatewayApp:
         engine = create_engine(config.engine, tokenizer)
         bases = CommitBases(config.commit_base_sessions, config.commit_base_mib << 20)
         metrics = WorkerMetrics()
-        backplane = Backplane(config.broker_endpoint, bases, curve_keys=config.curve_keys, metrics=metrics)
+        backplane = Backplane(
+            config.broker_endpoint, bases, curve_keys=config.curve_keys, metrics=metrics, hold_s=config.pause_hold_s
+        )
         # The CLI ran the same decision before spawning us; an unknown template fails here only if it did not.
         parser = detect_parser(tokenizer, config.response_format, config.allow_plain_text)
         renderer = Renderer(tokenizer)

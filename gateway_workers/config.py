@@ -87,7 +87,8 @@ class WorkerConfig:
         "answers the request with a 400", choices=("drop", "reject"))
     pause_hold_s: float = setting(
         300.0, "while generation is paused (`pause_generation`), how long a turn waits for the resume before it "
-        "gets a retryable 503 with Retry-After, seconds (below the official SDKs' 600 s request timeout)",
+        "gets a retryable 503 with Retry-After, seconds (below the official SDKs' 600 s request timeout); also how "
+        "long a request waits for an absent broker (its OPEN resent meanwhile) before its 503",
         metavar="S", check=positive)
     access_log: bool = setting(
         False, "one log line per request (route, status, session tag, latency); a 4xx or 5xx is logged at warning "

@@ -256,12 +256,15 @@ class SessionRegistry:
         self.counters["turns_opened"] += 1
         return session, seq
 
-    def repeated_turn(self, sid: str, digest: str) -> TurnRecord | None:
+    def repeated_turn(self, sid: str, digest: str, asking: str = "") -> TurnRecord | None:
         """The committed turn a retry of request `digest` gets again; None when it must be sampled (no such
-        request, or its turn was aborted); a turn_pending Refusal while that turn is still in flight."""
+        request, or its turn was aborted); a turn_pending Refusal while that turn is still in flight.
+
+        None too when that turn is `asking` itself: a worker resent the OPEN whose answer it lost (`open_turn`
+        answers it again), and must not wait for its own turn."""
         session = self.get(sid)
         turn_id = session.digests.get(digest)
-        if turn_id is None:
+        if turn_id is None or turn_id == asking:
             return None
         if turn_id in session.in_flight:
             raise Refusal("turn_pending", f"turn {turn_id!r} of this request is still in flight; ask again")

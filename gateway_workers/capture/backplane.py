@@ -2,10 +2,11 @@
 
 Owns the socket (created in the Starlette lifespan, never at import), a reader on the
 event loop that resolves futures keyed by request id, and the turn requests: OPEN (before
-rendering), COMMIT (after the reply was sent; retried until ACKed, the broker
-de-duplicates by turn id; sent as a delta against the session's last ACKed turn when
-`commit_bases` has one, in full if the broker no longer holds that base), ABORT, GET
-(a committed turn's messages, for `previous_response_id`) and an agent's FINISH
+rendering; resent while unanswered, for up to `hold_s`, so a request outlives a broker restart),
+COMMIT (after the reply was sent; retried until ACKed, the broker de-duplicates by turn id; sent
+as a delta against the session's last ACKed turn when `commit_bases` has one, in full if the
+broker no longer holds that base), ABORT, GET (a committed turn's messages, for
+`previous_response_id`) and an agent's FINISH
 (`request_finish`). Every OPEN names this worker (`worker_id`, fresh per process), and a heartbeat
 says it is alive every HEARTBEAT_INTERVAL_S (the first on this socket, before any OPEN; the rest from
 `heartbeat.HeartbeatThread`): the broker abandons the open turns of a worker it stops hearing from,
@@ -44,7 +45,16 @@ from gateway_workers.metrics import WorkerMetrics
 logger = logging.getLogger(__name__)
 _Reply = TypeVar("_Reply", bound=protocol.BrokerToWorker)
 
-OPEN_TIMEOUT_S = 5.0  # an agent waits this long for the broker before getting a 503
+CALL_TIMEOUT_S = 5.0  # a GET or an agent's FINISH waits this long for the broker before the agent gets a 503
+# An OPEN the broker does not answer is resent as the same frame (same request id, same turn id: the broker
+# answers a repeated OPEN as it answered the first) after OPEN_RESEND_FIRST_S, then at doubling intervals up to
+# OPEN_RESEND_MAX_S, until it is answered or the backplane's `hold_s` has passed. A live broker answers in a
+# millisecond or so, so a second of silence means it is gone (a supervised one is back in 1-2 s). Only a copy
+# sent into the dead connection is lost: what is sent while ZeroMQ reconnects waits in the socket and reaches
+# the restarted broker, so more copies would only be duplicates for it to answer (and log, with a state dir).
+OPEN_RESEND_FIRST_S = 1.0
+OPEN_RESEND_MAX_S = 4.0
+DEFAULT_HOLD_S = 300.0  # as the worker's `--pause-hold-s`, which sets it
 ATTEMPT_TIMEOUT_S = 2.0  # one COMMIT/ABORT attempt; then resend (the broker de-duplicates)
 COMMIT_DEADLINE_S = 300.0  # give up (and log loudly) after retrying this long
 GET_TURN_PENDING_S = 3.0  # how long a turn whose COMMIT is still on its way is waited for
@@ -90,7 +100,8 @@ class Backplane:
     and per receive, which was a visible part of a turn's CPU.
 
     `curve_keys` (a directory with `broker.key` and `worker.key_secret`) makes it a CURVE client;
-    without it, a non-loopback endpoint raises `curve.CurveError`.
+    without it, a non-loopback endpoint raises `curve.CurveError`. `hold_s` bounds how long an OPEN
+    waits for an absent broker (resent meanwhile) before it raises BrokerUnavailable.
     """
 
     def __init__(
@@ -99,6 +110,7 @@ class Backplane:
         bases: CommitBases | None = None,
         curve_keys: str | None = None,
         metrics: WorkerMetrics | None = None,
+        hold_s: float = DEFAULT_HOLD_S,
     ) -> None:
         curve.require_keys_off_loopback(endpoint, curve_keys, "the broker endpoint")
         keys = curve.load_client_keys(curve_keys, "worker") if curve_keys is not None else None
@@ -125,6 +137,7 @@ class Backplane:
         # pid alone (reused across restarts, and across hosts) does not name it.
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.endpoint = endpoint
+        self.hold_s = hold_s
         self.bases = bases if bases is not None else CommitBases()
         # Told the sessions that ended, as the broker says at heartbeats, to drop what they keep of them.
         self.ended_listeners: list[Callable[[list[str]], None]] = []
@@ -197,18 +210,30 @@ class Backplane:
         """A fresh request id, for a message handed to `commit_in_background` (else its first send makes a copy)."""
         return next(self._ids)
 
-    def _send(self, build: Callable[[int], protocol.WorkerToBroker], timeout: float) -> asyncio.Future[Any]:
-        """Send `build(request_id)` now; the future gets the reply with that id, or asyncio.TimeoutError."""
-        return self._send_message(build(next(self._ids)), timeout)
+    def _send(
+        self, build: Callable[[int], protocol.WorkerToBroker], timeout: float, resend: bool = False
+    ) -> asyncio.Future[Any]:
+        """Send `build(request_id)` now; the future gets the reply with that id, or asyncio.TimeoutError.
 
-    def _send_message(self, message: protocol.WorkerToBroker, timeout: float) -> asyncio.Future[Any]:
+        With `resend`, the frame goes again while it is unanswered (see OPEN_RESEND_FIRST_S), and `timeout`
+        bounds all of its sends: only for a request the broker answers alike however often it comes."""
+        return self._send_message(build(next(self._ids)), timeout, resend)
+
+    def _send_message(
+        self, message: protocol.WorkerToBroker, timeout: float, resend: bool = False
+    ) -> asyncio.Future[Any]:
         """Send `message`, whose request id is fresh from `request_id()`; the future is as `_send`'s."""
         loop = self._loop
         assert loop is not None, "Backplane.start() was not called"
         request_id = message.request_id
         future: asyncio.Future[Any] = loop.create_future()
         self._pending[request_id] = future
-        expiry = loop.call_later(timeout, _expire, future)
+        frame = protocol.encode(message)
+        if resend and timeout > OPEN_RESEND_FIRST_S:
+            give_up = loop.time() + timeout
+            expiry = loop.call_later(OPEN_RESEND_FIRST_S, self._resend, request_id, frame, give_up, OPEN_RESEND_FIRST_S)
+        else:
+            expiry = loop.call_later(timeout, _expire, future)
         pending = self._pending
 
         def forget(_: asyncio.Future[Any]) -> None:  # answered, timed out or cancelled by its waiter
@@ -217,12 +242,36 @@ class Backplane:
 
         future.add_done_callback(forget)
         try:
-            _send_frame(self._sock, protocol.encode(message), _NOBLOCK)
+            _send_frame(self._sock, frame, _NOBLOCK)
         except zmq.Again:
-            pass  # 100k frames queued: the broker is not reading; this attempt times out
+            pass  # 100k frames queued: the broker is not reading; this attempt goes unanswered
         if _readable(self._sock):
             loop.call_soon(self._read_replies)
         return future
+
+    def _resend(self, request_id: int, frame: bytes, give_up: float, interval: float) -> None:
+        """Send a request's frame again while it is unanswered; past `give_up`, it times out.
+
+        Its timers are not cancelled when it is answered (only the first is, by `_send_message`): each finds it
+        gone from `_pending` and does nothing, which keeps an answered request's cost what it was."""
+        future = self._pending.get(request_id)
+        if future is None or future.done():  # answered, or its waiter gave up
+            return
+        if self._handshakes is not None and self._handshakes.watch.refusal:
+            _expire(future)  # a refused CURVE key is no restart: waiting would not get an answer
+            return
+        loop = future.get_loop()
+        try:
+            _send_frame(self._sock, frame, _NOBLOCK)
+        except zmq.Again:
+            pass  # as the first send's
+        if _readable(self._sock):
+            loop.call_soon(self._read_replies)
+        interval, left = min(2 * interval, OPEN_RESEND_MAX_S), give_up - loop.time()
+        if interval < left:
+            loop.call_later(interval, self._resend, request_id, frame, give_up, interval)
+        else:
+            loop.call_later(left, _expire, future)
 
     async def _answer(
         self, sent: asyncio.Future[Any], expect: type[_Reply] | tuple[type[_Reply], ...], timeout: float
@@ -241,7 +290,7 @@ class Backplane:
         raise BrokerUnavailable(f"unexpected reply {type(reply).__name__} to a request for {expect!r}")
 
     async def _call(
-        self, build: Callable[[int], protocol.WorkerToBroker], expect: type[_Reply], timeout: float = OPEN_TIMEOUT_S
+        self, build: Callable[[int], protocol.WorkerToBroker], expect: type[_Reply], timeout: float = CALL_TIMEOUT_S
     ) -> _Reply:
         return await self._answer(self._send(build, timeout), expect, timeout)
 
@@ -249,7 +298,8 @@ class Backplane:
         self, session_id: str, turn_id: str, digest: str = "", retry: bool = False
     ) -> Coroutine[Any, Any, protocol.TurnOpened | protocol.TurnReplayed]:
         """OPEN, sent before this returns: await the result for the TurnOpened (or TurnRefused: unknown
-        session, closed, cap; or BrokerUnavailable). A caller that gives up must close() it.
+        session, closed, cap; or BrokerUnavailable once the broker was silent for `hold_s`, the OPEN resent
+        meanwhile). A caller that gives up must close() it; cancelling the await stops the resends.
 
         `digest` names the agent's request for its retries; a `retry` of it may get the earlier turn
         instead (`TurnReplayed`), after waiting for it while it is in flight."""
@@ -257,10 +307,10 @@ class Backplane:
         def build(rid: int) -> protocol.OpenTurn:
             return protocol.OpenTurn(rid, session_id, turn_id, self.worker_id, digest, retry)
 
-        sent = self._send(build, OPEN_TIMEOUT_S)
+        sent = self._send(build, self.hold_s, resend=True)
         if retry:
             return self._open_retried(sent, build)
-        return self._answer(sent, protocol.TurnOpened, OPEN_TIMEOUT_S)
+        return self._answer(sent, protocol.TurnOpened, self.hold_s)
 
     async def _open_retried(
         self, sent: asyncio.Future[Any], build: Callable[[int], protocol.OpenTurn]
@@ -270,7 +320,7 @@ class Backplane:
         while True:
             try:
                 reply: protocol.TurnOpened | protocol.TurnReplayed = await self._answer(
-                    sent, (protocol.TurnOpened, protocol.TurnReplayed), OPEN_TIMEOUT_S
+                    sent, (protocol.TurnOpened, protocol.TurnReplayed), self.hold_s
                 )
                 return reply
             except TurnRefused as e:
@@ -278,7 +328,7 @@ class Backplane:
                     raise
             await asyncio.sleep(pause)
             pause = min(2 * pause, RETRY_ASK_MAX_S)
-            sent = self._send(build, OPEN_TIMEOUT_S)
+            sent = self._send(build, self.hold_s, resend=True)
 
     async def get_turn(self, session_id: str, turn_id: str, with_ids: bool = False) -> protocol.TurnFound:
         """A committed turn's canonical messages (`previous_response_id`), and its ids `with_ids` (a linear
@@ -423,6 +473,8 @@ class Backplane:
                 logger.error("%d commits/aborts still unacknowledged at shutdown", len(pending))
 
     async def close(self) -> None:
+        for future in list(self._pending.values()):  # an OPEN still held: its agent gets the 503 now
+            _expire(future)
         if self._heartbeats is not None:
             self._heartbeats.stop()
         if self._loop is not None:

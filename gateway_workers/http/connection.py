@@ -10,9 +10,8 @@ Pure asyncio + ASGI callables: must not import Starlette, the app or the adapter
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]  # an ASGI receive channel
@@ -43,19 +42,21 @@ class AgentConnection:
             self._cancelled = self._armed
             self._armed.cancel()
 
-    @contextlib.contextmanager
-    def cancelled_on_disconnect(self) -> Iterator[None]:
-        """Inside, the current task is cancelled when the agent leaves (at once if it already left).
+    def cancelled_on_disconnect(self) -> AgentConnection:
+        """Inside (`with`), the current task is cancelled when the agent leaves (at once if it already left).
 
-        The handler of that CancelledError asks `took_cancel()` whether it was ours.
+        The handler of that CancelledError asks `took_cancel()` whether it was ours. The connection is its own
+        context manager: a turn enters one several times, and a generator-based one costs an object each.
         """
+        return self
+
+    def __enter__(self) -> None:
         if self.gone.is_set():
             raise _AgentLeft
         self._armed = asyncio.current_task()
-        try:
-            yield
-        finally:
-            self._armed = None
+
+    def __exit__(self, *exc: object) -> None:
+        self._armed = None
 
     def took_cancel(self) -> bool:
         """Whether the CancelledError being handled came from the agent leaving; it is then consumed.

@@ -11,10 +11,9 @@ from collections.abc import Mapping
 
 # The official SDKs sleep exactly a 503's Retry-After before their next attempt (openai's
 # `_calculate_retry_timeout` honours 0 < value <= 120 s, anthropic's any positive value) and retry twice
-# by default. The 503 comes only after the worker waited OPEN_TIMEOUT_S for the broker, by when a
-# supervised broker (back after one restart backoff and its start-up) is usually up again: a short wait
-# gets the agent's retry to it soon, and each retry's OPEN waits OPEN_TIMEOUT_S for the broker again, so
-# a default SDK rides out an outage of about 2 * (BROKER_RETRY_AFTER_S + OPEN_TIMEOUT_S) + OPEN_TIMEOUT_S.
+# by default. A turn's 503 comes only after its worker held the request for the broker (resending its OPEN)
+# through --pause-hold-s, so a supervised broker's restart never reaches the agent; a GET or FINISH's after
+# the backplane's CALL_TIMEOUT_S. Either way a short wait gets the agent's retry to the broker soon once it is back.
 BROKER_RETRY_AFTER_S = 1
 
 

@@ -151,11 +151,13 @@ class TurnPipeline:
             opening.close()
             if isinstance(e, TurnRefused):
                 raise refusal_error(e) from None
-            if isinstance(e, BrokerUnavailable):
+            # Unanswered (the broker stayed away, or the agent left while its OPEN was held), the OPEN may still
+            # reach the broker (it waits in the socket for the broker's return): the ABORT follows it there, so no
+            # turn is left in flight for a finish to wait for.
+            unavailable = isinstance(e, BrokerUnavailable)
+            self.backplane.abort_in_background(session_id, turn_id, "open_timeout" if unavailable else type(e).__name__)
+            if unavailable:
                 logger.error("OPEN of a turn for session %s failed: %s", session_tag(session_id), e)
-                # The OPEN may still reach the broker (it waits in the socket for the broker's return): the
-                # ABORT follows it there, so no turn is left in flight for a finish to wait for.
-                self.backplane.abort_in_background(session_id, turn_id, "open_timeout")
                 raise broker_unavailable() from None
             raise
         if isinstance(opened, protocol.TurnReplayed):

@@ -2,13 +2,16 @@
 
 The worker's whole app (create_app, its lifespan: the real Backplane, the built-in tokenizer, the mock
 engine) against a stand-in broker on port 0 that takes OPENs and never answers them, as a broker that is
-down (or restarting) does; the OPEN bound is shortened so the test does not wait the real one. The OPEN
-that timed out is followed by an ABORT of the same turn, so a broker that gets the OPEN late (it waited
-in the socket for the broker's return) leaves no turn in flight for a finish to wait for.
+down does; its hold bound (`--pause-hold-s`, the OPEN resent meanwhile) is shortened so the test does not
+wait the real one. The OPEN that timed out is followed by an ABORT of the same turn, so a broker that gets
+the OPEN late (it waited in the socket for the broker's return) leaves no turn in flight for a finish to
+wait for. An agent that leaves while its OPEN is held ends the request at once, its turn aborted the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -21,11 +24,12 @@ from starlette.testclient import TestClient
 
 from broker import protocol
 from gateway_workers.app import create_app
-from gateway_workers.capture import backplane
 from gateway_workers.config import WorkerConfig
 from gateway_workers.http.errors import BROKER_RETRY_AFTER_S
 
 OPEN_BOUND_S = 0.3
+HELD_S = 60.0  # far longer than the test waits: only the agent leaving ends the request
+LEAVE_WITHIN_S = 10.0
 POLL_MS = 50
 SID = "unavailable-broker-session-xxxxxxxx"
 USER = [{"role": "user", "content": "hello"}]
@@ -76,11 +80,9 @@ def silent_broker() -> Iterator[SilentBroker]:
 @pytest.fixture(scope="module")
 def http(silent_broker: SilentBroker) -> Iterator[TestClient]:
     """One worker app for the module: its start-up (tokenizer, render thread) is most of this module's time."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backplane, "OPEN_TIMEOUT_S", OPEN_BOUND_S)
-        app = create_app(WorkerConfig(broker_endpoint=silent_broker.endpoint, commit_drain_s=2.0))
-        with TestClient(app) as client:
-            yield client
+    config = WorkerConfig(broker_endpoint=silent_broker.endpoint, commit_drain_s=2.0, pause_hold_s=OPEN_BOUND_S)
+    with TestClient(create_app(config)) as client:
+        yield client
 
 
 def _chat(stream: bool) -> tuple[str, dict[str, Any], dict[str, str]]:
@@ -124,6 +126,49 @@ def test_an_open_the_broker_does_not_answer_is_a_503_with_retry_after(http, sile
     assert reply.headers["retry-after"] == str(BROKER_RETRY_AFTER_S)
     assert shape(reply.json()), reply.json()
     assert time.monotonic() - t0 >= OPEN_BOUND_S  # the OPEN had its whole bound first
-    # the timed-out OPEN is followed by an ABORT of its turn
-    assert len(silent_broker.opened) == 1
-    assert wait_until(lambda: silent_broker.aborted == silent_broker.opened, timeout=5.0), silent_broker.aborted
+    # the timed-out OPEN (one turn, however often it was sent) is followed by an ABORT of its turn
+    assert len(set(silent_broker.opened)) == 1
+    assert wait_until(lambda: silent_broker.aborted == silent_broker.opened[:1], timeout=5.0), silent_broker.aborted
+
+
+def test_an_agent_that_leaves_while_its_open_is_held_ends_the_request_and_leaves_nothing_pending(silent_broker):
+    config = WorkerConfig(broker_endpoint=silent_broker.endpoint, commit_drain_s=2.0, pause_hold_s=HELD_S)
+    app = create_app(config)
+    body = json.dumps({"model": "m", "messages": USER}).encode()
+    headers = [(b"authorization", f"Bearer {SID}".encode()), (b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]  # fmt: skip
+    with TestClient(app) as client:
+        silent_broker.opened.clear()
+        silent_broker.aborted.clear()
+        state = client.app_state.copy()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "root_path": "", "query_string": b"", "headers": headers, "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 80), "state": state}  # fmt: skip
+        sent: list[dict[str, Any]] = []
+        requested = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            while len(silent_broker.opened) < 2:  # held: its OPEN reached the (silent) broker, and was resent
+                await asyncio.sleep(POLL_MS / 1000)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def serve() -> float:
+            t0 = time.monotonic()
+            await asyncio.wait_for(app(scope, receive, send), LEAVE_WITHIN_S)
+            return time.monotonic() - t0
+
+        assert client.portal is not None
+        assert client.portal.call(serve) < LEAVE_WITHIN_S
+        assert sent and sent[0]["status"] == 499  # what uvicorn drops for an agent that is gone
+        assert len(set(silent_broker.opened)) == 1
+        assert wait_until(lambda: silent_broker.aborted == silent_broker.opened[:1], timeout=5.0), silent_broker.aborted
+        backplane = state["pipeline"].backplane
+        assert wait_until(lambda: not backplane._pending, timeout=5.0), backplane._pending  # the ABORT's answer too

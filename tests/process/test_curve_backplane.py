@@ -147,19 +147,18 @@ def test_a_trainer_without_keys_is_refused(broker, keys):
         assert client.stats()["sessions_open"] == 0
 
 
-def test_a_worker_with_a_wrong_key_is_refused_and_its_turns_never_land(broker, keys, tmp_path, caplog, monkeypatch):
+def test_a_worker_with_a_wrong_key_is_refused_and_its_turns_never_land(broker, keys, tmp_path, caplog):
     proc, worker_endpoint, control_endpoint = broker
     other = tmp_path / "other"
     curve.create_keys(other)
     directory = _host_dir(tmp_path, keys / "broker.key", "worker", other / "worker.key_secret")
-    monkeypatch.setattr(backplane_module, "OPEN_TIMEOUT_S", REFUSED_TIMEOUT_S)
     turn = conversation(5, 1, first_prompt=20, tail=4, output=3)[0]
     with TrainerClient(control_endpoint, timeout=CALL_TIMEOUT_S, curve_keys=str(keys)) as client:
         sid = client.open_session()
         before = client.stats()
 
         async def refused_worker() -> None:
-            backplane = Backplane(worker_endpoint, curve_keys=str(directory))
+            backplane = Backplane(worker_endpoint, curve_keys=str(directory), hold_s=REFUSED_TIMEOUT_S)
             backplane.start()
             try:
                 with pytest.raises(BrokerUnavailable, match="refused this worker's CURVE key"):

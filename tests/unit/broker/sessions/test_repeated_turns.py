@@ -61,6 +61,17 @@ def test_a_retry_of_a_turn_in_flight_is_pending_and_of_an_aborted_one_samples():
     assert found is not None and found.turn_id == "t1"
 
 
+def test_a_resent_open_of_a_retry_gets_its_own_turn_again_not_a_wait_for_itself():
+    reg = _registry()
+    _, seq = reg.open_turn(SID, "t0", "w", "d")  # its answer was lost: the worker sends the same OPEN again
+    assert reg.repeated_turn(SID, "d", asking="t0") is None
+    assert reg.open_turn(SID, "t0", "w", "d") == (reg.session(SID), seq)
+    assert reg.counters["turns_opened"] == 1
+    with pytest.raises(Refusal) as pending:  # another attempt of the request still waits for it
+        reg.repeated_turn(SID, "d", asking="t1")
+    assert pending.value.code == "turn_pending"
+
+
 def test_a_session_keeps_only_its_latest_digests():
     reg = _registry()
     for k in range(MAX_DIGESTS + 5):
