@@ -59,7 +59,7 @@ ENGINE_CALL_TIMEOUT_S = 10.0
 _WORKER_PROGRAM = """
 import dataclasses, os, sys, uvicorn, gateway_workers
 from gateway_workers.config import WorkerConfig
-from gateway_workers.engines.base import EngineConfig
+from gateway_workers.engines.config import EngineConfig
 broker, engine_url, tokenizer = sys.argv[1:4]
 engine = dataclasses.replace(EngineConfig(), kind="vllm", urls=(engine_url,))
 config = WorkerConfig(broker_endpoint=broker, engine=engine, tokenizer=tokenizer, log_level="warning")

@@ -3,10 +3,8 @@
 Owns the socket (created in the Starlette lifespan, never at import), a reader on the
 event loop that resolves futures keyed by request id, and the turn requests: OPEN (before
 rendering; resent while unanswered, for up to `hold_s`, so a request outlives a broker restart),
-COMMIT (after the reply was sent; retried until ACKed, the broker de-duplicates by turn id; sent
-as a delta against the session's last ACKed turn when `commit_bases` has one, in full if the
-broker no longer holds that base), ABORT, GET (a committed turn's messages, for
-`previous_response_id`) and an agent's FINISH
+COMMIT and ABORT (sent in the background until acknowledged: `commits.CommitSender`), GET (a
+committed turn's messages, for `previous_response_id`) and an agent's FINISH
 (`request_finish`). Every OPEN names this worker (`worker_id`, fresh per process), and a heartbeat
 says it is alive every HEARTBEAT_INTERVAL_S (the first on this socket, before any OPEN; the rest from
 `heartbeat.HeartbeatThread`): the broker abandons the open turns of a worker it stops hearing from,
@@ -22,21 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
 import secrets
 import socket
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import zmq
 
 from broker import curve, protocol
-from broker.protocol import session_tag
 from gateway_workers.capture.commit_bases import CommitBases
+from gateway_workers.capture.commits import CommitSender
 from gateway_workers.capture.generation import GenerationGate
 from gateway_workers.capture.handshake_log import HandshakeLog
 from gateway_workers.capture.heartbeat import HeartbeatThread
@@ -55,8 +51,6 @@ CALL_TIMEOUT_S = 5.0  # a GET or an agent's FINISH waits this long for the broke
 OPEN_RESEND_FIRST_S = 1.0
 OPEN_RESEND_MAX_S = 4.0
 DEFAULT_HOLD_S = 300.0  # as the worker's `--pause-hold-s`, which sets it
-ATTEMPT_TIMEOUT_S = 2.0  # one COMMIT/ABORT attempt; then resend (the broker de-duplicates)
-COMMIT_DEADLINE_S = 300.0  # give up (and log loudly) after retrying this long
 GET_TURN_PENDING_S = 3.0  # how long a turn whose COMMIT is still on its way is waited for
 GET_TURN_RETRY_S = 0.02
 # A retried request whose earlier attempt is still in flight asks the broker again at growing intervals
@@ -130,7 +124,6 @@ class Backplane:
         self._ids = itertools.count(1 + secrets.randbelow(FIRST_ID_RANGE))
         self._pending: dict[int, asyncio.Future[protocol.BrokerToWorker]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._commits: set[asyncio.Task[Any]] = set()
         self._keys = keys
         self._heartbeats: HeartbeatThread | None = None
         # A restarted worker must be a new worker to the broker (its predecessor's turns are abandoned), so the
@@ -145,6 +138,10 @@ class Backplane:
             ("commits_full", "commits_delta", "delta_refused", "sessions_ended"), 0
         )
         self.metrics = metrics if metrics is not None else WorkerMetrics()  # the commits' latency goes there
+        # COMMITs and ABORTs, each sent by a task of its own until acknowledged.
+        commits = CommitSender(self._send, self._send_message, self._ids, self.bases, self.counters, self.metrics)
+        self.commit_in_background, self.abort_in_background = commits.commit_in_background, commits.abort_in_background
+        self.drain, self._commits = commits.drain, commits.tasks
         self.generation = GenerationGate()  # the pause as the broker tells it
         self.generation.worker_id = self.worker_id
 
@@ -372,105 +369,6 @@ class Backplane:
         reply = await self._call(lambda rid: protocol.GetMetrics(rid, self.worker_id, snapshot), protocol.MetricsText,
                                  timeout)
         return reply.text
-
-    def commit_in_background(self, commit: protocol.CommitTurn) -> None:
-        """Hand a (full) COMMIT to a task that sends it, as a delta where it can, until ACKed.
-
-        The HTTP handler does not wait. A commit built with `request_id()` is sent as it is the
-        first time; one with request id 0 is copied with a fresh id.
-        """
-        task = asyncio.get_running_loop().create_task(self._commit(commit))
-        self._commits.add(task)
-        task.add_done_callback(self._commits.discard)
-
-    def abort_in_background(self, session_id: str, turn_id: str, reason: str) -> None:
-        abort = protocol.AbortTurn(request_id=next(self._ids), session_id=session_id, turn_id=turn_id, reason=reason)
-        task = asyncio.get_running_loop().create_task(self._retry(abort))
-        self._commits.add(task)
-        task.add_done_callback(self._commits.discard)
-
-    async def _commit(self, full: protocol.CommitTurn) -> None:
-        """Send the delta (if any), fall back to the full turn if it is refused, and remember ACKed turns as bases."""
-        t_sent = time.perf_counter()
-        prompt_crc32: int | None = None
-        try:
-            delta, prompt_crc32 = self.bases.delta_and_crc(full, next(self._ids))
-        except Exception:  # a bug of ours must not cost the turn: send it in full
-            logger.exception("cannot build a delta commit of turn %s (session %s)", full.turn_id,
-                             session_tag(full.session_id))
-            delta = None
-        reply: protocol.BrokerToWorker | None = None
-        if delta is not None:
-            self.counters["commits_delta"] += 1
-            reply = await self._retry(delta, log_refusal=False)
-            if reply is None:  # gave up (logged): the full turn would meet the same broker
-                return
-            if isinstance(reply, protocol.Refused):
-                # unknown_base: the base is gone (e.g. its turn was never stored); anything else
-                # would be our own delta bug. Either way the full turn must still land.
-                self.counters["delta_refused"] += 1
-                self.bases.forget(full.session_id, delta.base_turn_id)
-                prompt_crc32 = None
-                log = logger.debug if reply.code == "unknown_base" else logger.warning
-                log("delta commit of turn %s (session %s) refused (%s: %s); resending in full",
-                    full.turn_id, session_tag(full.session_id), reply.code, reply.message)
-                reply = None
-        if reply is None:
-            self.counters["commits_full"] += 1
-            reply = await self._retry(full)
-        if isinstance(reply, protocol.TurnCommitted):
-            self.metrics.observe("turn_duration_seconds", ("commit",), time.perf_counter() - t_sent)
-            if reply.outcome in ("stored", "duplicate"):
-                self.bases.remember(full, prompt_crc32)
-            else:  # discarded: the session is gone
-                self.bases.forget(full.session_id)
-
-    async def _retry(
-        self, message: protocol.CommitTurn | protocol.AbortTurn, log_refusal: bool = True
-    ) -> protocol.BrokerToWorker | None:
-        """Send until answered (or the deadline); returns the reply, None when given up or failed.
-
-        The first attempt sends `message` itself when its request id is set (fresh from `request_id()`);
-        a resend is a copy with a new id, so a late reply to an earlier attempt cannot answer it.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + COMMIT_DEADLINE_S
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                if attempt == 1 and message.request_id:
-                    sent = self._send_message(message, ATTEMPT_TIMEOUT_S)
-                else:
-                    sent = self._send(lambda rid: dataclasses.replace(message, request_id=rid), ATTEMPT_TIMEOUT_S)
-                reply = await sent
-            except asyncio.CancelledError:
-                raise
-            except asyncio.TimeoutError:
-                if loop.time() > deadline:
-                    logger.error(
-                        "gave up on %s of turn %s (session %s) after %d attempts: broker unreachable",
-                        message.TAG, message.turn_id, session_tag(message.session_id), attempt,
-                    )
-                    return None
-                logger.warning("%s of turn %s not acknowledged yet (attempt %d); resending",
-                               message.TAG, message.turn_id, attempt)
-                continue
-            except Exception:
-                logger.exception("%s of turn %s (session %s) failed", message.TAG, message.turn_id,
-                                 session_tag(message.session_id))
-                return None
-            if isinstance(reply, protocol.Refused) and log_refusal:
-                logger.error("broker refused %s of turn %s (session %s): %s %s",
-                             message.TAG, message.turn_id, session_tag(message.session_id), reply.code, reply.message)
-            return reply
-
-    async def drain(self, timeout: float) -> None:
-        """Wait (bounded) for outstanding COMMITs/ABORTs before the worker exits."""
-        if self._commits:
-            done, pending = await asyncio.wait(set(self._commits), timeout=timeout)
-            if pending:
-                logger.error("%d commits/aborts still unacknowledged at shutdown", len(pending))
 
     async def close(self) -> None:
         for future in list(self._pending.values()):  # an OPEN still held: its agent gets the 503 now

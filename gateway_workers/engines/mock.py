@@ -28,12 +28,12 @@ from typing import Any, Protocol
 from gateway_workers.engines.base import (
     EngineAborted,
     EngineChunk,
-    EngineConfig,
     EngineResult,
     FaultKind,
     FinishReason,
     SamplingParams,
 )
+from gateway_workers.engines.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

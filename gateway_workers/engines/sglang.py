@@ -32,20 +32,22 @@ from operator import itemgetter
 from typing import Any
 
 from gateway_workers.engines.base import (
-    ABORT_TIMEOUT_S,
     EngineAborted,
     EngineChunk,
     EngineError,
     EngineResult,
     EngineTimeout,
     FinishReason,
-    HttpEngineBase,
     SamplingParams,
+    shared_sampling,
+)
+from gateway_workers.engines.http_engine import (
+    ABORT_TIMEOUT_S,
+    HttpEngineBase,
     all_ints,
     as_floats,
     bad_answer,
     incomplete,
-    shared_sampling,
 )
 
 logger = logging.getLogger(__name__)

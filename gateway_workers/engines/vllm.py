@@ -34,14 +34,10 @@ from gateway_workers.engines.base import (
     EngineError,
     EngineResult,
     FinishReason,
-    HttpEngineBase,
     SamplingParams,
-    all_ints,
-    as_floats,
-    bad_answer,
-    incomplete,
     shared_sampling,
 )
+from gateway_workers.engines.http_engine import HttpEngineBase, all_ints, as_floats, bad_answer, incomplete
 
 logger = logging.getLogger(__name__)
 

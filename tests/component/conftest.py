@@ -94,3 +94,16 @@ def client(broker: RunningBroker) -> Iterator[TrainerClient]:
     c = TrainerClient(broker.control_endpoint, timeout=10.0)
     yield c
     c.close()
+
+
+@pytest.fixture
+def router() -> Iterator[tuple[zmq.Socket, str]]:
+    """A bare ROUTER on a port-0 endpoint standing in for the broker, and that endpoint: a test answers (or
+    ignores) what a worker's backplane sends it."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, f"tcp://127.0.0.1:{port}"
+    sock.close(linger=0)
+    ctx.term()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from array import array
-from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -25,17 +24,6 @@ DEADLINE_S = 10.0
 RESEND_S = 0.1
 POLL_S = 0.005
 SID = "held-open-session-key-xxxxxxxx"
-
-
-@pytest.fixture
-def router() -> Iterator[tuple[zmq.Socket, str]]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    yield sock, f"tcp://127.0.0.1:{port}"
-    sock.close(linger=0)
-    ctx.term()
 
 
 @pytest.fixture(autouse=True)

@@ -10,27 +10,15 @@ from __future__ import annotations
 import asyncio
 from array import array
 
-import pytest
 import zmq
 
 from broker import protocol
-from gateway_workers.capture import backplane as backplane_module
+from gateway_workers.capture import commits as commits_module
 from gateway_workers.capture.backplane import Backplane
 
 DEADLINE_S = 10.0
 ATTEMPT_S = 0.2
 POLL_S = 0.005
-
-
-@pytest.fixture
-def router():
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    yield sock, f"tcp://127.0.0.1:{port}"
-    sock.close(linger=0)
-    ctx.term()
 
 
 async def frames(sock: zmq.Socket, count: int) -> list[tuple[bytes, protocol.WorkerToBroker]]:
@@ -56,7 +44,7 @@ def commit(request_id: int) -> protocol.CommitTurn:
 
 
 def test_an_unanswered_commit_is_resent_under_a_new_id_and_a_late_reply_answers_nothing(router, monkeypatch):
-    monkeypatch.setattr(backplane_module, "ATTEMPT_TIMEOUT_S", ATTEMPT_S)
+    monkeypatch.setattr(commits_module, "ATTEMPT_TIMEOUT_S", ATTEMPT_S)
     sock, endpoint = router
 
     async def main() -> tuple[list[int], dict[str, int], int | None]:

@@ -18,7 +18,7 @@ from assets import TOOLS, wait_until
 from gateway_workers.engines import EngineConfig, EngineError, SamplingParams, create_engine
 from gateway_workers.engines import sglang as sglang_backend
 from gateway_workers.engines import vllm as vllm_backend
-from gateway_workers.engines.base import _sse_events
+from gateway_workers.engines.http_engine import _sse_events
 from gateway_workers.engines.mock import MockEngine
 from gateway_workers.engines.routing import routing_key
 from gateway_workers.rendering.renderer import Renderer

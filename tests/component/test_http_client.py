@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from gateway_workers.engines.base import EngineConfig, EngineError, EngineTimeout
+from gateway_workers.engines.base import EngineError, EngineTimeout
+from gateway_workers.engines.config import EngineConfig
 from gateway_workers.engines.http import connection as http_connection
 from gateway_workers.engines.http.client import HttpConnectionError, HttpPool, parse_url
 from gateway_workers.engines.vllm import VllmEngine

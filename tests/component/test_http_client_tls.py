@@ -27,8 +27,8 @@ from component.test_http_client import WAIT_S, TinyServer
 from gateway_workers import cli
 from gateway_workers.config import WorkerConfig
 from gateway_workers.engines import create_engine
-from gateway_workers.engines.base import EngineConfig, EngineError, EngineTimeout
-from gateway_workers.engines.config import ENGINE_CA_FILE_ENV
+from gateway_workers.engines.base import EngineError, EngineTimeout
+from gateway_workers.engines.config import ENGINE_CA_FILE_ENV, EngineConfig
 from gateway_workers.engines.http.client import HttpPool, tls_context
 from gateway_workers.engines.vllm import VllmEngine
 

@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from broker.protocol import session_tag
 from gateway_workers.app import create_app
 from gateway_workers.config import WorkerConfig
-from gateway_workers.engines.base import EngineConfig
+from gateway_workers.engines.config import EngineConfig
 
 ACCESS = "rollout_gateway.access"
 CLAUDE_CODE_LIKE: dict[str, Any] = {

@@ -6,7 +6,7 @@ each connection's protocol and httptools parsing is engines/http/connection.py. 
 whose generality cost several times the CPU per engine call (scripts/bench_engine_client.py;
 docs/performance.md). Deliberately
 narrow: http:// and https:// (verified), POST with a body, no redirects, proxies, compression or
-pipelining. Failures are `HttpTimeout` and `HttpConnectionError`, which engines/base.py maps to
+pipelining. Failures are `HttpTimeout` and `HttpConnectionError`, which engines/http_engine.py maps to
 EngineTimeout/EngineError.
 Must not import anything from gateway_workers but engines/http/connection.py.
 """

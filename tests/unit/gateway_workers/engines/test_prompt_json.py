@@ -1,4 +1,4 @@
-"""The engine request's prompt JSON (`engines.base.PromptJson`): each session's context written once, the text
+"""The engine request's prompt JSON (`engines.http_engine.PromptJson`): each session's context written once, the text
 always what a whole write gives."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gateway_workers.engines.base as engines_base
-from gateway_workers.engines.base import PromptJson
+import gateway_workers.engines.http_engine as engines_base
+from gateway_workers.engines.http_engine import PromptJson
 
 IDS = st.lists(st.integers(0, 2**31 - 1), max_size=40)
 
