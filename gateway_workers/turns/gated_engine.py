@@ -208,7 +208,8 @@ class GatedEngine:
                 return EngineResult(kept.ids, kept.logprobs, "length", weight_versions=tuple(kept.runs))
             part = request_id if n == 0 else f"{request_id}-{n}"
             gate.stoppers[part] = (session_id, replica)
-            gate.counters["resubmits"] += n > 0
+            if n:
+                gate.counters["resubmits"] += 1
             keeps = gate.keep_pauses
             try:
                 result = await self.engine.generate(
@@ -253,7 +254,8 @@ class GatedEngine:
                 return
             part = request_id if n == 0 else f"{request_id}-{n}"
             gate.stoppers[part] = (session_id, replica)
-            gate.counters["resubmits"] += n > 0
+            if n:
+                gate.counters["resubmits"] += 1
             ids, logprobs, stopped_parts = kept.ids, kept.logprobs, self._stopped
             sampled, stopped, keeps = len(ids), None, gate.keep_pauses
             before, after = 0, None  # an engine pause: this part's tokens received before it, and the outputs since
